@@ -1,0 +1,193 @@
+package bridge
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"github.com/vishvananda/netlink"
+)
+
+// Attachment is what AttachTap made: the hypervisor config needs Port (the
+// tap, `<interface type='ethernet'><target dev=Port managed='no'/>`), MAC
+// and MTU.
+type Attachment struct {
+	Bridge     string
+	Port       string
+	MAC        net.HardwareAddr // the VM NIC's MAC (the tap itself gets fe:…)
+	MTU        int
+	VLAN       int
+	Trunk      []VLANRange
+	SpoofCheck bool
+}
+
+// AttachTap creates (or re-adopts) the persistent tap device `tap`, owned by
+// ownerUID (negative: root) so QEMU can open it, and attaches it to the
+// config's bridge with its MTU, VLANs, port flags and, when macspoofchk is
+// set and mac is given, spoof-check rules pinning mac. It is idempotent: an
+// existing tap (a running VM after an agent restart) is reconfigured, not
+// replaced. On failure it removes what it made.
+func AttachTap(ctx context.Context, conf *NetConf, tap string, mac net.HardwareAddr, ownerUID int) (_ *Attachment, retErr error) {
+	if err := validIfName(tap); err != nil {
+		return nil, fmt.Errorf("tap name %q: %w", tap, err)
+	}
+	if conf.MACSpoofCheck && mac == nil {
+		return nil, fmt.Errorf("attach %s: macspoofchk needs the NIC's MAC", tap)
+	}
+	st := store{conf.StateDir}
+	recPath, err := st.tapPath(tap)
+	if err != nil {
+		return nil, err
+	}
+	unlock, err := st.lockBridge(conf.Bridge)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	hh, err := netlink.NewHandle()
+	if err != nil {
+		return nil, fmt.Errorf("netlink: %w", err)
+	}
+	defer hh.Close()
+
+	var undo revert
+	defer func() {
+		if retErr != nil {
+			undo.run()
+		}
+	}()
+	br, err := ensureBridge(hh, conf)
+	if err != nil {
+		return nil, err
+	}
+	l, err := linkByName(hh, tap)
+	if err != nil {
+		return nil, err
+	}
+	if l != nil {
+		if _, ok := l.(*netlink.Tuntap); !ok {
+			return nil, fmt.Errorf("attach %s: exists and is a %s, not a tap", tap, l.Type())
+		}
+	} else {
+		owner := uint32(0)
+		if ownerUID > 0 {
+			owner = uint32(ownerUID)
+		}
+		t := &netlink.Tuntap{
+			LinkAttrs: netlink.LinkAttrs{Name: tap},
+			Mode:      netlink.TUNTAP_MODE_TAP,
+			Flags:     netlink.TUNTAP_NO_PI | netlink.TUNTAP_VNET_HDR,
+			Owner:     owner,
+		}
+		if err := hh.LinkAdd(t); err != nil {
+			return nil, fmt.Errorf("create tap %s: %w", tap, err)
+		}
+		undo.add(func() { _ = deleteLink(hh, tap) })
+		if l, err = hh.LinkByName(tap); err != nil {
+			return nil, fmt.Errorf("look up tap %s: %w", tap, err)
+		}
+	}
+	if mac != nil {
+		// Like libvirt: the host end must never become the bridge's address
+		// nor collide with the guest's MAC.
+		hostMAC := append(net.HardwareAddr(nil), mac...)
+		hostMAC[0] = 0xfe
+		if l.Attrs().HardwareAddr.String() != hostMAC.String() {
+			if err := hh.LinkSetHardwareAddr(l, hostMAC); err != nil {
+				return nil, fmt.Errorf("set MAC of %s: %w", tap, err)
+			}
+		}
+	}
+	mtu := conf.MTU
+	if mtu == 0 {
+		mtu = br.Attrs().MTU
+	}
+	if l.Attrs().MTU != mtu {
+		if err := hh.LinkSetMTU(l, mtu); err != nil {
+			return nil, fmt.Errorf("set MTU %d on %s: %w", mtu, tap, err)
+		}
+	}
+	if l.Attrs().MasterIndex != br.Attrs().Index {
+		if err := hh.LinkSetMaster(l, br); err != nil {
+			return nil, fmt.Errorf("attach %s to %s: %w", tap, conf.Bridge, err)
+		}
+	}
+	if err := configurePortVLANs(hh, l, conf); err != nil {
+		return nil, err
+	}
+	if err := setPortFlags(hh, l, conf); err != nil {
+		return nil, err
+	}
+	if err := hh.LinkSetUp(l); err != nil {
+		return nil, fmt.Errorf("set %s up: %w", tap, err)
+	}
+	rec := &Record{Kind: "tap", Bridge: conf.Bridge, Port: tap, VLAN: conf.VLAN, Trunk: conf.Trunk}
+	if mac != nil {
+		rec.MAC = mac.String()
+	}
+	if conf.MACSpoofCheck {
+		rec.SpoofChain = spoofChainName(tap)
+		if err := runNFT(ctx, spoofAddScript(tap, mac, "tap/"+tap)); err != nil {
+			return nil, fmt.Errorf("macspoofchk on %s: %w", tap, err)
+		}
+		undo.add(func() { _ = runNFT(ctx, spoofDelScript(tap)) })
+	}
+	if err := st.write(recPath, rec); err != nil {
+		return nil, err
+	}
+	return &Attachment{
+		Bridge: conf.Bridge, Port: tap, MAC: mac, MTU: mtu,
+		VLAN: conf.VLAN, Trunk: conf.Trunk, SpoofCheck: conf.MACSpoofCheck,
+	}, nil
+}
+
+// DetachTap removes the tap, its spoof-check rules and its record. A tap
+// that is already gone is success.
+func DetachTap(ctx context.Context, conf *NetConf, tap string) error {
+	st := store{conf.StateDir}
+	recPath, err := st.tapPath(tap)
+	if err != nil {
+		return err
+	}
+	rec, err := st.read(recPath)
+	if err != nil {
+		return err
+	}
+	if rec == nil {
+		rec = &Record{Kind: "tap", Bridge: conf.Bridge, Port: tap}
+		if conf.MACSpoofCheck {
+			rec.SpoofChain = spoofChainName(tap)
+		}
+	}
+	if err := removeHostSide(ctx, st, rec); err != nil {
+		return fmt.Errorf("detach %s: %w", tap, err)
+	}
+	return st.remove(recPath)
+}
+
+// Taps lists the taps AttachTap recorded in stateDir (empty: the default),
+// so an agent can find taps whose VM is gone.
+func Taps(stateDir string) ([]string, error) {
+	if stateDir == "" {
+		stateDir = DefaultStateDir
+	}
+	ents, err := os.ReadDir(filepath.Join(stateDir, "tap"))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("list taps: %w", err)
+	}
+	var out []string
+	for _, e := range ents {
+		if name, ok := strings.CutSuffix(e.Name(), ".json"); ok {
+			out = append(out, name)
+		}
+	}
+	return out, nil
+}

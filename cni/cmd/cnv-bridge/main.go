@@ -1,0 +1,13 @@
+// Command cnv-bridge is the nodevirt linux-bridge CNI plugin (also installed
+// as nodevirt-bridge).
+package main
+
+import (
+	"github.com/containernetworking/cni/pkg/skel"
+
+	"github.com/nodevirt/nodevirt/cni/bridge"
+)
+
+func main() {
+	skel.PluginMainFuncs(bridge.Funcs, bridge.VersionInfo, bridge.About)
+}
