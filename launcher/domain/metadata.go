@@ -1,0 +1,78 @@
+package domain
+
+import (
+	"encoding/xml"
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+
+	"libvirt.org/go/libvirtxml"
+)
+
+// MetadataNamespace is the XML namespace of nodevirt's element in a domain's
+// <metadata>; libvirt keys custom metadata by it.
+const MetadataNamespace = "https://github.com/nodevirt/nodevirt/launcher/vmi/v1"
+
+// MetadataPrefix is the namespace prefix libvirt writes the element with.
+const MetadataPrefix = "nodevirt"
+
+// Metadata ties a domain to the VMI it runs, so that a restarted agent can map
+// domains back to VMIs.
+type Metadata struct {
+	XMLName   xml.Name `xml:"https://github.com/nodevirt/nodevirt/launcher/vmi/v1 vmi"`
+	UID       string   `xml:"uid,attr"`
+	Namespace string   `xml:"namespace,attr"`
+	Name      string   `xml:"name,attr"`
+}
+
+// Name returns the domain name of a VMI, "<namespace>_<name>" as KubeVirt
+// names its domains.
+func Name(namespace, name string) string { return namespace + "_" + name }
+
+// SplitName is the inverse of Name. ok is false for a name nodevirt did not
+// make (no underscore); Kubernetes names never contain one.
+func SplitName(domainName string) (namespace, name string, ok bool) {
+	return strings.Cut(domainName, "_")
+}
+
+// Marshal renders m as the element that goes into <metadata>.
+func (m Metadata) Marshal() (string, error) {
+	b, err := xml.Marshal(m)
+	if err != nil {
+		return "", fmt.Errorf("marshal domain metadata: %w", err)
+	}
+	return string(b), nil
+}
+
+// ParseMetadata reads nodevirt's element from a <metadata> block, or from the
+// element alone (as virDomainGetMetadata returns it). ok is false when the
+// element is absent.
+func ParseMetadata(innerXML string) (m Metadata, ok bool, err error) {
+	dec := xml.NewDecoder(strings.NewReader("<metadata>" + innerXML + "</metadata>"))
+	for {
+		tok, err := dec.Token()
+		if errors.Is(err, io.EOF) {
+			return Metadata{}, false, nil
+		}
+		if err != nil {
+			return Metadata{}, false, fmt.Errorf("parse domain metadata: %w", err)
+		}
+		se, isStart := tok.(xml.StartElement)
+		if !isStart || se.Name.Space != MetadataNamespace || se.Name.Local != "vmi" {
+			continue
+		}
+		if err := dec.DecodeElement(&m, &se); err != nil {
+			return Metadata{}, false, fmt.Errorf("parse domain metadata: %w", err)
+		}
+		return m, true, nil
+	}
+}
+
+// MetadataOf returns nodevirt's metadata of a parsed domain.
+func MetadataOf(d *libvirtxml.Domain) (Metadata, bool, error) {
+	if d.Metadata == nil {
+		return Metadata{}, false, nil
+	}
+	return ParseMetadata(d.Metadata.XML)
+}

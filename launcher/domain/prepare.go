@@ -1,0 +1,126 @@
+package domain
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"os/exec"
+
+	v1 "kubevirt.io/api/core/v1"
+)
+
+// Prepare creates the files vmi's domain refers to inside env.StateDir (made
+// if missing): qcow2 images of emptyDisk volumes, qcow2 overlays of ephemeral
+// volumes on their node disk, sparse images of hostDisk DiskOrCreate volumes,
+// and cloud-init seed ISOs.
+//
+// Prepare is idempotent: images that exist are kept (they hold the guest's
+// data while the VMI lives); seeds are rebuilt. When it fails, it removes what
+// this call created.
+func Prepare(ctx context.Context, vmi *v1.VirtualMachineInstance, env Env) (err error) {
+	if err := env.validate(); err != nil {
+		return fmt.Errorf("prepare %s/%s: %w", vmi.Namespace, vmi.Name, err)
+	}
+	var created []string
+	defer func() {
+		if err != nil {
+			for i := len(created) - 1; i >= 0; i-- {
+				os.Remove(created[i])
+			}
+			err = fmt.Errorf("prepare %s/%s: %w", vmi.Namespace, vmi.Name, err)
+		}
+	}()
+	if _, statErr := os.Stat(env.StateDir); errors.Is(statErr, fs.ErrNotExist) {
+		if err := os.MkdirAll(env.StateDir, 0o755); err != nil {
+			return err
+		}
+		created = append(created, env.StateDir)
+	}
+	for i := range vmi.Spec.Volumes {
+		vol := &vmi.Spec.Volumes[i]
+		path := fmt.Sprintf("spec.volumes[%d]", i)
+		s := &vol.VolumeSource
+		switch {
+		case s.EmptyDisk != nil:
+			p := env.EmptyDiskPath(vol.Name)
+			if exists(p) {
+				continue
+			}
+			if err := qemuImg(ctx, "create", "-q", "-f", "qcow2", p, fmt.Sprint(s.EmptyDisk.Capacity.Value())); err != nil {
+				return fmt.Errorf("%s: empty disk: %w", path, err)
+			}
+			created = append(created, p)
+		case s.Ephemeral != nil:
+			p := env.EphemeralPath(vol.Name)
+			if exists(p) {
+				continue
+			}
+			backing, ok := env.Disks[vol.Name]
+			if !ok {
+				return fmt.Errorf("%s: no disk image for volume %q on this node", path, vol.Name)
+			}
+			format := backing.Format
+			if format == "" {
+				format = FormatRaw
+			}
+			if err := qemuImg(ctx, "create", "-q", "-f", "qcow2", "-F", string(format), "-b", backing.Path, p); err != nil {
+				return fmt.Errorf("%s: ephemeral overlay: %w", path, err)
+			}
+			created = append(created, p)
+		case s.HostDisk != nil && s.HostDisk.Type == v1.HostDiskExistsOrCreate:
+			p := s.HostDisk.Path
+			if exists(p) {
+				continue
+			}
+			if err := createSparse(p, s.HostDisk.Capacity.Value()); err != nil {
+				return fmt.Errorf("%s: host disk: %w", path, err)
+			}
+			created = append(created, p)
+		default:
+			d, ok, err := env.cloudInit(path, vol)
+			if err != nil {
+				return err
+			}
+			if !ok {
+				continue
+			}
+			p := env.CloudInitPath(vol.Name)
+			fresh := !exists(p)
+			if err := buildCloudInitISO(ctx, vmi, d, p); err != nil {
+				return fmt.Errorf("%s: %w", path, err)
+			}
+			if fresh {
+				created = append(created, p)
+			}
+		}
+	}
+	return nil
+}
+
+func exists(p string) bool {
+	_, err := os.Stat(p)
+	return err == nil
+}
+
+func createSparse(p string, size int64) error {
+	f, err := os.OpenFile(p, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o644)
+	if err != nil {
+		return err
+	}
+	if err := f.Truncate(size); err != nil {
+		f.Close()
+		os.Remove(p)
+		return err
+	}
+	return f.Close()
+}
+
+func qemuImg(ctx context.Context, args ...string) error {
+	out, err := exec.CommandContext(ctx, "qemu-img", args...).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("qemu-img %s: %w: %s", args[0], err, out)
+	}
+	return nil
+}
