@@ -120,3 +120,18 @@ func (p *ipam) run(ctx context.Context, verb string, stdin []byte, n *NetConf, a
 	}
 	return nil
 }
+
+// speaks reports whether the plugin supports spec version v (STATUS and GC
+// exist only from 1.1.0; an older plugin's skel rejects them).
+func (p *ipam) speaks(ctx context.Context, v string) bool {
+	info, err := invoke.GetVersionInfo(ctx, p.path, nil)
+	if err != nil {
+		return false
+	}
+	for _, s := range info.SupportedVersions() {
+		if s == v {
+			return true
+		}
+	}
+	return false
+}

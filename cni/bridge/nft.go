@@ -144,6 +144,17 @@ func checkSpoofChain(ctx context.Context, port string, mac net.HardwareAddr) err
 	if !strings.Contains(out, "ether saddr != "+mac.String()+" drop") {
 		return fmt.Errorf("macspoofchk rules for %s do not pin %s", port, mac)
 	}
+	p, err := nftPath()
+	if err != nil {
+		return err
+	}
+	m, err := exec.CommandContext(ctx, p, "list", "map", "bridge", spoofTable, "ports").CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("nft list map: %w: %s", err, strings.TrimSpace(string(m)))
+	}
+	if !strings.Contains(string(m), fmt.Sprintf("%q : jump %s", port, spoofChainName(port))) {
+		return fmt.Errorf("macspoofchk rules for %s are not hooked into the bridge", port)
+	}
 	return nil
 }
 

@@ -262,11 +262,14 @@ func CmdStatus(args *skel.CmdArgs) error {
 		if err != nil {
 			return types.NewError(ErrPluginNotAvailable, err.Error(), "")
 		}
-		err = invoke.ExecPluginWithoutResult(context.Background(), im.path, args.StdinData, &invoke.DelegateArgs{Command: "STATUS"}, nil)
 		// An IPAM plugin older than 1.1.0 has no STATUS; finding it on
 		// CNI_PATH is all that can be checked.
-		if err != nil && !isIncompatible(err) {
-			return types.NewError(ErrPluginNotAvailable, fmt.Sprintf("ipam %s: %v", n.IPAM.Type, err), "")
+		ctx := context.Background()
+		if im.speaks(ctx, n.CNIVersion) {
+			err = invoke.ExecPluginWithoutResult(ctx, im.path, args.StdinData, &invoke.DelegateArgs{Command: "STATUS"}, nil)
+			if err != nil {
+				return types.NewError(ErrPluginNotAvailable, fmt.Sprintf("ipam %s: %v", n.IPAM.Type, err), "")
+			}
 		}
 	}
 	return nil
@@ -320,9 +323,11 @@ func GC(ctx context.Context, n *NetConf, stdin []byte) error {
 		errs = append(errs, recErrs...)
 	}
 	if n.IPAM.Type != "" {
-		if im, err := newIPAM(n.IPAM.Type); err == nil {
+		// An IPAM plugin older than 1.1.0 has no GC; the per-attachment
+		// DELs above released what it held for stale attachments.
+		if im, err := newIPAM(n.IPAM.Type); err == nil && im.speaks(ctx, n.CNIVersion) {
 			err := invoke.ExecPluginWithoutResult(ctx, im.path, stdin, &invoke.DelegateArgs{Command: "GC"}, nil)
-			if err != nil && !isIncompatible(err) {
+			if err != nil {
 				errs = append(errs, fmt.Errorf("ipam %s GC: %w", n.IPAM.Type, err))
 			}
 		}
