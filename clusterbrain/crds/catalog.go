@@ -1,0 +1,141 @@
+package crds
+
+import (
+	"reflect"
+
+	nadv1 "github.com/k8snetworkplumbingwg/network-attachment-definition-client/pkg/apis/k8s.cni.cncf.io/v1"
+	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+	instancetypev1beta1 "kubevirt.io/api/instancetype/v1beta1"
+	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
+
+	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
+	hppv1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hostpathprovisioner/v1beta1"
+	cnaov1 "github.com/nodevirt/nodevirt/clusterbrain/apis/networkaddons/v1"
+	sspv1beta2 "github.com/nodevirt/nodevirt/clusterbrain/apis/ssp/v1beta2"
+)
+
+// Kind describes one served resource.
+type Kind struct {
+	Group, Version, Kind, Plural, Singular string
+	ShortNames                             []string
+	Categories                             []string
+	Namespaced                             bool
+	// Status enables the status subresource.
+	Status  bool
+	Columns []apiextensionsv1.CustomResourceColumnDefinition
+	// Type is the root Go type of one object.
+	Type reflect.Type
+}
+
+func col(name, typ, path string, priority int32) apiextensionsv1.CustomResourceColumnDefinition {
+	return apiextensionsv1.CustomResourceColumnDefinition{Name: name, Type: typ, JSONPath: path, Priority: priority}
+}
+
+var age = col("Age", "date", ".metadata.creationTimestamp", 0)
+
+// Catalog lists every kind nodevirt installs, with KubeVirt's names, short
+// names and printer columns so kubectl output looks as users know it.
+func Catalog() []Kind {
+	kv, it, cdi := "kubevirt.io", "instancetype.kubevirt.io", "cdi.kubevirt.io"
+	return []Kind{
+		{Group: kv, Version: "v1", Kind: "VirtualMachine", Plural: "virtualmachines", Singular: "virtualmachine",
+			ShortNames: []string{"vm", "vms"}, Categories: []string{"all"}, Namespaced: true, Status: true,
+			Columns: []apiextensionsv1.CustomResourceColumnDefinition{age,
+				col("Status", "string", ".status.printableStatus", 0),
+				col("Ready", "string", ".status.conditions[?(@.type=='Ready')].status", 0)},
+			Type: reflect.TypeOf(kubevirtv1.VirtualMachine{})},
+		{Group: kv, Version: "v1", Kind: "VirtualMachineInstance", Plural: "virtualmachineinstances", Singular: "virtualmachineinstance",
+			ShortNames: []string{"vmi", "vmis"}, Categories: []string{"all"}, Namespaced: true, Status: true,
+			Columns: []apiextensionsv1.CustomResourceColumnDefinition{age,
+				col("Phase", "string", ".status.phase", 0),
+				col("IP", "string", ".status.interfaces[0].ipAddress", 0),
+				col("NodeName", "string", ".status.nodeName", 0),
+				col("Ready", "string", ".status.conditions[?(@.type=='Ready')].status", 0),
+				col("Live-Migratable", "string", ".status.conditions[?(@.type=='LiveMigratable')].status", 1)},
+			Type: reflect.TypeOf(kubevirtv1.VirtualMachineInstance{})},
+		{Group: kv, Version: "v1", Kind: "VirtualMachineInstanceMigration", Plural: "virtualmachineinstancemigrations", Singular: "virtualmachineinstancemigration",
+			ShortNames: []string{"vmim", "vmims"}, Categories: []string{"all"}, Namespaced: true, Status: true,
+			Columns: []apiextensionsv1.CustomResourceColumnDefinition{
+				col("Phase", "string", ".status.phase", 0), col("VMI", "string", ".spec.vmiName", 0)},
+			Type: reflect.TypeOf(kubevirtv1.VirtualMachineInstanceMigration{})},
+		{Group: kv, Version: "v1", Kind: "KubeVirt", Plural: "kubevirts", Singular: "kubevirt",
+			ShortNames: []string{"kv", "kvs"}, Categories: []string{"all"}, Namespaced: true, Status: true,
+			Columns: []apiextensionsv1.CustomResourceColumnDefinition{age, col("Phase", "string", ".status.phase", 0)},
+			Type:    reflect.TypeOf(kubevirtv1.KubeVirt{})},
+		{Group: it, Version: "v1beta1", Kind: "VirtualMachineInstancetype", Plural: "virtualmachineinstancetypes", Singular: "virtualmachineinstancetype",
+			ShortNames: []string{"vminstancetype", "vminstancetypes", "vmf", "vmfs"}, Namespaced: true,
+			Type: reflect.TypeOf(instancetypev1beta1.VirtualMachineInstancetype{})},
+		{Group: it, Version: "v1beta1", Kind: "VirtualMachineClusterInstancetype", Plural: "virtualmachineclusterinstancetypes", Singular: "virtualmachineclusterinstancetype",
+			ShortNames: []string{"vmclusterinstancetype", "vmclusterinstancetypes", "vmcf", "vmcfs"},
+			Type:       reflect.TypeOf(instancetypev1beta1.VirtualMachineClusterInstancetype{})},
+		{Group: it, Version: "v1beta1", Kind: "VirtualMachinePreference", Plural: "virtualmachinepreferences", Singular: "virtualmachinepreference",
+			ShortNames: []string{"vmpref", "vmprefs", "vmp", "vmps"}, Namespaced: true,
+			Type: reflect.TypeOf(instancetypev1beta1.VirtualMachinePreference{})},
+		{Group: it, Version: "v1beta1", Kind: "VirtualMachineClusterPreference", Plural: "virtualmachineclusterpreferences", Singular: "virtualmachineclusterpreference",
+			ShortNames: []string{"vmclusterpref", "vmclusterprefs", "vmcp", "vmcps"},
+			Type:       reflect.TypeOf(instancetypev1beta1.VirtualMachineClusterPreference{})},
+		{Group: cdi, Version: "v1beta1", Kind: "DataVolume", Plural: "datavolumes", Singular: "datavolume",
+			ShortNames: []string{"dv", "dvs"}, Categories: []string{"all"}, Namespaced: true, Status: true,
+			Columns: []apiextensionsv1.CustomResourceColumnDefinition{
+				col("Phase", "string", ".status.phase", 0), col("Progress", "string", ".status.progress", 0),
+				col("Restarts", "integer", ".status.restartCount", 0), age},
+			Type: reflect.TypeOf(cdiv1.DataVolume{})},
+		{Group: cdi, Version: "v1beta1", Kind: "DataSource", Plural: "datasources", Singular: "datasource",
+			ShortNames: []string{"das"}, Categories: []string{"all"}, Namespaced: true, Status: true,
+			Columns: []apiextensionsv1.CustomResourceColumnDefinition{age},
+			Type:    reflect.TypeOf(cdiv1.DataSource{})},
+		{Group: cdi, Version: "v1beta1", Kind: "DataImportCron", Plural: "dataimportcrons", Singular: "dataimportcron",
+			ShortNames: []string{"dic", "dics"}, Categories: []string{"all"}, Namespaced: true, Status: true,
+			Columns: []apiextensionsv1.CustomResourceColumnDefinition{age},
+			Type:    reflect.TypeOf(cdiv1.DataImportCron{})},
+		{Group: cdi, Version: "v1beta1", Kind: "CDI", Plural: "cdis", Singular: "cdi",
+			ShortNames: []string{"cdi", "cdis"}, Status: true,
+			Columns: []apiextensionsv1.CustomResourceColumnDefinition{age, col("Phase", "string", ".status.phase", 0)},
+			Type:    reflect.TypeOf(cdiv1.CDI{})},
+		{Group: cdi, Version: "v1beta1", Kind: "StorageProfile", Plural: "storageprofiles", Singular: "storageprofile",
+			Status: true, Type: reflect.TypeOf(cdiv1.StorageProfile{})},
+		{Group: "hco.kubevirt.io", Version: "v1beta1", Kind: "HyperConverged", Plural: "hyperconvergeds", Singular: "hyperconverged",
+			ShortNames: []string{"hco", "hcos"}, Namespaced: true, Status: true,
+			Columns: []apiextensionsv1.CustomResourceColumnDefinition{age,
+				col("Available", "string", ".status.conditions[?(@.type=='Available')].status", 0),
+				col("Degraded", "string", ".status.conditions[?(@.type=='Degraded')].status", 0)},
+			Type: reflect.TypeOf(hcov1beta1.HyperConverged{})},
+		{Group: "k8s.cni.cncf.io", Version: "v1", Kind: "NetworkAttachmentDefinition", Plural: "network-attachment-definitions", Singular: "network-attachment-definition",
+			ShortNames: []string{"net-attach-def"}, Namespaced: true,
+			Type: reflect.TypeOf(nadv1.NetworkAttachmentDefinition{})},
+		{Group: "networkaddonsoperator.network.kubevirt.io", Version: "v1", Kind: "NetworkAddonsConfig", Plural: "networkaddonsconfigs", Singular: "networkaddonsconfig",
+			Status: true, Type: reflect.TypeOf(cnaov1.NetworkAddonsConfig{})},
+		{Group: "hostpathprovisioner.kubevirt.io", Version: "v1beta1", Kind: "HostPathProvisioner", Plural: "hostpathprovisioners", Singular: "hostpathprovisioner",
+			Status: true, Type: reflect.TypeOf(hppv1beta1.HostPathProvisioner{})},
+		{Group: "ssp.kubevirt.io", Version: "v1beta2", Kind: "SSP", Plural: "ssps", Singular: "ssp",
+			Namespaced: true, Status: true, Type: reflect.TypeOf(sspv1beta2.SSP{})},
+	}
+}
+
+// Definition renders the CRD of k.
+func (k Kind) Definition() *apiextensionsv1.CustomResourceDefinition {
+	scope := apiextensionsv1.ClusterScoped
+	if k.Namespaced {
+		scope = apiextensionsv1.NamespaceScoped
+	}
+	v := apiextensionsv1.CustomResourceDefinitionVersion{
+		Name: k.Version, Served: true, Storage: true,
+		Schema:                   &apiextensionsv1.CustomResourceValidation{OpenAPIV3Schema: Schema(k.Type)},
+		AdditionalPrinterColumns: k.Columns,
+	}
+	if k.Status {
+		v.Subresources = &apiextensionsv1.CustomResourceSubresources{Status: &apiextensionsv1.CustomResourceSubresourceStatus{}}
+	}
+	return &apiextensionsv1.CustomResourceDefinition{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "apiextensions.k8s.io/v1", Kind: "CustomResourceDefinition"},
+		ObjectMeta: metav1.ObjectMeta{Name: k.Plural + "." + k.Group, Labels: map[string]string{"app.kubernetes.io/managed-by": "nodevirt"}},
+		Spec: apiextensionsv1.CustomResourceDefinitionSpec{
+			Group: k.Group, Scope: scope,
+			Names: apiextensionsv1.CustomResourceDefinitionNames{Kind: k.Kind, ListKind: k.Kind + "List",
+				Plural: k.Plural, Singular: k.Singular, ShortNames: k.ShortNames, Categories: k.Categories},
+			Versions: []apiextensionsv1.CustomResourceDefinitionVersion{v},
+		},
+	}
+}
