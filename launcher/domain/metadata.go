@@ -45,11 +45,13 @@ func (m Metadata) Marshal() (string, error) {
 	return string(b), nil
 }
 
-// ParseMetadata reads nodevirt's element from a <metadata> block, or from the
-// element alone (as virDomainGetMetadata returns it). ok is false when the
+// ParseMetadata reads nodevirt's element from a <metadata> block, or the
+// element alone as virDomainGetMetadata returns it (libvirt drops the
+// namespace there: it selected the element by it). ok is false when the
 // element is absent.
 func ParseMetadata(innerXML string) (m Metadata, ok bool, err error) {
 	dec := xml.NewDecoder(strings.NewReader("<metadata>" + innerXML + "</metadata>"))
+	depth := 0
 	for {
 		tok, err := dec.Token()
 		if errors.Is(err, io.EOF) {
@@ -58,14 +60,24 @@ func ParseMetadata(innerXML string) (m Metadata, ok bool, err error) {
 		if err != nil {
 			return Metadata{}, false, fmt.Errorf("parse domain metadata: %w", err)
 		}
-		se, isStart := tok.(xml.StartElement)
-		if !isStart || se.Name.Space != MetadataNamespace || se.Name.Local != "vmi" {
-			continue
+		switch se := tok.(type) {
+		case xml.EndElement:
+			depth--
+		case xml.StartElement:
+			depth++
+			if depth != 2 || se.Name.Local != "vmi" || (se.Name.Space != MetadataNamespace && se.Name.Space != "") {
+				continue
+			}
+			var attrs struct {
+				UID       string `xml:"uid,attr"`
+				Namespace string `xml:"namespace,attr"`
+				Name      string `xml:"name,attr"`
+			}
+			if err := dec.DecodeElement(&attrs, &se); err != nil {
+				return Metadata{}, false, fmt.Errorf("parse domain metadata: %w", err)
+			}
+			return Metadata{UID: attrs.UID, Namespace: attrs.Namespace, Name: attrs.Name}, true, nil
 		}
-		if err := dec.DecodeElement(&m, &se); err != nil {
-			return Metadata{}, false, fmt.Errorf("parse domain metadata: %w", err)
-		}
-		return m, true, nil
 	}
 }
 

@@ -1,0 +1,110 @@
+// Package libvirttest gives tests a real libvirtd serving qemu:///system.
+//
+// When none runs (no systemd on the build machines), Ensure starts libvirtd
+// and virtlogd as plain daemons. Those daemons are shared by every test binary
+// of the run and left running afterwards; a daemon that was already running
+// is used as it is and never stopped.
+package libvirttest
+
+import (
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// URI is the connection URI of the system libvirtd.
+const URI = "qemu:///system"
+
+const (
+	libvirtdSocket = "/run/libvirt/libvirt-sock"
+	virtlogdSocket = "/run/libvirt/virtlogd-sock"
+	lockFile       = "/run/lock/nodevirt-libvirttest.lock"
+	startTimeout   = 30 * time.Second
+)
+
+var (
+	once    sync.Once
+	onceErr error
+)
+
+// Ensure returns the URI of a running libvirtd (qemu:///system), starting
+// virtlogd and libvirtd when their sockets do not answer. It fails t when no
+// daemon can be had.
+func Ensure(t testing.TB) string {
+	t.Helper()
+	once.Do(func() { onceErr = ensure() })
+	if onceErr != nil {
+		t.Fatalf("libvirtd: %v", onceErr)
+	}
+	return URI
+}
+
+func answers(socket string) bool {
+	c, err := net.DialTimeout("unix", socket, time.Second)
+	if err != nil {
+		return false
+	}
+	c.Close()
+	return true
+}
+
+func ensure() error {
+	if answers(libvirtdSocket) && answers(virtlogdSocket) {
+		return nil
+	}
+	// Test binaries of one run start in parallel: one of them starts the
+	// daemons, the others wait on the lock and then find them running.
+	if err := os.MkdirAll(filepath.Dir(lockFile), 0o755); err != nil {
+		return err
+	}
+	f, err := os.OpenFile(lockFile, os.O_CREATE|os.O_RDWR, 0o644)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX); err != nil {
+		return fmt.Errorf("lock %s: %w", lockFile, err)
+	}
+	defer syscall.Flock(int(f.Fd()), syscall.LOCK_UN)
+
+	for _, d := range []struct{ bin, socket string }{
+		{"virtlogd", virtlogdSocket},
+		{"libvirtd", libvirtdSocket},
+	} {
+		if answers(d.socket) {
+			continue
+		}
+		if out, err := exec.Command(d.bin, "-d").CombinedOutput(); err != nil {
+			return fmt.Errorf("start %s: %w: %s", d.bin, err, out)
+		}
+		deadline := time.Now().Add(startTimeout)
+		for !answers(d.socket) {
+			if time.Now().After(deadline) {
+				return fmt.Errorf("%s started but %s does not answer after %s", d.bin, d.socket, startTimeout)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	return nil
+}
+
+// StateDir makes a per-test directory that QEMU (which libvirt runs as an
+// unprivileged user) can reach, removed when the test ends.
+func StateDir(t testing.TB) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "nodevirt-vm-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
