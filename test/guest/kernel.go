@@ -28,7 +28,7 @@ func Kernel(ctx context.Context) (vmlinuz string, modulesDir string, err error) 
 	if err != nil {
 		return "", "", err
 	}
-	name, err := currentKernelName(ctx)
+	name, err := currentKernelName(ctx, c)
 	if err != nil {
 		cached, cerr := newestCachedKernel(c)
 		if cerr != nil {
@@ -48,38 +48,65 @@ func Kernel(ctx context.Context) (vmlinuz string, modulesDir string, err error) 
 
 type kernelName struct{ pkg, version string }
 
+// aptLists holds apt's package lists; their names, sizes and times key the
+// remembered answer of currentKernelName, since apt-cache takes about a
+// second per call here (no pkgcache).
+const aptLists = "/var/lib/apt/lists"
+
 // currentKernelName asks apt which kernel package the meta package depends on
-// and which version of it would be installed.
-func currentKernelName(ctx context.Context) (kernelName, error) {
-	out, err := run(ctx, "", "apt-cache", "depends", KernelMetaPackage)
+// and which version of it would be installed. The answer is remembered in
+// the cache until apt's package lists change.
+func currentKernelName(ctx context.Context, c *cache) (kernelName, error) {
+	k, sum := newKey()
+	entries, err := os.ReadDir(aptLists)
+	if err != nil {
+		return kernelName{}, fmt.Errorf("apt package lists: %w", err)
+	}
+	for _, e := range entries {
+		if info, err := e.Info(); err == nil && info.Mode().IsRegular() {
+			k.add(e.Name(), fmt.Sprint(info.Size()), info.ModTime().String())
+		}
+	}
+	memo := c.path("kernel-name-" + sum())
+	if b, err := os.ReadFile(memo); err == nil {
+		if f := strings.Fields(string(b)); len(f) == 2 {
+			return kernelName{pkg: f[0], version: f[1]}, nil
+		}
+	}
+	name, err := askAptForKernel(ctx)
 	if err != nil {
 		return kernelName{}, err
 	}
-	var pkg string
-	for _, line := range strings.Split(out, "\n") {
-		f := strings.Fields(line)
-		if len(f) == 2 && f[0] == "Depends:" && strings.HasPrefix(f[1], "linux-image-") {
-			pkg = f[1]
-			break
-		}
+	tmp := memo + fmt.Sprintf(".tmp-%d", os.Getpid())
+	if err := os.WriteFile(tmp, []byte(name.pkg+" "+name.version+"\n"), 0o644); err == nil {
+		_ = os.Rename(tmp, memo)
 	}
-	if pkg == "" {
-		return kernelName{}, fmt.Errorf("apt-cache depends %s names no linux-image package (run apt-get update?)", KernelMetaPackage)
-	}
-	out, err = run(ctx, "", "apt-cache", "show", "--no-all-versions", pkg)
+	return name, nil
+}
+
+func askAptForKernel(ctx context.Context) (kernelName, error) {
+	out, err := run(ctx, "", "apt-cache", "show", "--no-all-versions", KernelMetaPackage)
 	if err != nil {
 		return kernelName{}, err
 	}
+	// "Depends: linux-image-6.1.0-56-cloud-amd64 (= 6.1.192-2)"
 	for _, line := range strings.Split(out, "\n") {
-		if v, ok := strings.CutPrefix(line, "Version: "); ok {
-			return kernelName{pkg: pkg, version: strings.TrimSpace(v)}, nil
+		deps, ok := strings.CutPrefix(line, "Depends: ")
+		if !ok {
+			continue
+		}
+		for _, dep := range strings.Split(deps, ",") {
+			f := strings.Fields(strings.NewReplacer("(", " ", ")", " ").Replace(dep))
+			if len(f) == 3 && strings.HasPrefix(f[0], "linux-image-") && f[1] == "=" {
+				return kernelName{pkg: f[0], version: f[2]}, nil
+			}
 		}
 	}
-	return kernelName{}, fmt.Errorf("apt-cache show %s gives no version", pkg)
+	return kernelName{}, fmt.Errorf("apt-cache show %s names no exact linux-image dependency (run apt-get update?)", KernelMetaPackage)
 }
 
 func newestCachedKernel(c *cache) (string, error) {
-	matches, err := filepath.Glob(c.path("kernel-*"))
+	matches, err := filepath.Glob(c.path("kernel-linux-image-*"))
 	if err != nil || len(matches) == 0 {
 		return "", fmt.Errorf("no kernel in %s", c.dir)
 	}
