@@ -501,11 +501,11 @@ func (d *Driver) csiVolume(v *volume, source *csi.VolumeContentSource) *csi.Volu
 
 func (d *Driver) csiSnapshot(s *snapshot) *csi.Snapshot {
 	return &csi.Snapshot{
-		SnapshotId:         s.ID,
-		SourceVolumeId:     s.SourceVolumeID,
-		SizeBytes:          s.SizeBytes,
-		CreationTime:       timestamppb.New(s.CreatedAt),
-		ReadyToUse:         true,
+		SnapshotId:     s.ID,
+		SourceVolumeId: s.SourceVolumeID,
+		SizeBytes:      s.SizeBytes,
+		CreationTime:   timestamppb.New(s.CreatedAt),
+		ReadyToUse:     true,
 	}
 }
 
