@@ -35,6 +35,12 @@ func makeRawImage(t testing.TB, dir, name string, size int64, seed int64) string
 	} {
 		b := make([]byte, at.n)
 		rnd.Read(b)
+		if at.off == size/3 {
+			// Compressible, so that compressed qcow2 clusters exist.
+			for i := range b {
+				b[i] = "ACGT"[b[i]&3]
+			}
+		}
 		// Some zero stretches inside the data too.
 		clear(b[len(b)/4 : len(b)/4+8192])
 		if _, err := f.WriteAt(b, at.off); err != nil {

@@ -309,7 +309,10 @@ func (h *httpReader) request() (retry bool, err error) {
 		if errors.As(err, &uerr) {
 			err = uerr.Err
 		}
-		return true, failf(ReasonSourceUnreachable, "get %s: %w", redactURL(h.src.URL), err)
+		// A certificate that does not verify will not verify next time.
+		var cve *tls.CertificateVerificationError
+		retry := !errors.As(err, &cve)
+		return retry, failf(ReasonSourceUnreachable, "get %s: %w", redactURL(h.src.URL), err)
 	}
 	ok := false
 	defer func() {

@@ -248,8 +248,8 @@ func writeImage(ctx context.Context, req Request, d *destination, src io.Reader,
 		res.Streamed = true
 		res.VirtualSize, err = writeRaw(d, br, total)
 	case FormatQcow2:
-		h, err := parseQcow2Header(head)
-		if err != nil {
+		var h *qcow2Header
+		if h, err = parseQcow2Header(head); err != nil {
 			return Result{}, err
 		}
 		if err := d.setSize(int64(h.size)); err != nil {
