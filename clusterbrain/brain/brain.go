@@ -1,0 +1,226 @@
+// Package brain wires the cluster brain: it installs the API (the
+// virt-operator role), elects one leader among the running brains and runs
+// the roles — each a package of its own — while it leads.
+package brain
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"sync"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/tools/leaderelection"
+	"k8s.io/client-go/tools/leaderelection/resourcelock"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/crds"
+	"github.com/nodevirt/nodevirt/clusterbrain/daemon"
+)
+
+// Config is the brain's configuration.
+type Config struct {
+	// Kubeconfig is a kubeconfig path; empty means in-cluster.
+	Kubeconfig string
+	// Namespace holds the brain's lease, secrets and the HyperConverged CR.
+	Namespace string
+	// Identity names this brain in leader election (default host name + pid).
+	Identity string
+	// HealthAddr serves /healthz and /readyz.
+	HealthAddr string
+	// LeaseDuration bounds how long a dead leader holds the lease.
+	LeaseDuration time.Duration
+	// Log receives structured logs.
+	Log *slog.Logger
+}
+
+func (c *Config) defaults() {
+	if c.Namespace == "" {
+		c.Namespace = "kubevirt-hyperconverged"
+	}
+	if c.Identity == "" {
+		host, _ := os.Hostname()
+		c.Identity = fmt.Sprintf("%s-%d", host, os.Getpid())
+	}
+	if c.HealthAddr == "" {
+		c.HealthAddr = "127.0.0.1:8480"
+	}
+	if c.LeaseDuration == 0 {
+		c.LeaseDuration = 10 * time.Second
+	}
+	if c.Log == nil {
+		c.Log = slog.Default()
+	}
+}
+
+func (c *Config) validate() error {
+	if c.LeaseDuration < 3*time.Second {
+		return errors.New("lease duration must be at least 3s")
+	}
+	return nil
+}
+
+// Deps is what every role gets from the brain.
+type Deps struct {
+	Config     Config
+	RestConfig *rest.Config
+	Kube       kubernetes.Interface
+	Virt       *client.Set
+	Log        *slog.Logger
+	Health     *daemon.Health
+}
+
+// Role is one job of the brain. Run blocks until ctx ends.
+type Role interface {
+	Name() string
+	Run(ctx context.Context) error
+}
+
+// RoleFactory builds a role from the brain's dependencies.
+type RoleFactory func(d *Deps) (Role, error)
+
+// Brain is a running cluster brain.
+type Brain struct {
+	cfg    Config
+	deps   *Deps
+	always []Role // run on every brain (webhooks, aggregated APIs)
+	leader []Role // run only on the leader (controllers)
+}
+
+// New validates cfg and builds the brain with its roles.
+func New(cfg Config) (*Brain, error) {
+	cfg.defaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	rc, err := restConfig(cfg.Kubeconfig)
+	if err != nil {
+		return nil, err
+	}
+	rc.QPS, rc.Burst = 200, 400
+	kube, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		return nil, err
+	}
+	virt, err := client.NewSet(rc)
+	if err != nil {
+		return nil, err
+	}
+	d := &Deps{Config: cfg, RestConfig: rc, Kube: kube, Virt: virt, Log: cfg.Log,
+		Health: daemon.NewHealth("api-installed")}
+	b := &Brain{cfg: cfg, deps: d}
+	for _, f := range everyBrainRoles {
+		r, err := f(d)
+		if err != nil {
+			return nil, err
+		}
+		b.always = append(b.always, r)
+	}
+	for _, f := range leaderRoles {
+		r, err := f(d)
+		if err != nil {
+			return nil, err
+		}
+		b.leader = append(b.leader, r)
+	}
+	return b, nil
+}
+
+func restConfig(kubeconfig string) (*rest.Config, error) {
+	if kubeconfig == "" {
+		return rest.InClusterConfig()
+	}
+	return clientcmd.BuildConfigFromFlags("", kubeconfig)
+}
+
+// Run installs the API, then runs the roles until ctx ends.
+func (b *Brain) Run(ctx context.Context) error {
+	log := b.cfg.Log
+	errc := make(chan error, 1)
+	go func() { errc <- daemon.Serve(ctx, b.cfg.HealthAddr, b.deps.Health.Handler(), log) }()
+	if err := b.install(ctx); err != nil {
+		return err
+	}
+	b.deps.Health.Set("api-installed", nil)
+	_ = daemon.Notify("READY=1")
+	go daemon.Watchdog(ctx, b.deps.Health.Ready)
+
+	var wg sync.WaitGroup
+	runAll := func(ctx context.Context, roles []Role) {
+		for _, r := range roles {
+			wg.Add(1)
+			go func(r Role) {
+				defer wg.Done()
+				if err := r.Run(ctx); err != nil && ctx.Err() == nil {
+					log.Error("role stopped", "role", r.Name(), "err", err)
+				}
+			}(r)
+		}
+	}
+	runAll(ctx, b.always)
+	lock := &resourcelock.LeaseLock{
+		LeaseMeta:  metav1.ObjectMeta{Namespace: b.cfg.Namespace, Name: "nodevirt-clusterbrain"},
+		Client:     b.deps.Kube.CoordinationV1(),
+		LockConfig: resourcelock.ResourceLockConfig{Identity: b.cfg.Identity},
+	}
+	le, err := leaderelection.NewLeaderElector(leaderelection.LeaderElectionConfig{
+		Lock:            lock,
+		LeaseDuration:   b.cfg.LeaseDuration,
+		RenewDeadline:   b.cfg.LeaseDuration * 2 / 3,
+		RetryPeriod:     b.cfg.LeaseDuration / 5,
+		ReleaseOnCancel: true,
+		Name:            "nodevirt-clusterbrain",
+		Callbacks: leaderelection.LeaderCallbacks{
+			OnStartedLeading: func(ctx context.Context) {
+				log.Info("leading", "identity", b.cfg.Identity)
+				runAll(ctx, b.leader)
+			},
+			OnStoppedLeading: func() { log.Info("stopped leading", "identity", b.cfg.Identity) },
+			OnNewLeader: func(id string) {
+				if id != b.cfg.Identity {
+					log.Info("following", "leader", id)
+				}
+			},
+		},
+	})
+	if err != nil {
+		return err
+	}
+	// Keep campaigning after a lost lease until shutdown.
+	for ctx.Err() == nil {
+		le.Run(ctx)
+	}
+	wg.Wait()
+	select {
+	case err := <-errc:
+		return err
+	default:
+		return nil
+	}
+}
+
+// install is the virt-operator install role: namespace and CRDs.
+func (b *Brain) install(ctx context.Context) error {
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: b.cfg.Namespace}}
+	if _, err := b.deps.Kube.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return fmt.Errorf("create namespace %s: %w", b.cfg.Namespace, err)
+	}
+	ext, err := apiextensionsclient.NewForConfig(b.deps.RestConfig)
+	if err != nil {
+		return err
+	}
+	if err := crds.Install(ctx, ext, crds.Catalog()); err != nil {
+		return fmt.Errorf("install crds: %w", err)
+	}
+	b.cfg.Log.Info("api installed", "kinds", len(crds.Catalog()))
+	return nil
+}

@@ -1,0 +1,35 @@
+// Command clusterbrain is nodevirt's cluster brain.
+package main
+
+import (
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/brain"
+	"github.com/nodevirt/nodevirt/clusterbrain/daemon"
+)
+
+func main() {
+	var cfg brain.Config
+	flag.StringVar(&cfg.Kubeconfig, "kubeconfig", os.Getenv("KUBECONFIG"), "kubeconfig path (empty: in-cluster)")
+	flag.StringVar(&cfg.Namespace, "namespace", "kubevirt-hyperconverged", "namespace of the brain's lease, secrets and HyperConverged")
+	flag.StringVar(&cfg.Identity, "identity", "", "leader-election identity (default host name and pid)")
+	flag.StringVar(&cfg.HealthAddr, "health-addr", "127.0.0.1:8480", "address of /healthz and /readyz")
+	flag.DurationVar(&cfg.LeaseDuration, "lease-duration", 0, "leader lease duration (default 10s)")
+	flag.Parse()
+	cfg.Log = slog.New(slog.NewTextHandler(os.Stderr, nil))
+
+	b, err := brain.New(cfg)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "clusterbrain:", err)
+		os.Exit(2)
+	}
+	ctx, stop := daemon.SignalContext()
+	defer stop()
+	if err := b.Run(ctx); err != nil {
+		fmt.Fprintln(os.Stderr, "clusterbrain:", err)
+		os.Exit(1)
+	}
+}
