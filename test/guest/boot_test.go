@@ -2,6 +2,7 @@ package guest
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
 	"strconv"
@@ -106,8 +107,9 @@ func TestBootDiskUnderQEMU(t *testing.T) {
 }
 
 // TestDirectBootCustomGuest boots a kernel and a custom initramfs directly,
-// with a config drive on a virtio disk, a real iproute2 binary and the
-// bridge module, and stops it with Kill.
+// on a q35 machine with a config drive on a virtio-scsi CD-ROM, a real
+// iproute2 binary, the bridge module and a NIC on a tap in a network
+// namespace, and stops it with Kill.
 func TestDirectBootCustomGuest(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
@@ -131,20 +133,37 @@ func TestDirectBootCustomGuest(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The guest's NIC is a tap in a throwaway namespace, addressed 10.99.0.1.
+	ns := fmt.Sprintf("nodevirt-guest-test-%d", os.Getpid())
+	for _, args := range [][]string{
+		{"netns", "add", ns},
+		{"-n", ns, "tuntap", "add", "tap0", "mode", "tap"},
+		{"-n", ns, "addr", "add", "10.99.0.1/24", "dev", "tap0"},
+		{"-n", ns, "link", "set", "tap0", "up"},
+	} {
+		if out, err := exec.Command("ip", args...).CombinedOutput(); err != nil {
+			t.Fatalf("ip %v: %v: %s", args, err, out)
+		}
+		if args[0] == "netns" {
+			t.Cleanup(func() { exec.Command("ip", "netns", "del", ns).Run() })
+		}
+	}
 	in, err := Run(ctx, RunSpec{
-		Kernel: vmlinuz, Initramfs: initrd, Cmdline: "nodevirt.ip=192.0.2.7/24",
-		Disks: []Disk{{Path: seed, ReadOnly: true, Format: "raw"}},
-		NICs:  []NIC{{MAC: "52:54:00:ab:cd:ef"}},
-		Log:   t.Output(),
+		Kernel: vmlinuz, Initramfs: initrd, Cmdline: "nodevirt.ip=10.99.0.2/24",
+		NetNS:   "/run/netns/" + ns,
+		Machine: "q35", // no IDE there, and the cloud kernel has no AHCI: seeds go on virtio-scsi
+		Disks:   []Disk{{Path: seed, CDROM: true, Bus: "scsi", Format: "raw"}},
+		NICs:    []NIC{{MAC: "52:54:00:ab:cd:ef", Tap: "tap0"}},
+		Log:     t.Output(),
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
 	expect(t, ctx, in, "NODEVIRT-GUEST-BOOTED")
 	expect(t, ctx, in, "NODEVIRT-NIC eth0 52:54:00:ab:cd:ef")
-	expect(t, ctx, in, "NODEVIRT-SEED vda config-2")
+	expect(t, ctx, in, "NODEVIRT-SEED sr0 config-2")
 	expect(t, ctx, in, "plain user data, not a script")
-	expect(t, ctx, in, "NODEVIRT-IP eth0 192.0.2.7/24")
+	expect(t, ctx, in, "NODEVIRT-IP eth0 10.99.0.2/24")
 	if line := expect(t, ctx, in, "br0:"); !strings.Contains(line, "link/ether") {
 		t.Errorf("bridge line %q", line)
 	}
@@ -160,6 +179,9 @@ func TestDirectBootCustomGuest(t *testing.T) {
 	defer cancel()
 	if out, err := in.Command(cmdCtx, "/usr/sbin/ip -V"); err != nil || !strings.Contains(out, "iproute2") {
 		t.Errorf("real ip in the guest: %q, %v", out, err)
+	}
+	if out, err := in.Command(cmdCtx, "ping -c 1 -W 10 10.99.0.1"); err != nil || !strings.Contains(out, "1 packets received") {
+		t.Errorf("guest to tap in its namespace: %q, %v", out, err)
 	}
 	if status, err := in.Monitor("info status"); err != nil || !strings.Contains(status, "running") {
 		t.Errorf("monitor info status: %q, %v", status, err)

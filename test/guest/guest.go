@@ -80,6 +80,7 @@ var requirements = []requirement{
 	{"genisoimage", "genisoimage", "cloud-init seeds"},
 	{"qemu-img", "qemu-utils", "qcow2 images"},
 	{"qemu-system-x86_64", "qemu-system-x86", "running guests"},
+	{"nsenter", "util-linux", "guests in a network namespace"},
 }
 
 // Requirements lists the Debian packages this package needs on the host, for

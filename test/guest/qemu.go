@@ -38,6 +38,10 @@ type RunSpec struct {
 	// Log, when set, receives the console output line by line as it
 	// arrives (for example a test's t.Output()).
 	Log io.Writer
+	// NetNS, when set, is a network namespace file (/run/netns/NAME or
+	// /proc/PID/ns/net) QEMU runs in, so that NIC.Tap names a tap device
+	// made inside that namespace and the host's network stays untouched.
+	NetNS string
 	// ExtraArgs are appended to the QEMU command line.
 	ExtraArgs []string
 }
@@ -65,8 +69,8 @@ type NIC struct {
 	MAC string
 	// Model defaults to "virtio-net-pci".
 	Model string
-	// Tap names a tap device on the host to connect to (made by QEMU if it
-	// does not exist; no scripts are run).
+	// Tap names a tap device to connect to, in RunSpec.NetNS if that is
+	// set (made by QEMU if it does not exist; no scripts are run).
 	Tap string
 	// Netdev is a raw QEMU -netdev backend without its id, for example
 	// "socket,listen=127.0.0.1:5000" or "socket,mcast=230.0.0.1:5000".
@@ -112,6 +116,16 @@ func Run(ctx context.Context, spec RunSpec) (*Instance, error) {
 	if err != nil {
 		os.RemoveAll(dir)
 		return nil, fmt.Errorf("run guest: %w", err)
+	}
+	if spec.NetNS != "" {
+		nsenter, err := need("nsenter")
+		if err != nil {
+			os.RemoveAll(dir)
+			return nil, fmt.Errorf("run guest: %w", err)
+		}
+		// nsenter execs QEMU once in the namespace: the process stays the same.
+		args = append([]string{"--net=" + spec.NetNS, "--", qemu}, args...)
+		qemu = nsenter
 	}
 	cmd := exec.CommandContext(ctx, qemu, args...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
