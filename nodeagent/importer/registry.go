@@ -119,7 +119,7 @@ func newRegistryClient(ctx context.Context, src *RegistrySource) (*registryClien
 		resp, err := c.client.Get(c.base + "/v2/")
 		var rh tls.RecordHeaderError
 		switch {
-		case errors.As(err, &rh):
+		case errors.Is(err, http.ErrSchemeMismatch) || errors.As(err, &rh):
 			c.base = "http://" + host
 		case err == nil:
 			resp.Body.Close()
