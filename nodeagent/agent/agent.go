@@ -1,0 +1,211 @@
+// Package agent wires the per-node daemon: it registers the Node, decides
+// between KVM and emulation, and runs the node roles (virt-handler,
+// bridge-marker, CSI driver and provisioner, importer) in one process.
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"sync"
+	"time"
+
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/daemon"
+	"github.com/nodevirt/nodevirt/nodeagent/kvm"
+	"github.com/nodevirt/nodevirt/nodeagent/node"
+)
+
+// Emulation modes.
+const (
+	EmulationAuto = "auto"
+	EmulationOn   = "on"
+	EmulationOff  = "off"
+)
+
+// Config is the agent's configuration.
+type Config struct {
+	Kubeconfig string
+	// NodeName is this node's name (default: host name).
+	NodeName string
+	// StateDir holds per-VM state, volumes' default pool and sockets.
+	StateDir string
+	// HealthAddr serves /healthz and /readyz.
+	HealthAddr string
+	// Emulation is auto (probe KVM), on (TCG) or off (KVM required).
+	Emulation string
+	// LibvirtURI is the node's libvirt.
+	LibvirtURI string
+	// CSISocket is where the hostpath CSI driver listens.
+	CSISocket string
+	// Pools maps storage pool names to directories.
+	Pools map[string]string
+	Log   *slog.Logger
+}
+
+func (c *Config) defaults() {
+	if c.NodeName == "" {
+		c.NodeName, _ = os.Hostname()
+	}
+	if c.StateDir == "" {
+		c.StateDir = "/var/lib/nodevirt"
+	}
+	if c.HealthAddr == "" {
+		c.HealthAddr = "127.0.0.1:8481"
+	}
+	if c.Emulation == "" {
+		c.Emulation = EmulationAuto
+	}
+	if c.LibvirtURI == "" {
+		c.LibvirtURI = "qemu:///system"
+	}
+	if c.CSISocket == "" {
+		c.CSISocket = "/var/lib/kubelet/plugins/kubevirt.io.hostpath-provisioner/csi.sock"
+	}
+	if len(c.Pools) == 0 {
+		c.Pools = map[string]string{"local": c.StateDir + "/pools/local"}
+	}
+	if c.Log == nil {
+		c.Log = slog.Default()
+	}
+}
+
+func (c *Config) validate() error {
+	switch c.Emulation {
+	case EmulationAuto, EmulationOn, EmulationOff:
+	default:
+		return fmt.Errorf("emulation must be auto, on or off, not %q", c.Emulation)
+	}
+	if c.NodeName == "" {
+		return errors.New("node name is required")
+	}
+	return nil
+}
+
+// Deps is what every node role gets.
+type Deps struct {
+	Config     Config
+	RestConfig *rest.Config
+	Kube       kubernetes.Interface
+	Virt       *client.Set
+	Log        *slog.Logger
+	Health     *daemon.Health
+	// Emulation is the decision taken at start: guests run under TCG.
+	Emulation bool
+}
+
+// Role is one job of the node agent. Run blocks until ctx ends.
+type Role interface {
+	Name() string
+	Run(ctx context.Context) error
+}
+
+// RoleFactory builds a role.
+type RoleFactory func(d *Deps) (Role, error)
+
+// Agent is a running node agent.
+type Agent struct {
+	cfg   Config
+	deps  *Deps
+	reg   *node.Registrar
+	roles []Role
+}
+
+// New validates cfg, decides KVM or emulation, and builds the roles.
+func New(cfg Config) (*Agent, error) {
+	cfg.defaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	rc, err := clientcmd.BuildConfigFromFlags("", cfg.Kubeconfig)
+	if err != nil {
+		return nil, err
+	}
+	rc.QPS, rc.Burst = 50, 100
+	kube, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		return nil, err
+	}
+	virt, err := client.NewSet(rc)
+	if err != nil {
+		return nil, err
+	}
+	emulation, reason := decideEmulation(cfg.Emulation)
+	cfg.Log.Info("virtualization", "node", cfg.NodeName, "emulation", emulation, "reason", reason)
+	if cfg.Emulation == EmulationOff && emulation {
+		return nil, fmt.Errorf("kvm required but unusable: %s", reason)
+	}
+	reg, err := node.New(node.Config{Name: cfg.NodeName, Emulation: emulation, Reason: reason, Log: cfg.Log}, kube)
+	if err != nil {
+		return nil, err
+	}
+	d := &Deps{Config: cfg, RestConfig: rc, Kube: kube, Virt: virt, Log: cfg.Log,
+		Health: daemon.NewHealth("node-registered"), Emulation: emulation}
+	a := &Agent{cfg: cfg, deps: d, reg: reg}
+	for _, f := range nodeRoles {
+		r, err := f(d)
+		if err != nil {
+			return nil, err
+		}
+		a.roles = append(a.roles, r)
+	}
+	return a, nil
+}
+
+func decideEmulation(mode string) (bool, string) {
+	switch mode {
+	case EmulationOn:
+		return true, "emulation forced by configuration"
+	}
+	if !kvm.Present("/dev/kvm") {
+		return true, "no /dev/kvm on this host"
+	}
+	r := kvm.Probe("/dev/kvm", 2*time.Second)
+	return !r.Usable, r.Reason
+}
+
+// Run registers the node and runs every role until ctx ends.
+func (a *Agent) Run(ctx context.Context) error {
+	log := a.cfg.Log
+	errc := make(chan error, 1)
+	go func() { errc <- daemon.Serve(ctx, a.cfg.HealthAddr, a.deps.Health.Handler(), log) }()
+	if err := os.MkdirAll(a.cfg.StateDir, 0o755); err != nil {
+		return err
+	}
+	standalone, err := a.reg.Register(ctx)
+	if err != nil {
+		return err
+	}
+	a.deps.Health.Set("node-registered", nil)
+	log.Info("node registered", "node", a.cfg.NodeName, "standalone", standalone)
+	var wg sync.WaitGroup
+	run := func(name string, f func(context.Context) error) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := f(ctx); err != nil && ctx.Err() == nil {
+				log.Error("role stopped", "role", name, "node", a.cfg.NodeName, "err", err)
+				a.deps.Health.Set(name, err)
+			}
+		}()
+	}
+	run("node", a.reg.Run)
+	for _, r := range a.roles {
+		run(r.Name(), r.Run)
+	}
+	_ = daemon.Notify("READY=1")
+	go daemon.Watchdog(ctx, a.deps.Health.Ready)
+	wg.Wait()
+	select {
+	case err := <-errc:
+		return err
+	default:
+		return nil
+	}
+}

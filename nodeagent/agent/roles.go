@@ -1,0 +1,4 @@
+package agent
+
+// nodeRoles are the node agent's jobs, each in its own package.
+var nodeRoles = []RoleFactory{}

@@ -1,0 +1,50 @@
+// Command nodeagent is nodevirt's per-node daemon.
+package main
+
+import (
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+	"strings"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/daemon"
+	"github.com/nodevirt/nodevirt/nodeagent/agent"
+)
+
+func main() {
+	var cfg agent.Config
+	var pools string
+	flag.StringVar(&cfg.Kubeconfig, "kubeconfig", os.Getenv("KUBECONFIG"), "kubeconfig path")
+	flag.StringVar(&cfg.NodeName, "node-name", "", "node name (default: host name)")
+	flag.StringVar(&cfg.StateDir, "state-dir", "/var/lib/nodevirt", "state directory")
+	flag.StringVar(&cfg.HealthAddr, "health-addr", "127.0.0.1:8481", "address of /healthz and /readyz")
+	flag.StringVar(&cfg.Emulation, "emulation", "auto", "auto (probe KVM), on (TCG) or off (require KVM)")
+	flag.StringVar(&cfg.LibvirtURI, "libvirt-uri", "qemu:///system", "libvirt connection URI")
+	flag.StringVar(&cfg.CSISocket, "csi-socket", "/var/lib/kubelet/plugins/kubevirt.io.hostpath-provisioner/csi.sock", "CSI driver socket")
+	flag.StringVar(&pools, "pools", "", "storage pools as name=path,name=path (default: local=<state-dir>/pools/local)")
+	flag.Parse()
+	cfg.Log = slog.New(slog.NewTextHandler(os.Stderr, nil))
+	if pools != "" {
+		cfg.Pools = map[string]string{}
+		for _, p := range strings.Split(pools, ",") {
+			name, path, ok := strings.Cut(p, "=")
+			if !ok {
+				fmt.Fprintf(os.Stderr, "nodeagent: bad pool %q, want name=path\n", p)
+				os.Exit(2)
+			}
+			cfg.Pools[name] = path
+		}
+	}
+	a, err := agent.New(cfg)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "nodeagent:", err)
+		os.Exit(2)
+	}
+	ctx, stop := daemon.SignalContext()
+	defer stop()
+	if err := a.Run(ctx); err != nil {
+		fmt.Fprintln(os.Stderr, "nodeagent:", err)
+		os.Exit(1)
+	}
+}
