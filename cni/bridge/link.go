@@ -12,6 +12,7 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netlink/nl"
+	"golang.org/x/sys/unix"
 )
 
 // MaxBridgePorts is the kernel's limit of ports on one Linux bridge
@@ -72,7 +73,7 @@ func ensureBridge(h *netlink.Handle, n *NetConf) (*netlink.Bridge, error) {
 		}
 	}
 	if n.wantsVLANFiltering() && (br.VlanFiltering == nil || !*br.VlanFiltering) {
-		if err := h.BridgeSetVlanFiltering(br, true); err != nil {
+		if err := setVLANFiltering(br.Attrs().Index); err != nil {
 			return nil, errVLANUnsupported(n, n.Bridge, err)
 		}
 		on := true
@@ -243,4 +244,22 @@ func deleteLink(h *netlink.Handle, name string) error {
 		return fmt.Errorf("delete link %s: %w", name, err)
 	}
 	return nil
+}
+
+// setVLANFiltering turns on VLAN filtering of an existing bridge with a
+// message carrying nothing but the flag (as `ip link set type bridge
+// vlan_filtering 1` does); echoing the bridge's other attributes back, as
+// netlink.BridgeSetVlanFiltering does, makes the kernel answer EBUSY.
+func setVLANFiltering(index int) error {
+	req := nl.NewNetlinkRequest(unix.RTM_NEWLINK, unix.NLM_F_ACK)
+	msg := nl.NewIfInfomsg(unix.AF_UNSPEC)
+	msg.Index = int32(index)
+	req.AddData(msg)
+	info := nl.NewRtAttr(unix.IFLA_LINKINFO, nil)
+	info.AddRtAttr(nl.IFLA_INFO_KIND, nl.NonZeroTerminated("bridge"))
+	data := info.AddRtAttr(nl.IFLA_INFO_DATA, nil)
+	data.AddRtAttr(nl.IFLA_BR_VLAN_FILTERING, []byte{1})
+	req.AddData(info)
+	_, err := req.Execute(unix.NETLINK_ROUTE, 0)
+	return err
 }

@@ -71,12 +71,12 @@ func Add(ctx context.Context, n *NetConf, args *skel.CmdArgs) (_ *current.Result
 		return nil, types.NewError(types.ErrInvalidNetNS, fmt.Sprintf("open netns %q: %v", args.Netns, err), "")
 	}
 	defer cns.Close()
-	ch, err := netlink.NewHandleAt(cns)
+	ch, err := netlink.NewHandleAt(cns, unix.NETLINK_ROUTE)
 	if err != nil {
 		return nil, fmt.Errorf("netlink in container netns: %w", err)
 	}
 	defer ch.Close()
-	hh, err := netlink.NewHandle()
+	hh, err := netlink.NewHandle(unix.NETLINK_ROUTE)
 	if err != nil {
 		return nil, fmt.Errorf("netlink: %w", err)
 	}

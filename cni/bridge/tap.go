@@ -11,6 +11,7 @@ import (
 	"strings"
 
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 )
 
 // Attachment is what AttachTap made: the hypervisor config needs Port (the
@@ -49,7 +50,7 @@ func AttachTap(ctx context.Context, conf *NetConf, tap string, mac net.HardwareA
 		return nil, err
 	}
 	defer unlock()
-	hh, err := netlink.NewHandle()
+	hh, err := netlink.NewHandle(unix.NETLINK_ROUTE)
 	if err != nil {
 		return nil, fmt.Errorf("netlink: %w", err)
 	}

@@ -14,6 +14,7 @@ import (
 	current "github.com/containernetworking/cni/pkg/types/100"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 )
 
 // ErrPluginNotAvailable is the STATUS error code for "cannot service ADD".
@@ -90,7 +91,7 @@ func removeHostSide(ctx context.Context, st store, rec *Record) error {
 		return err
 	}
 	defer unlock()
-	hh, err := netlink.NewHandle()
+	hh, err := netlink.NewHandle(unix.NETLINK_ROUTE)
 	if err != nil {
 		return fmt.Errorf("netlink: %w", err)
 	}
@@ -154,7 +155,7 @@ func Check(ctx context.Context, n *NetConf, args *skel.CmdArgs) error {
 	if rec == nil {
 		return fmt.Errorf("check: no state recorded for %s", attachmentTag(n.Name, args.ContainerID, args.IfName))
 	}
-	hh, err := netlink.NewHandle()
+	hh, err := netlink.NewHandle(unix.NETLINK_ROUTE)
 	if err != nil {
 		return fmt.Errorf("netlink: %w", err)
 	}
@@ -200,7 +201,7 @@ func checkContainer(args *skel.CmdArgs, port netlink.Link, prev *current.Result,
 		return nil, types.NewError(types.ErrInvalidNetNS, fmt.Sprintf("open netns %q: %v", args.Netns, err), "")
 	}
 	defer cns.Close()
-	ch, err := netlink.NewHandleAt(cns)
+	ch, err := netlink.NewHandleAt(cns, unix.NETLINK_ROUTE)
 	if err != nil {
 		return nil, fmt.Errorf("netlink in container netns: %w", err)
 	}
