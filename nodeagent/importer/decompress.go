@@ -25,7 +25,7 @@ func decompress(c Compression, r io.Reader) (io.Reader, func(), error) {
 		}
 		return &decodeErrors{c: c, r: zr}, func() { zr.Close() }, nil
 	case CompressionZstd:
-		zr, err := zstd.NewReader(r, zstd.WithDecoderConcurrency(1), zstd.WithDecoderMaxWindow(1<<30))
+		zr, err := zstd.NewReader(r, zstd.WithDecoderConcurrency(1), zstd.WithDecoderMaxWindow(1<<27), zstd.WithDecoderLowmem(true))
 		if err != nil {
 			return nil, nil, corruptCompression(c, err)
 		}
