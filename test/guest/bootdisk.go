@@ -48,7 +48,7 @@ func BootDisk(ctx context.Context, spec DiskSpec) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	mbr, err := need("/usr/lib/EXTLINUX/mbr.bin")
+	mbr, err := need("/usr/lib/syslinux/mbr/mbr.bin")
 	if err != nil {
 		return "", fmt.Errorf("boot disk: %w", err)
 	}

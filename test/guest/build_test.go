@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"os/exec"
@@ -321,5 +322,56 @@ func TestBootDiskLayoutAndQCOW2(t *testing.T) {
 	}
 	if info.Format != "qcow2" || info.VirtualSize != 64<<20 {
 		t.Errorf("qcow2 image: %+v", info)
+	}
+}
+
+// helperEnv makes the test binary, re-run by TestCacheLockAcrossProcesses,
+// act as a second process building into the same cache.
+const helperEnv = "NODEVIRT_GUEST_TEST_HELPER_CACHE"
+
+func TestCacheLockAcrossProcesses(t *testing.T) {
+	if dir := os.Getenv(helperEnv); dir != "" {
+		buildCounted(t, dir)
+		return
+	}
+	dir := t.TempDir()
+	helper := exec.Command(os.Args[0], "-test.run=^TestCacheLockAcrossProcesses$")
+	helper.Env = append(os.Environ(), helperEnv+"="+dir)
+	var out bytes.Buffer
+	helper.Stdout, helper.Stderr = &out, &out
+	if err := helper.Start(); err != nil {
+		t.Fatal(err)
+	}
+	buildCounted(t, dir)
+	if err := helper.Wait(); err != nil {
+		t.Fatalf("helper process: %v: %s", err, out.String())
+	}
+	b, err := os.ReadFile(filepath.Join(dir, "builds"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := strings.Count(string(b), "\n"); n != 1 {
+		t.Errorf("two processes built the artefact %d times, want once", n)
+	}
+}
+
+// buildCounted builds one slow artefact, noting each real build in dir/builds.
+func buildCounted(t *testing.T, dir string) {
+	c := &cache{dir: dir}
+	p, err := c.build(t.Context(), "shared", func(tmp string) error {
+		f, err := os.OpenFile(filepath.Join(dir, "builds"), os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintln(f, os.Getpid())
+		f.Close()
+		time.Sleep(500 * time.Millisecond)
+		return os.WriteFile(tmp, []byte("made"), 0o644)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(p); err != nil || string(b) != "made" {
+		t.Fatalf("artefact %s: %q, %v", p, b, err)
 	}
 }

@@ -30,6 +30,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -37,6 +38,7 @@ import (
 	"path/filepath"
 	"strings"
 	"syscall"
+	"time"
 )
 
 // CacheEnv names the environment variable that overrides DefaultCacheDir.
@@ -76,7 +78,7 @@ var requirements = []requirement{
 	{"mount", "mount", "boot disk"},
 	{"umount", "mount", "boot disk"},
 	{"extlinux", "extlinux", "boot disk"},
-	{"/usr/lib/EXTLINUX/mbr.bin", "syslinux-common", "boot disk"},
+	{"/usr/lib/syslinux/mbr/mbr.bin", "syslinux-common", "boot disk"},
 	{"genisoimage", "genisoimage", "cloud-init seeds"},
 	{"qemu-img", "qemu-utils", "qcow2 images"},
 	{"qemu-system-x86_64", "qemu-system-x86", "running guests"},
@@ -187,26 +189,29 @@ func (c *cache) build(ctx context.Context, name string, mk func(tmp string) erro
 	return final, nil
 }
 
-// lock takes the cache's exclusive file lock, giving up when ctx ends.
+// lock takes the cache's exclusive file lock, giving up when ctx ends. It
+// polls rather than blocks, so that an ended ctx never leaves a blocked
+// flock behind.
 func (c *cache) lock(ctx context.Context) (unlock func(), err error) {
 	f, err := os.OpenFile(c.path(".lock"), os.O_CREATE|os.O_RDWR, 0o644)
 	if err != nil {
 		return nil, fmt.Errorf("guest cache lock: %w", err)
 	}
-	done := make(chan error, 1)
-	go func() { done <- syscall.Flock(int(f.Fd()), syscall.LOCK_EX) }()
-	select {
-	case err := <-done:
-		if err != nil {
+	for {
+		err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
+		if err == nil {
+			return func() { f.Close() }, nil
+		}
+		if !errors.Is(err, syscall.EWOULDBLOCK) && !errors.Is(err, syscall.EINTR) {
 			f.Close()
 			return nil, fmt.Errorf("guest cache lock: %w", err)
 		}
-		return func() { f.Close() }, nil
-	case <-ctx.Done():
-		// Closing the file makes the pending flock fail or, if it was
-		// granted meanwhile, releases it.
-		f.Close()
-		return nil, fmt.Errorf("guest cache lock: %w", ctx.Err())
+		select {
+		case <-ctx.Done():
+			f.Close()
+			return nil, fmt.Errorf("guest cache lock: %w", ctx.Err())
+		case <-time.After(50 * time.Millisecond):
+		}
 	}
 }
 
