@@ -1,0 +1,244 @@
+// Package provisioner is the node-local volume provisioner: for claims of a
+// hostpath storage class whose selected node is this node, it makes the
+// volume with the in-process CSI driver and creates a PV pre-bound to the
+// claim (kube-controller-manager then binds it); when such a PV is released
+// it deletes the volume per the reclaim policy. It serves the CSI
+// provisioner name and the legacy hostPath one, like external-provisioner in
+// node-deployment mode plus HPP's legacy provisioner.
+package provisioner
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"time"
+
+	csispec "github.com/container-storage-interface/spec/lib/go/csi"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
+	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
+	corelisters "k8s.io/client-go/listers/core/v1"
+	storagelisters "k8s.io/client-go/listers/storage/v1"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/record"
+	"k8s.io/client-go/util/workqueue"
+
+	hostpath "github.com/nodevirt/nodevirt/csi"
+)
+
+// Volumes is what the provisioner needs from the CSI driver; *csi.Driver
+// provides it. Without it nothing can be provisioned, so Config requires it.
+type Volumes interface {
+	CreateVolume(context.Context, *csispec.CreateVolumeRequest) (*csispec.CreateVolumeResponse, error)
+	DeleteVolume(context.Context, *csispec.DeleteVolumeRequest) (*csispec.DeleteVolumeResponse, error)
+	// VolumePath is the node directory of a filesystem volume.
+	VolumePath(volumeID string) (string, error)
+}
+
+var _ Volumes = (*hostpath.Driver)(nil)
+
+// Config configures a Provisioner.
+type Config struct {
+	// NodeName is this node; claims selected for it are provisioned here.
+	NodeName string
+	// Client talks to the API server.
+	Client kubernetes.Interface
+	// Driver makes and deletes the volumes.
+	Driver Volumes
+	// Workers is the number of claims and volumes handled at once;
+	// defaults to 2.
+	Workers int
+	// Resync re-examines every claim and volume this often; defaults to
+	// 10 minutes.
+	Resync time.Duration
+	// Logger defaults to slog.Default().
+	Logger *slog.Logger
+}
+
+func (c *Config) defaults() {
+	if c.Workers <= 0 {
+		c.Workers = 2
+	}
+	if c.Resync <= 0 {
+		c.Resync = 10 * time.Minute
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+}
+
+func (c *Config) validate() error {
+	switch {
+	case c.NodeName == "":
+		return errors.New("node name is required")
+	case c.Client == nil:
+		return errors.New("kubernetes client is required")
+	case c.Driver == nil:
+		return errors.New("volume driver is required")
+	}
+	return nil
+}
+
+// Provisioner watches claims and volumes and keeps this node's share of
+// them provisioned.
+type Provisioner struct {
+	cfg      Config
+	log      *slog.Logger
+	factory  informers.SharedInformerFactory
+	claims   corelisters.PersistentVolumeClaimLister
+	volumes  corelisters.PersistentVolumeLister
+	classes  storagelisters.StorageClassLister
+	synced   []cache.InformerSynced
+	queue    workqueue.TypedRateLimitingInterface[string]
+	recorder record.EventRecorder
+	events   record.EventBroadcaster
+}
+
+// Queue keys carry their object kind.
+const (
+	claimPrefix  = "claim/"
+	volumePrefix = "volume/"
+)
+
+// New validates cfg and wires the informers; Run starts them.
+func New(cfg Config) (*Provisioner, error) {
+	cfg.defaults()
+	if err := cfg.validate(); err != nil {
+		return nil, fmt.Errorf("provisioner config: %w", err)
+	}
+	factory := informers.NewSharedInformerFactory(cfg.Client, cfg.Resync)
+	claimInformer := factory.Core().V1().PersistentVolumeClaims()
+	volumeInformer := factory.Core().V1().PersistentVolumes()
+	classInformer := factory.Storage().V1().StorageClasses()
+
+	events := record.NewBroadcaster()
+	p := &Provisioner{
+		cfg:     cfg,
+		log:     cfg.Logger.With("node", cfg.NodeName),
+		factory: factory,
+		claims:  claimInformer.Lister(),
+		volumes: volumeInformer.Lister(),
+		classes: classInformer.Lister(),
+		synced:  []cache.InformerSynced{claimInformer.Informer().HasSynced, volumeInformer.Informer().HasSynced, classInformer.Informer().HasSynced},
+		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[string](),
+			workqueue.TypedRateLimitingQueueConfig[string]{Name: "hostpath-provisioner"}),
+		events: events,
+		recorder: events.NewRecorder(scheme.Scheme, corev1.EventSource{
+			Component: "nodevirt-hostpath-provisioner", Host: cfg.NodeName,
+		}),
+	}
+
+	enqueueClaim := func(obj any) {
+		if pvc, ok := obj.(*corev1.PersistentVolumeClaim); ok && p.mayConcern(pvc) {
+			p.queue.Add(claimPrefix + pvc.Namespace + "/" + pvc.Name)
+		}
+	}
+	_, err := claimInformer.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    enqueueClaim,
+		UpdateFunc: func(_, obj any) { enqueueClaim(obj) },
+	})
+	if err != nil {
+		return nil, fmt.Errorf("watch claims: %w", err)
+	}
+	enqueueVolume := func(obj any) {
+		if pv, ok := obj.(*corev1.PersistentVolume); ok {
+			if _, ours := pvVolume(pv, cfg.NodeName); ours {
+				p.queue.Add(volumePrefix + pv.Name)
+			}
+		}
+	}
+	_, err = volumeInformer.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    enqueueVolume,
+		UpdateFunc: func(_, obj any) { enqueueVolume(obj) },
+	})
+	if err != nil {
+		return nil, fmt.Errorf("watch volumes: %w", err)
+	}
+	// A class that appears late makes its waiting claims provisionable.
+	onClass := func(obj any) {
+		sc, ok := obj.(*storagev1.StorageClass)
+		if !ok {
+			return
+		}
+		if _, ours := kindOf(sc.Provisioner); !ours {
+			return
+		}
+		pvcs, _ := p.claims.List(everything)
+		for _, pvc := range pvcs {
+			if storageClassName(pvc) == sc.Name {
+				enqueueClaim(pvc)
+			}
+		}
+	}
+	_, err = classInformer.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    onClass,
+		UpdateFunc: func(_, obj any) { onClass(obj) },
+	})
+	if err != nil {
+		return nil, fmt.Errorf("watch storage classes: %w", err)
+	}
+	return p, nil
+}
+
+// mayConcern is a cheap filter: unbound claims selected for this node.
+func (p *Provisioner) mayConcern(pvc *corev1.PersistentVolumeClaim) bool {
+	if pvc.Spec.VolumeName != "" {
+		return false
+	}
+	return pvc.Annotations[AnnSelectedNode] == p.cfg.NodeName || pvc.Annotations[AnnLegacyProvisionOnNode] == p.cfg.NodeName
+}
+
+// Run serves until ctx is done.
+func (p *Provisioner) Run(ctx context.Context) error {
+	defer p.queue.ShutDown()
+	p.events.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: p.cfg.Client.CoreV1().Events("")})
+	defer p.events.Shutdown()
+
+	p.factory.Start(ctx.Done())
+	defer p.factory.Shutdown()
+	if !cache.WaitForCacheSync(ctx.Done(), p.synced...) {
+		return fmt.Errorf("provisioner: caches did not sync: %w", ctx.Err())
+	}
+	p.log.Info("provisioner running", "provisioners", []string{CSIProvisionerName, LegacyProvisionerName})
+	var wg sync.WaitGroup
+	for range p.cfg.Workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for p.next(ctx) {
+			}
+		}()
+	}
+	<-ctx.Done()
+	p.queue.ShutDown()
+	wg.Wait()
+	return nil
+}
+
+func (p *Provisioner) next(ctx context.Context) bool {
+	key, quit := p.queue.Get()
+	if quit {
+		return false
+	}
+	defer p.queue.Done(key)
+	var err error
+	switch {
+	case strings.HasPrefix(key, claimPrefix):
+		err = p.syncClaim(ctx, strings.TrimPrefix(key, claimPrefix))
+	case strings.HasPrefix(key, volumePrefix):
+		err = p.syncVolume(ctx, strings.TrimPrefix(key, volumePrefix))
+	}
+	if err != nil {
+		p.log.Warn("sync failed, retrying", "key", key, "err", err)
+		p.queue.AddRateLimited(key)
+		return true
+	}
+	p.queue.Forget(key)
+	return true
+}

@@ -1,0 +1,184 @@
+package provisioner
+
+import (
+	"context"
+	"fmt"
+	"slices"
+
+	csispec "github.com/container-storage-interface/spec/lib/go/csi"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/client-go/tools/cache"
+)
+
+var everything = labels.Everything()
+
+// Event reasons, the ones external-provisioner uses where they exist.
+const (
+	reasonProvisioning       = "Provisioning"
+	reasonProvisioned        = "ProvisioningSucceeded"
+	reasonProvisioningFailed = "ProvisioningFailed"
+	reasonDeleteFailed       = "VolumeFailedDelete"
+	reasonDeleted            = "VolumeDeleted"
+)
+
+// syncClaim provisions the claim at key (namespace/name) if it is this
+// node's to provision and has no PV yet.
+func (p *Provisioner) syncClaim(ctx context.Context, key string) error {
+	ns, name, err := cache.SplitMetaNamespaceKey(key)
+	if err != nil {
+		return nil // a malformed key never becomes valid
+	}
+	log := p.log.With("namespace", ns, "claim", name)
+	pvc, err := p.claims.PersistentVolumeClaims(ns).Get(name)
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	sc, err := p.classes.Get(storageClassName(pvc))
+	if apierrors.IsNotFound(err) {
+		sc = nil
+	} else if err != nil {
+		return err
+	}
+	plan := planClaim(pvc, sc, p.cfg.NodeName)
+	if !plan.Provision {
+		log.Debug("not provisioning", "reason", plan.Reason)
+		return nil
+	}
+	if plan.Err != nil {
+		p.recorder.Event(pvc, corev1.EventTypeWarning, reasonProvisioningFailed, plan.Err.Error())
+		log.Warn("cannot provision", "err", plan.Err)
+		return nil
+	}
+	pvName := volumeName(pvc)
+	if _, err := p.volumes.Get(pvName); err == nil {
+		return nil // provisioned already; the PV controller binds it
+	}
+	return p.provision(ctx, pvc, sc, plan.Kind)
+}
+
+func (p *Provisioner) provision(ctx context.Context, pvc *corev1.PersistentVolumeClaim, sc *storagev1.StorageClass, k kind) error {
+	log := p.log.With("namespace", pvc.Namespace, "claim", pvc.Name)
+	fail := func(err error) error {
+		p.recorder.Event(pvc, corev1.EventTypeWarning, reasonProvisioningFailed, err.Error())
+		return fmt.Errorf("provision %s/%s: %w", pvc.Namespace, pvc.Name, err)
+	}
+	sourceID, err := p.cloneSourceVolume(pvc)
+	if err != nil {
+		return fail(err)
+	}
+	req, err := createRequest(pvc, sc, p.cfg.NodeName, sourceID)
+	if err != nil {
+		return fail(err)
+	}
+	p.recorder.Eventf(pvc, corev1.EventTypeNormal, reasonProvisioning,
+		"provisioner %s on node %s is provisioning a volume for claim %s/%s", k.provisionerName(), p.cfg.NodeName, pvc.Namespace, pvc.Name)
+	resp, err := p.cfg.Driver.CreateVolume(ctx, req)
+	if err != nil {
+		return fail(fmt.Errorf("create volume: %w", err))
+	}
+	made := madeVolume{
+		ID:            resp.GetVolume().GetVolumeId(),
+		CapacityBytes: resp.GetVolume().GetCapacityBytes(),
+		Context:       resp.GetVolume().GetVolumeContext(),
+	}
+	if k == kindLegacy {
+		if made.Path, err = p.cfg.Driver.VolumePath(made.ID); err != nil {
+			return fail(fmt.Errorf("volume path: %w", err))
+		}
+	}
+	pv := buildPV(pvc, sc, p.cfg.NodeName, k, made)
+	_, err = p.cfg.Client.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{})
+	if err != nil && !apierrors.IsAlreadyExists(err) {
+		return fail(fmt.Errorf("create persistent volume: %w", err))
+	}
+	p.recorder.Eventf(pvc, corev1.EventTypeNormal, reasonProvisioned, "Successfully provisioned volume %s", pv.Name)
+	log.Info("provisioned", "volume", pv.Name, "volumeID", made.ID, "bytes", made.CapacityBytes, "provisioner", k.provisionerName())
+	return nil
+}
+
+// cloneSourceVolume resolves a claim data source to the driver volume it
+// names; it must be one of this node's volumes.
+func (p *Provisioner) cloneSourceVolume(pvc *corev1.PersistentVolumeClaim) (string, error) {
+	src := cloneSource(pvc)
+	if src == "" {
+		return "", nil
+	}
+	srcPVC, err := p.claims.PersistentVolumeClaims(pvc.Namespace).Get(src)
+	if err != nil {
+		return "", fmt.Errorf("clone source claim %s: %w", src, err)
+	}
+	if srcPVC.Spec.VolumeName == "" {
+		return "", fmt.Errorf("clone source claim %s is not bound yet", src)
+	}
+	pv, err := p.volumes.Get(srcPVC.Spec.VolumeName)
+	if err != nil {
+		return "", fmt.Errorf("clone source volume %s: %w", srcPVC.Spec.VolumeName, err)
+	}
+	id, ours := pvVolume(pv, p.cfg.NodeName)
+	if !ours {
+		return "", fmt.Errorf("clone source claim %s is not a hostpath volume on node %s", src, p.cfg.NodeName)
+	}
+	return id, nil
+}
+
+// syncVolume deletes a released volume of ours per its reclaim policy.
+func (p *Provisioner) syncVolume(ctx context.Context, name string) error {
+	pv, err := p.volumes.Get(name)
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	id, ours := pvVolume(pv, p.cfg.NodeName)
+	if !ours {
+		return nil
+	}
+	log := p.log.With("volume", name, "volumeID", id)
+	switch planVolume(pv) {
+	case keepVolume:
+		return nil
+	case releaseFinalizer:
+		log.Info("volume retained")
+		return p.removeFinalizer(ctx, pv)
+	}
+	if _, err := p.cfg.Driver.DeleteVolume(ctx, &csispec.DeleteVolumeRequest{VolumeId: id}); err != nil {
+		p.recorder.Eventf(pv, corev1.EventTypeWarning, reasonDeleteFailed, "delete volume %s: %v", id, err)
+		return fmt.Errorf("delete volume %s: %w", id, err)
+	}
+	if err := p.removeFinalizer(ctx, pv); err != nil {
+		return err
+	}
+	if pv.DeletionTimestamp == nil {
+		err := p.cfg.Client.CoreV1().PersistentVolumes().Delete(ctx, name, metav1.DeleteOptions{})
+		if err != nil && !apierrors.IsNotFound(err) {
+			return fmt.Errorf("delete persistent volume %s: %w", name, err)
+		}
+	}
+	p.recorder.Eventf(pv, corev1.EventTypeNormal, reasonDeleted, "deleted volume %s of released claim", id)
+	log.Info("volume deleted", "reclaimPolicy", pv.Spec.PersistentVolumeReclaimPolicy)
+	return nil
+}
+
+func (p *Provisioner) removeFinalizer(ctx context.Context, pv *corev1.PersistentVolume) error {
+	if !hasFinalizer(pv) {
+		return nil
+	}
+	c := pv.DeepCopy()
+	c.Finalizers = slices.DeleteFunc(c.Finalizers, func(f string) bool { return f == Finalizer })
+	_, err := p.cfg.Client.CoreV1().PersistentVolumes().Update(ctx, c, metav1.UpdateOptions{})
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("remove finalizer of %s: %w", pv.Name, err)
+	}
+	return nil
+}
