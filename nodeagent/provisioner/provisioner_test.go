@@ -256,7 +256,9 @@ func TestRetainKeepsTheVolume(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = cs.StorageV1().StorageClasses().Delete(context.Background(), class, metav1.DeleteOptions{}) })
+	t.Cleanup(func() {
+		_ = cs.StorageV1().StorageClasses().Delete(context.Background(), class, metav1.DeleteOptions{})
+	})
 	startProvisioner(t, cs, d)
 
 	createClaim(t, cs, ns, "keep", class, "16Mi", node, false)
