@@ -1,0 +1,359 @@
+// Package lab brings up and tears down the single-machine nodevirt lab: the
+// control plane, libvirtd (unless one already runs), the brain and the node
+// agent, all detached with logs and pid files under one directory, so that
+// `make lab` is idempotent and `make lab-down` removes exactly what it made.
+package lab
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/test/controlplane"
+)
+
+// Config locates the lab.
+type Config struct {
+	// Dir is the lab's state directory (the repo's .lab).
+	Dir string
+	// BinDir holds the built nodevirt binaries.
+	BinDir string
+	// Emulation is passed to the node agent: on, off or auto.
+	Emulation string
+	// NodeName is the lab node's name.
+	NodeName string
+	Out      io.Writer
+	Log      *slog.Logger
+}
+
+func (c *Config) defaults() error {
+	if c.Dir == "" {
+		return errors.New("lab dir is required")
+	}
+	abs, err := filepath.Abs(c.Dir)
+	if err != nil {
+		return err
+	}
+	c.Dir = abs
+	if c.BinDir != "" {
+		if c.BinDir, err = filepath.Abs(c.BinDir); err != nil {
+			return err
+		}
+	}
+	if c.Emulation == "" {
+		c.Emulation = "on"
+	}
+	if c.NodeName == "" {
+		c.NodeName, _ = os.Hostname()
+	}
+	if c.Out == nil {
+		c.Out = os.Stdout
+	}
+	if c.Log == nil {
+		c.Log = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+	return nil
+}
+
+func (c Config) path(parts ...string) string {
+	return filepath.Join(append([]string{c.Dir}, parts...)...)
+}
+
+// Kubeconfig is where the lab writes the admin kubeconfig.
+func (c Config) Kubeconfig() string { return c.path("kubeconfig") }
+
+// Up brings the lab up, starting only what is not already running.
+func Up(ctx context.Context, cfg Config) error {
+	if err := cfg.defaults(); err != nil {
+		return err
+	}
+	if err := os.MkdirAll(cfg.Dir, 0o755); err != nil {
+		return err
+	}
+	step(cfg.Out, "control plane (etcd, kube-apiserver, kube-controller-manager)")
+	cp, err := controlplane.Start(ctx, controlplane.Config{Dir: cfg.path("controlplane"), ControllerManager: true, Detach: true, Log: cfg.Log})
+	if err != nil {
+		return fmt.Errorf("control plane: %w", err)
+	}
+	if err := copyFile(cp.Kubeconfig, cfg.Kubeconfig()); err != nil {
+		return err
+	}
+	step(cfg.Out, "libvirtd and virtlogd")
+	if err := startLibvirt(cfg); err != nil {
+		return err
+	}
+	step(cfg.Out, "clusterbrain")
+	brainKC := cfg.path("clusterbrain.kubeconfig")
+	if err := cp.WriteKubeconfig(brainKC, "system:nodevirt:clusterbrain", "system:masters"); err != nil {
+		return err
+	}
+	if err := startDaemon(cfg, "clusterbrain", "--kubeconfig="+brainKC, "--health-addr=127.0.0.1:8480"); err != nil {
+		return err
+	}
+	step(cfg.Out, "nodeagent")
+	agentKC := cfg.path("nodeagent.kubeconfig")
+	if err := cp.WriteKubeconfig(agentKC, "system:node:"+cfg.NodeName, "system:nodes", "system:masters"); err != nil {
+		return err
+	}
+	agentDir := cfg.path("nodeagent")
+	if err := startDaemon(cfg, "nodeagent", "--kubeconfig="+agentKC, "--node-name="+cfg.NodeName,
+		"--state-dir="+agentDir, "--emulation="+cfg.Emulation, "--health-addr=127.0.0.1:8481",
+		"--csi-socket="+filepath.Join(agentDir, "csi", "csi.sock"),
+		"--pools=local="+cfg.path("pools", "local")); err != nil {
+		return err
+	}
+	step(cfg.Out, "HyperConverged "+hcov1beta1.DefaultNamespace+"/"+hcov1beta1.Name)
+	kube, err := kubernetes.NewForConfig(cp.RestConfig)
+	if err != nil {
+		return err
+	}
+	virt, err := client.NewSet(cp.RestConfig)
+	if err != nil {
+		return err
+	}
+	if err := ensureHCO(ctx, kube, virt, cfg.Emulation != "off"); err != nil {
+		return err
+	}
+	if err := waitReady(ctx, cfg, kube, virt); err != nil {
+		return err
+	}
+	fmt.Fprintf(cfg.Out, "\nnodevirt lab is up. Next:\n"+
+		"  export KUBECONFIG=%s\n"+
+		"  kubectl get nodes,hco -A\n"+
+		"  kubectl api-resources | grep kubevirt\n"+
+		"  make demo        # a VM from an imported disk on a bridge\n"+
+		"  make lab-down    # remove everything the lab made\n"+
+		"Logs: %s/*.log\n", cfg.Kubeconfig(), cfg.Dir)
+	return nil
+}
+
+func step(w io.Writer, what string) { fmt.Fprintf(w, "==> %s\n", what) }
+
+func ensureHCO(ctx context.Context, kube kubernetes.Interface, virt *client.Set, emulation bool) error {
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: hcov1beta1.DefaultNamespace}}
+	if _, err := kube.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return err
+	}
+	hco := &hcov1beta1.HyperConverged{ObjectMeta: metav1.ObjectMeta{Name: hcov1beta1.Name, Namespace: hcov1beta1.DefaultNamespace}}
+	if emulation {
+		hco.Annotations = map[string]string{"nodevirt.io/use-emulation": "true"}
+	}
+	// The CRD may still be getting established by a brain that just started.
+	deadline := time.Now().Add(2 * time.Minute)
+	for {
+		_, err := virt.HyperConvergeds.Create(ctx, hco)
+		if err == nil || apierrors.IsAlreadyExists(err) {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("create HyperConverged: %w", err)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(500 * time.Millisecond):
+		}
+	}
+}
+
+// waitReady waits for the node to be Ready and the HyperConverged to be
+// Available, printing what it waits for.
+func waitReady(ctx context.Context, cfg Config, kube kubernetes.Interface, virt *client.Set) error {
+	ctx, cancel := context.WithTimeout(ctx, 4*time.Minute)
+	defer cancel()
+	last := ""
+	for {
+		status := readiness(ctx, cfg, kube, virt)
+		if status == "" {
+			fmt.Fprintln(cfg.Out, "==> ready: node Ready, HyperConverged Available")
+			return nil
+		}
+		if status != last {
+			fmt.Fprintf(cfg.Out, "    waiting: %s\n", status)
+			last = status
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("lab not ready: %s (logs in %s)", status, cfg.Dir)
+		case <-time.After(time.Second):
+		}
+	}
+}
+
+func readiness(ctx context.Context, cfg Config, kube kubernetes.Interface, virt *client.Set) string {
+	for _, d := range []string{"clusterbrain", "nodeagent"} {
+		if _, ok := controlplane.AlivePid(cfg.path(d + ".pid")); !ok {
+			return d + " is not running (see " + cfg.path(d+".log") + ")"
+		}
+	}
+	node, err := kube.CoreV1().Nodes().Get(ctx, cfg.NodeName, metav1.GetOptions{})
+	if err != nil {
+		return "node " + cfg.NodeName + ": " + err.Error()
+	}
+	ready := false
+	for _, c := range node.Status.Conditions {
+		if c.Type == corev1.NodeReady && c.Status == corev1.ConditionTrue {
+			ready = true
+		}
+	}
+	if !ready {
+		return "node " + cfg.NodeName + " not Ready"
+	}
+	hco, err := virt.HyperConvergeds.Get(ctx, hcov1beta1.DefaultNamespace, hcov1beta1.Name)
+	if err != nil {
+		return "HyperConverged: " + err.Error()
+	}
+	for _, c := range hco.Status.Conditions {
+		if c.Type == "Available" {
+			if c.Status == metav1.ConditionTrue {
+				return ""
+			}
+			return "HyperConverged not Available: " + c.Message
+		}
+	}
+	return "HyperConverged has no Available condition yet"
+}
+
+// startDaemon starts a nodevirt binary detached unless its pid file names a
+// live process.
+func startDaemon(cfg Config, name string, args ...string) error {
+	pidFile := cfg.path(name + ".pid")
+	if pid, ok := controlplane.AlivePid(pidFile); ok {
+		fmt.Fprintf(cfg.Out, "    already running (pid %d)\n", pid)
+		return nil
+	}
+	bin := filepath.Join(cfg.BinDir, name)
+	logf, err := os.OpenFile(cfg.path(name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return err
+	}
+	defer logf.Close()
+	cmd := exec.Command(bin, args...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.Env = append(os.Environ(), "NODEVIRT_ROOT="+filepath.Dir(cfg.Dir))
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("start %s: %w", name, err)
+	}
+	go cmd.Wait()
+	return os.WriteFile(pidFile, []byte(strconv.Itoa(cmd.Process.Pid)), 0o644)
+}
+
+// startLibvirt starts virtlogd and libvirtd as plain daemons when none runs,
+// recording that the lab owns them.
+func startLibvirt(cfg Config) error {
+	for _, d := range []struct{ name, sock string }{
+		{"virtlogd", "/run/libvirt/virtlogd-sock"},
+		{"libvirtd", "/run/libvirt/libvirt-sock"},
+	} {
+		pidFile := cfg.path(d.name + ".pid")
+		if pid, ok := controlplane.AlivePid(pidFile); ok {
+			fmt.Fprintf(cfg.Out, "    %s already running (pid %d)\n", d.name, pid)
+			continue
+		}
+		if daemonRunning(d.name) {
+			fmt.Fprintf(cfg.Out, "    %s already running (not the lab's)\n", d.name)
+			continue
+		}
+		os.Remove(d.sock)
+		cmd := exec.Command(d.name, "--daemon", "--pid-file="+pidFile)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("start %s: %w: %s", d.name, err, out)
+		}
+		if err := waitFor(d.sock, 20*time.Second); err != nil {
+			return fmt.Errorf("%s: %w", d.name, err)
+		}
+	}
+	return nil
+}
+
+func daemonRunning(name string) bool {
+	out, err := exec.Command("pgrep", "-x", name).Output()
+	return err == nil && strings.TrimSpace(string(out)) != ""
+}
+
+func waitFor(path string, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for time.Now().Before(deadline) {
+		if _, err := os.Stat(path); err == nil {
+			return nil
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	return fmt.Errorf("%s did not appear within %s", path, timeout)
+}
+
+func copyFile(src, dst string) error {
+	data, err := os.ReadFile(src)
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(dst, data, 0o600)
+}
+
+// Down stops what Up started and removes what the lab created.
+func Down(ctx context.Context, cfg Config) error {
+	if err := cfg.defaults(); err != nil {
+		return err
+	}
+	if _, err := os.Stat(cfg.Dir); errors.Is(err, os.ErrNotExist) {
+		fmt.Fprintln(cfg.Out, "no lab to remove")
+		return nil
+	}
+	var errs []error
+	step(cfg.Out, "nodevirt daemons")
+	for _, d := range []string{"nodeagent", "clusterbrain"} {
+		if pid, ok := controlplane.AlivePid(cfg.path(d + ".pid")); ok {
+			errs = append(errs, controlplane.TerminatePid(pid, 15*time.Second))
+		}
+	}
+	step(cfg.Out, "guests, bridges, mounts")
+	errs = append(errs, removeGuests(cfg), removeMounts(cfg), removeBridges(cfg))
+	step(cfg.Out, "libvirtd, virtlogd (if the lab started them)")
+	for _, d := range []string{"libvirtd", "virtlogd"} {
+		if pid, ok := controlplane.AlivePid(cfg.path(d + ".pid")); ok {
+			errs = append(errs, controlplane.TerminatePid(pid, 15*time.Second))
+		}
+	}
+	step(cfg.Out, "control plane")
+	errs = append(errs, controlplane.StopDetached(cfg.path("controlplane")))
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
+	step(cfg.Out, "state "+cfg.Dir)
+	return os.RemoveAll(cfg.Dir)
+}
+
+// record is what the lab remembers creating outside its directory.
+type record struct {
+	Bridges []string `json:"bridges,omitempty"`
+}
+
+// Remember adds bridges to the lab's record so Down removes them.
+func Remember(dir string, bridges ...string) error {
+	var r record
+	file := filepath.Join(dir, "created.json")
+	if data, err := os.ReadFile(file); err == nil {
+		_ = json.Unmarshal(data, &r)
+	}
+	r.Bridges = append(r.Bridges, bridges...)
+	data, _ := json.Marshal(r)
+	return os.WriteFile(file, data, 0o644)
+}
