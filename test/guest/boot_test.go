@@ -151,8 +151,8 @@ func TestDirectBootCustomGuest(t *testing.T) {
 	in, err := Run(ctx, RunSpec{
 		Kernel: vmlinuz, Initramfs: initrd, Cmdline: "nodevirt.ip=10.99.0.2/24",
 		NetNS:   "/run/netns/" + ns,
-		Machine: "q35", // no IDE there, and the cloud kernel has no AHCI: seeds go on virtio-scsi
-		Disks:   []Disk{{Path: seed, CDROM: true, Bus: "scsi", Format: "raw"}},
+		Machine: "q35",
+		Disks:   []Disk{{Path: seed, CDROM: true, Format: "raw"}}, // on virtio-scsi, as q35 needs
 		NICs:    []NIC{{MAC: "52:54:00:ab:cd:ef", Tap: "tap0"}},
 		Log:     t.Output(),
 	})

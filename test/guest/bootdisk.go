@@ -30,7 +30,8 @@ const partitionOffset = 1 << 20
 // imports and boots without a direct kernel boot.
 //
 // The image lives in the cache and is shared: do not write to it. Copy it,
-// use it as a qcow2 backing file, or boot it with Disk.Snapshot.
+// use it as a qcow2 backing file, or boot it with Disk.Snapshot. (libvirt
+// also changes the owner of a domain's disk files: give it a copy.)
 //
 // Building needs root (a loop device and a mount).
 func BootDisk(ctx context.Context, spec DiskSpec) (string, error) {

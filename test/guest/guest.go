@@ -24,6 +24,10 @@
 //
 // The guest powers off when it sees the ACPI power button (QEMU's
 // system_powerdown, libvirt's shutdown), through busybox acpid.
+//
+// The cloud kernel has virtio (blk, net, scsi, console) and IDE (ata_piix)
+// drivers but no AHCI: on a q35 machine put CD-ROMs (seeds) on virtio-scsi
+// or attach the seed as a virtio disk; SATA devices stay invisible.
 package guest
 
 import (

@@ -53,8 +53,9 @@ type Disk struct {
 	Format string
 	// Bus is "virtio" (the default), "ide" or "scsi" (virtio-scsi).
 	Bus string
-	// CDROM attaches the image as a read-only CD-ROM (on the "ide" bus
-	// unless Bus says "scsi"), as a cloud-init seed usually is.
+	// CDROM attaches the image as a read-only CD-ROM, as a cloud-init seed
+	// usually is: on the "ide" bus by default, on "scsi" for q35 machines,
+	// whose CD-ROMs would be AHCI (SATA), a driver the cloud kernel lacks.
 	CDROM bool
 	// Snapshot sends writes to a temporary overlay, leaving the file
 	// untouched, so a cached image can be booted by many guests at once.
@@ -189,11 +190,14 @@ func qemuArgs(spec RunSpec, monitor string) ([]string, error) {
 			drive += ",readonly=on"
 		}
 		bus := d.Bus
-		if bus == "" {
+		switch {
+		case bus != "":
+		case d.CDROM && strings.HasPrefix(machine, "q35"):
+			bus = "scsi" // q35's CD-ROMs are AHCI, which the cloud kernel lacks
+		case d.CDROM:
+			bus = "ide"
+		default:
 			bus = "virtio"
-			if d.CDROM {
-				bus = "ide"
-			}
 		}
 		var dev string
 		switch {
