@@ -18,6 +18,7 @@ import (
 	"net/url"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 )
 
@@ -47,6 +48,9 @@ type HTTPSource struct {
 	// RetryDelay is the wait before the first retry, doubled each time up
 	// to 10s. 0 means 500ms.
 	RetryDelay time.Duration
+	// IdleTimeout drops a connection that delivers nothing for this long
+	// (it is then resumed like a dropped one). 0 means 60s.
+	IdleTimeout time.Duration
 }
 
 // Proxy is the import proxy of the CDI configuration.
@@ -82,9 +86,13 @@ func importHTTP(ctx context.Context, req Request) (Result, error) {
 	if delay == 0 {
 		delay = 500 * time.Millisecond
 	}
+	idle := hs.IdleTimeout
+	if idle == 0 {
+		idle = 60 * time.Second
+	}
 	hr := &httpReader{
 		ctx: ctx, client: client, src: hs, headers: headers, log: req.logger().With("url", redactURL(hs.URL), "dest", req.Dest),
-		total: -1, retriesLeft: max(retries, 0), delay: delay,
+		total: -1, retriesLeft: max(retries, 0), delay: delay, idle: idle,
 	}
 	if err := hr.open(); err != nil {
 		return Result{}, err
@@ -247,9 +255,16 @@ type httpReader struct {
 	validator   string // If-Range value: a strong ETag or Last-Modified
 	retriesLeft int
 	delay       time.Duration
+	idle        time.Duration
+	stalled     atomic.Bool
+	watchdog    *time.Timer // closes a body that stays silent for idle
+	watched     io.ReadCloser
 }
 
 func (h *httpReader) close() {
+	if h.watchdog != nil {
+		h.watchdog.Stop()
+	}
 	if h.body != nil {
 		h.body.Close()
 		h.body = nil
@@ -382,7 +397,7 @@ func (h *httpReader) Read(p []byte) (int, error) {
 				return 0, err
 			}
 		}
-		n, err := h.body.Read(p)
+		n, err := h.readWatched(p)
 		h.off += int64(n)
 		if err == nil {
 			return n, nil
@@ -412,4 +427,27 @@ func (h *httpReader) Read(p []byte) (int, error) {
 			return n, nil
 		}
 	}
+}
+
+// readWatched reads the body under the idle watchdog, which closes a
+// silent body so that the blocked Read returns and the download resumes.
+func (h *httpReader) readWatched(p []byte) (int, error) {
+	body := h.body
+	if h.watched != body {
+		if h.watchdog != nil {
+			h.watchdog.Stop()
+		}
+		h.watched = body
+		h.watchdog = time.AfterFunc(h.idle, func() {
+			h.stalled.Store(true)
+			body.Close()
+		})
+	} else {
+		h.watchdog.Reset(h.idle)
+	}
+	n, err := body.Read(p)
+	if !h.watchdog.Stop() && h.stalled.Swap(false) {
+		err = fmt.Errorf("no data for %v", h.idle)
+	}
+	return n, err
 }

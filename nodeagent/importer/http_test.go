@@ -1,6 +1,7 @@
 package importer
 
 import (
+	"bufio"
 	"bytes"
 	"compress/gzip"
 	"context"
@@ -15,6 +16,8 @@ import (
 	"net/http/httputil"
 	"os"
 	"path/filepath"
+	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -377,5 +380,98 @@ func TestProxy(t *testing.T) {
 	}
 	if proxied.Load() != 0 {
 		t.Error("noProxy host went through the proxy")
+	}
+}
+
+// TestResumeAfterStall: a connection that goes silent is dropped after the
+// idle timeout and resumed.
+func TestResumeAfterStall(t *testing.T) {
+	data := readFixture(t, "disk.raw.zst")
+	var calls atomic.Int32
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("ETag", `"v1"`)
+		if calls.Add(1) == 1 {
+			w.Header().Set("Content-Length", fmt.Sprint(len(data)))
+			w.Write(data[:len(data)/2])
+			w.(http.Flusher).Flush()
+			select {
+			case <-r.Context().Done():
+			case <-time.After(10 * time.Second):
+			}
+			return
+		}
+		if r.Header.Get("Range") == "" {
+			t.Error("second request does not resume")
+		}
+		http.ServeContent(w, r, "image", time.Unix(1700000000, 0), bytes.NewReader(data))
+	}))
+	defer srv.Close()
+	start := time.Now()
+	dest, _, err := importURL(t, srv.URL+"/img", testImageSize, func(s *HTTPSource) { s.IdleTimeout = 300 * time.Millisecond })
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Errorf("stall detected after %v", d)
+	}
+	if got := fileSHA(t, dest); got != getFixture(t).rawSHA {
+		t.Errorf("content %s, want %s", got, getFixture(t).rawSHA)
+	}
+}
+
+// TestProgress checks the reports of a streamed and a qemu-img import: in
+// order, "NN.NN%" formatted, ending at 100.00%.
+func TestProgress(t *testing.T) {
+	fx := getFixture(t)
+	// A slow server so that several reports happen.
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := os.ReadFile(filepath.Join(fx.dir, strings.TrimPrefix(r.URL.Path, "/")))
+		w.Header().Set("Content-Length", fmt.Sprint(len(b)))
+		for i := 0; i < len(b); i += len(b) / 8 {
+			w.Write(b[i:min(len(b), i+len(b)/8)])
+			w.(http.Flusher).Flush()
+			time.Sleep(100 * time.Millisecond)
+		}
+	}))
+	defer srv.Close()
+	for _, name := range []string{"disk.qcow2", "disk.vdi"} {
+		var got []Progress
+		_, err := Import(context.Background(), Request{
+			Source: Source{HTTP: &HTTPSource{URL: srv.URL + "/" + name}}, Dest: filepath.Join(t.TempDir(), "d"),
+			Capacity: testImageSize, Progress: func(p Progress) { got = append(got, p) },
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(got) < 3 {
+			t.Fatalf("%s: only %d progress reports", name, len(got))
+		}
+		for i := 1; i < len(got); i++ {
+			if got[i].Percent < got[i-1].Percent || got[i].Bytes < got[i-1].Bytes {
+				t.Errorf("%s: progress went back: %v then %v", name, got[i-1], got[i])
+			}
+		}
+		if last := got[len(got)-1]; last.String() != "100.00%" || last.Total == 0 {
+			t.Errorf("%s: last report %+v", name, last)
+		}
+		if mid := got[len(got)/2].String(); !regexp.MustCompile(`^\d{1,3}\.\d\d%$`).MatchString(mid) {
+			t.Errorf("%s: progress %q not NN.NN%%", name, mid)
+		}
+	}
+}
+
+func TestQemuProgressParsing(t *testing.T) {
+	out := "    (0.00/100%)\r    (12.50/100%)\r    (100.00/100%)\r\n"
+	var pcts []float64
+	sc := bufio.NewScanner(strings.NewReader(out))
+	sc.Split(splitCR)
+	for sc.Scan() {
+		if m := qemuProgress.FindSubmatch(sc.Bytes()); m != nil {
+			v, _ := strconv.ParseFloat(string(m[1]), 64)
+			pcts = append(pcts, v)
+		}
+	}
+	if fmt.Sprint(pcts) != "[0 12.5 100]" {
+		t.Errorf("parsed %v", pcts)
 	}
 }
