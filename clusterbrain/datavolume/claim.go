@@ -1,0 +1,381 @@
+package datavolume
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"math"
+	"sort"
+	"strconv"
+
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
+	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
+)
+
+// defaultOverhead is CDI's filesystem overhead when the CDI CR sets none.
+const defaultOverhead = 0.06
+
+// hostpathTopologyKey is the node label of the hostpath CSI driver.
+const hostpathTopologyKey = "topology.hostpath.csi/node"
+
+// claimError is a reason the PVC cannot be made (yet), shown as the Bound
+// condition of the DataVolume.
+type claimError struct {
+	reason string
+	err    error
+}
+
+func (e *claimError) Error() string { return e.err.Error() }
+func (e *claimError) Unwrap() error { return e.err }
+
+func claimErrorf(reason, format string, args ...any) *claimError {
+	return &claimError{reason: reason, err: fmt.Errorf(format, args...)}
+}
+
+// resolveSource returns the DataVolume's effective source: spec.source, or
+// what spec.sourceRef's DataSource points at.
+func (c *Controller) resolveSource(ctx context.Context, dv *cdiv1.DataVolume) (*cdiv1.DataVolumeSource, error) {
+	if dv.Spec.SourceRef == nil {
+		return dv.Spec.Source, nil
+	}
+	ref := dv.Spec.SourceRef
+	if ref.Kind != cdiv1.DataVolumeDataSource {
+		return nil, claimErrorf("UnsupportedSourceRef", "source reference kind %q is not supported", ref.Kind)
+	}
+	ns := dv.Namespace
+	if ref.Namespace != nil && *ref.Namespace != "" {
+		ns = *ref.Namespace
+	}
+	name := ref.Name
+	for range 4 { // a DataSource may point at another, not forever
+		ds, err := c.virt.DataSources.Get(ctx, ns, name)
+		if apierrors.IsNotFound(err) {
+			return nil, claimErrorf("DataSourceNotFound", "datasource %s/%s not found", ns, name)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("get datasource %s/%s: %w", ns, name, err)
+		}
+		src := ds.Spec.Source
+		switch {
+		case src.PVC != nil:
+			pvc := *src.PVC
+			if pvc.Namespace == "" {
+				pvc.Namespace = ds.Namespace
+			}
+			return &cdiv1.DataVolumeSource{PVC: &pvc}, nil
+		case src.Snapshot != nil:
+			snap := *src.Snapshot
+			if snap.Namespace == "" {
+				snap.Namespace = ds.Namespace
+			}
+			return &cdiv1.DataVolumeSource{Snapshot: &snap}, nil
+		case src.DataSource != nil:
+			if src.DataSource.Namespace != "" {
+				ns = src.DataSource.Namespace
+			}
+			name = src.DataSource.Name
+		default:
+			return nil, claimErrorf("DataSourceEmpty", "datasource %s/%s has no source", ns, name)
+		}
+	}
+	return nil, claimErrorf("DataSourceLoop", "datasource %s/%s: too many datasource references", ns, name)
+}
+
+// sourceKind is the importstate source kind of src.
+func sourceKind(src *cdiv1.DataVolumeSource) string {
+	switch {
+	case src == nil:
+		return importstate.SourceNone
+	case src.HTTP != nil:
+		return importstate.SourceHTTP
+	case src.Registry != nil:
+		return importstate.SourceRegistry
+	case src.Blank != nil:
+		return importstate.SourceBlank
+	case src.Upload != nil:
+		return importstate.SourceUpload
+	case src.PVC != nil:
+		return importstate.SourcePVC
+	case src.Snapshot != nil:
+		return "snapshot"
+	case src.S3 != nil:
+		return "s3"
+	case src.GCS != nil:
+		return "gcs"
+	case src.Imageio != nil:
+		return "imageio"
+	case src.VDDK != nil:
+		return "vddk"
+	}
+	return importstate.SourceNone
+}
+
+// supportedKinds are the sources the nodeagent can fill a volume from.
+var supportedKinds = map[string]bool{
+	importstate.SourceNone: true, importstate.SourceHTTP: true, importstate.SourceRegistry: true,
+	importstate.SourceBlank: true, importstate.SourceUpload: true, importstate.SourcePVC: true,
+}
+
+// buildClaim makes the PVC of dv.
+func (c *Controller) buildClaim(ctx context.Context, dv *cdiv1.DataVolume, src *cdiv1.DataVolumeSource) (*corev1.PersistentVolumeClaim, error) {
+	var spec corev1.PersistentVolumeClaimSpec
+	inflate := false
+	switch {
+	case dv.Spec.PVC != nil:
+		spec = *dv.Spec.PVC.DeepCopy()
+	case dv.Spec.Storage != nil:
+		s := dv.Spec.Storage
+		spec = corev1.PersistentVolumeClaimSpec{
+			AccessModes: s.AccessModes, Selector: s.Selector, Resources: *s.Resources.DeepCopy(),
+			VolumeName: s.VolumeName, StorageClassName: s.StorageClassName, DataSource: s.DataSource, DataSourceRef: s.DataSourceRef,
+		}
+		if s.VolumeMode != nil && *s.VolumeMode != cdiv1.PersistentVolumeFromStorageProfile {
+			mode := *s.VolumeMode
+			spec.VolumeMode = &mode
+		}
+		inflate = true
+	default:
+		return nil, claimErrorf("ErrClaimNotValid", "datavolume has neither spec.pvc nor spec.storage")
+	}
+	if spec.StorageClassName == nil {
+		if sc := c.defaultStorageClass(); sc != nil {
+			spec.StorageClassName = &sc.Name
+		}
+	}
+	className := ""
+	if spec.StorageClassName != nil {
+		className = *spec.StorageClassName
+	}
+	if inflate {
+		c.applyProfile(ctx, &spec, className)
+	}
+	if spec.VolumeMode == nil {
+		mode := corev1.PersistentVolumeFilesystem
+		spec.VolumeMode = &mode
+	}
+	size, ok := spec.Resources.Requests[corev1.ResourceStorage]
+	if !ok && src != nil && src.PVC != nil {
+		srcPVC, err := c.kube.CoreV1().PersistentVolumeClaims(src.PVC.Namespace).Get(ctx, src.PVC.Name, metav1.GetOptions{})
+		if err != nil {
+			return nil, claimErrorf("CloneSourceNotFound", "clone source pvc %s/%s: %w", src.PVC.Namespace, src.PVC.Name, err)
+		}
+		size, ok = srcPVC.Spec.Resources.Requests[corev1.ResourceStorage]
+	}
+	if !ok || size.Value() <= 0 {
+		return nil, claimErrorf("ErrClaimNotValid", "datavolume requests no storage size")
+	}
+	usable := size.Value()
+	if *spec.VolumeMode == corev1.PersistentVolumeFilesystem {
+		overhead := c.filesystemOverhead(ctx, className)
+		if inflate {
+			need := int64(math.Ceil(float64(usable) / (1 - overhead)))
+			need = (need + 1<<20 - 1) &^ (1<<20 - 1)
+			size = *resource.NewQuantity(need, resource.BinarySI)
+		} else {
+			usable = int64(float64(usable) * (1 - overhead))
+		}
+	}
+	if spec.Resources.Requests == nil {
+		spec.Resources.Requests = corev1.ResourceList{}
+	}
+	spec.Resources.Requests[corev1.ResourceStorage] = size
+
+	kind := sourceKind(src)
+	ann := map[string]string{
+		importstate.AnnSource:     kind,
+		importstate.AnnUsableSize: strconv.FormatInt(usable, 10),
+	}
+	switch {
+	case src != nil && src.HTTP != nil:
+		ann[importstate.AnnEndpoint] = src.HTTP.URL
+	case src != nil && src.Registry != nil && src.Registry.URL != nil:
+		ann[importstate.AnnEndpoint] = *src.Registry.URL
+	case kind == importstate.SourceUpload:
+		ann[importstate.AnnUploadTarget] = ""
+	}
+	for _, k := range []string{importstate.AnnImmediateBinding, importstate.AnnSelectedNode} {
+		if v, ok := dv.Annotations[k]; ok {
+			ann[k] = v
+		}
+	}
+	labels := map[string]string{"app": "containerized-data-importer", "app.kubernetes.io/managed-by": "nodevirt"}
+	for k, v := range dv.Labels {
+		labels[k] = v
+	}
+	return &corev1.PersistentVolumeClaim{
+		ObjectMeta: metav1.ObjectMeta{
+			Name: dv.Name, Namespace: dv.Namespace, Labels: labels, Annotations: ann,
+			OwnerReferences: []metav1.OwnerReference{*metav1.NewControllerRef(dv, cdiv1.SchemeGroupVersion.WithKind("DataVolume"))},
+		},
+		Spec: spec,
+	}, nil
+}
+
+// defaultStorageClass is the cluster's default class (the newest when
+// several claim it), or nil.
+func (c *Controller) defaultStorageClass() *storagev1.StorageClass {
+	list, err := c.classes.List(labels.Everything())
+	if err != nil {
+		return nil
+	}
+	var best *storagev1.StorageClass
+	for _, sc := range list {
+		if sc.Annotations[defaultClassAnnotation] != "true" {
+			continue
+		}
+		if best == nil || sc.CreationTimestamp.After(best.CreationTimestamp.Time) {
+			best = sc
+		}
+	}
+	return best
+}
+
+// applyProfile fills access modes and volume mode from the class's
+// StorageProfile (spec.storage only), then with RWO/Filesystem.
+func (c *Controller) applyProfile(ctx context.Context, spec *corev1.PersistentVolumeClaimSpec, className string) {
+	var sets []cdiv1.ClaimPropertySet
+	if className != "" {
+		if p, err := c.virt.StorageProfiles.Get(ctx, "", className); err == nil {
+			sets = p.Status.ClaimPropertySets
+		}
+	}
+	if len(sets) == 0 {
+		sets = defaultPropertySets
+	}
+	pick := sets[0]
+	if spec.VolumeMode != nil {
+		for _, s := range sets {
+			if s.VolumeMode != nil && *s.VolumeMode == *spec.VolumeMode {
+				pick = s
+				break
+			}
+		}
+	}
+	if len(spec.AccessModes) == 0 {
+		spec.AccessModes = append([]corev1.PersistentVolumeAccessMode(nil), pick.AccessModes...)
+	}
+	if spec.VolumeMode == nil && pick.VolumeMode != nil {
+		mode := *pick.VolumeMode
+		spec.VolumeMode = &mode
+	}
+}
+
+// filesystemOverhead is the CDI CR's overhead for className.
+func (c *Controller) filesystemOverhead(ctx context.Context, className string) float64 {
+	cdis, err := c.virt.CDIs.List(ctx, "", metav1.ListOptions{})
+	if err != nil || len(cdis) == 0 || cdis[0].Spec.Config == nil || cdis[0].Spec.Config.FilesystemOverhead == nil {
+		return defaultOverhead
+	}
+	fo := cdis[0].Spec.Config.FilesystemOverhead
+	value := fo.Global
+	if v, ok := fo.StorageClass[className]; ok {
+		value = v
+	}
+	f, err := strconv.ParseFloat(string(value), 64)
+	if err != nil || f < 0 || f >= 1 {
+		return defaultOverhead
+	}
+	return f
+}
+
+// placeImmediately gives a pending WaitForFirstConsumer claim a node when
+// nothing will consume it soon: a clone goes to its source's node, any
+// other claim to a node picked from the claim's UID among the nodes that
+// can take it (for an upload, nodes with an upload endpoint).
+func (c *Controller) placeImmediately(ctx context.Context, pvc *corev1.PersistentVolumeClaim, src *cdiv1.DataVolumeSource) error {
+	node := ""
+	if src != nil && src.PVC != nil {
+		n, err := c.claimNode(ctx, src.PVC.Namespace, src.PVC.Name)
+		if err != nil {
+			return err
+		}
+		node = n
+	} else {
+		nodes, err := c.kube.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return fmt.Errorf("list nodes: %w", err)
+		}
+		var names []string
+		for _, n := range nodes.Items {
+			if usableNode(&n, sourceKind(src) == importstate.SourceUpload) {
+				names = append(names, n.Name)
+			}
+		}
+		if len(names) == 0 {
+			return claimErrorf("NoNodeAvailable", "no node can take pvc %s/%s", pvc.Namespace, pvc.Name)
+		}
+		sort.Strings(names)
+		h := fnv.New32a()
+		_, _ = h.Write([]byte(pvc.UID))
+		node = names[int(h.Sum32()%uint32(len(names)))]
+	}
+	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": map[string]string{importstate.AnnSelectedNode: node}}})
+	_, err := c.kube.CoreV1().PersistentVolumeClaims(pvc.Namespace).Patch(ctx, pvc.Name, types.MergePatchType, patch, metav1.PatchOptions{})
+	if err != nil {
+		return fmt.Errorf("select node %s for pvc %s/%s: %w", node, pvc.Namespace, pvc.Name, err)
+	}
+	c.log.Info("selected node for immediate binding", "namespace", pvc.Namespace, "pvc", pvc.Name, "node", node)
+	return nil
+}
+
+// claimNode is the node holding the volume of a claim: its PV's hostpath
+// topology, or its selected node.
+func (c *Controller) claimNode(ctx context.Context, ns, name string) (string, error) {
+	pvc, err := c.kube.CoreV1().PersistentVolumeClaims(ns).Get(ctx, name, metav1.GetOptions{})
+	if err != nil {
+		return "", claimErrorf("CloneSourceNotFound", "clone source pvc %s/%s: %w", ns, name, err)
+	}
+	if pvc.Spec.VolumeName != "" {
+		pv, err := c.kube.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
+		if err == nil {
+			if n := PVNode(pv); n != "" {
+				return n, nil
+			}
+		}
+	}
+	if n := pvc.Annotations[importstate.AnnSelectedNode]; n != "" {
+		return n, nil
+	}
+	return "", claimErrorf("CloneSourceNotPlaced", "clone source pvc %s/%s is on no node yet", ns, name)
+}
+
+// PVNode returns the node a hostpath PV lives on (its required node
+// affinity on topology.hostpath.csi/node or kubernetes.io/hostname), or "".
+func PVNode(pv *corev1.PersistentVolume) string {
+	if pv.Spec.NodeAffinity == nil || pv.Spec.NodeAffinity.Required == nil {
+		return ""
+	}
+	for _, term := range pv.Spec.NodeAffinity.Required.NodeSelectorTerms {
+		for _, e := range term.MatchExpressions {
+			if (e.Key == hostpathTopologyKey || e.Key == corev1.LabelHostname) && e.Operator == corev1.NodeSelectorOpIn && len(e.Values) == 1 {
+				return e.Values[0]
+			}
+		}
+	}
+	return ""
+}
+
+// usableNode says whether n may receive a claim.
+func usableNode(n *corev1.Node, needUpload bool) bool {
+	if n.Spec.Unschedulable || n.DeletionTimestamp != nil {
+		return false
+	}
+	for _, cond := range n.Status.Conditions {
+		if cond.Type == corev1.NodeReady && cond.Status == corev1.ConditionFalse {
+			return false
+		}
+	}
+	return !needUpload || n.Annotations[importstate.NodeUploadEndpoint] != ""
+}
+
+var errNotOwned = errors.New("a pvc of this name exists and is not owned by the datavolume")
