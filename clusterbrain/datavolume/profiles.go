@@ -32,7 +32,7 @@ var (
 
 	// knownProvisioners are the claim properties of provisioners CDI knows.
 	knownProvisioners = map[string][]cdiv1.ClaimPropertySet{
-		HostpathProvisioner:                 {{AccessModes: rwo, VolumeMode: &filesystemMode}, {AccessModes: rwo, VolumeMode: &blockMode}},
+		HostpathProvisioner:                {{AccessModes: rwo, VolumeMode: &filesystemMode}, {AccessModes: rwo, VolumeMode: &blockMode}},
 		"kubevirt.io/hostpath-provisioner": {{AccessModes: rwo, VolumeMode: &filesystemMode}},
 	}
 )

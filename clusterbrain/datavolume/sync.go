@@ -305,4 +305,3 @@ func findCondition(conds []cdiv1.DataVolumeCondition, t cdiv1.DataVolumeConditio
 	}
 	return cdiv1.DataVolumeCondition{}
 }
-
