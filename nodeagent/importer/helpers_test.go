@@ -4,6 +4,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"io"
+	"log"
 	"math/rand"
 	"net/http"
 	"net/http/httptest"
@@ -101,6 +102,15 @@ func serveDir(t testing.TB, dir string) *httptest.Server {
 	t.Helper()
 	srv := httptest.NewServer(http.FileServer(http.Dir(dir)))
 	t.Cleanup(srv.Close)
+	return srv
+}
+
+// quietTLSServer starts a TLS server whose handshake failures (the
+// untrusted-certificate cases) are not logged.
+func quietTLSServer(h http.Handler) *httptest.Server {
+	srv := httptest.NewUnstartedServer(h)
+	srv.Config.ErrorLog = log.New(io.Discard, "", 0)
+	srv.StartTLS()
 	return srv
 }
 

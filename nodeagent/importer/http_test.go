@@ -66,7 +66,7 @@ func TestTLSBasicAuthHeaders(t *testing.T) {
 	fx := getFixture(t)
 	img := filepath.Join(fx.dir, "disk.qcow2")
 	var sawSecret atomic.Bool
-	srv := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	srv := quietTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if u, p, ok := r.BasicAuth(); !ok || u != "alice" || p != "s3cret" {
 			w.Header().Set("WWW-Authenticate", `Basic realm="images"`)
 			http.Error(w, "no", http.StatusUnauthorized)

@@ -20,6 +20,9 @@
 // work directory, checked with `qemu-img info` and converted with
 // `qemu-img convert`, whose progress is reported.
 //
+// Binaries used: qemu-img (Debian qemu-utils) for the non-streaming
+// formats, xz (xz-utils) for xz streams; gzip and zstd are decoded in Go.
+//
 // Safety: the virtual size is checked against the capacity before the
 // destination is written (content length for raw, header for the others);
 // a failed import leaves no file behind (files are written under a

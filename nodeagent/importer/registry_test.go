@@ -197,7 +197,7 @@ func TestRegistry(t *testing.T) {
 
 	plain := httptest.NewServer(reg)
 	defer plain.Close()
-	secure := httptest.NewTLSServer(reg)
+	secure := quietTLSServer(reg)
 	defer secure.Close()
 	plainHost := strings.TrimPrefix(plain.URL, "http://")
 	secureHost := strings.TrimPrefix(secure.URL, "https://")
