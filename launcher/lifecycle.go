@@ -8,6 +8,8 @@ import (
 
 	"libvirt.org/go/libvirt"
 	"libvirt.org/go/libvirtxml"
+
+	"github.com/nodevirt/nodevirt/launcher/domain"
 )
 
 // StartOptions tune Start.
@@ -61,8 +63,33 @@ func (m *Manager) Start(ctx context.Context, name string, opts StartOptions) err
 			}
 			return fmt.Errorf("start %s: %w", name, err)
 		}
+		if err := applyMemoryLimit(d); err != nil {
+			d.DestroyFlags(libvirt.DOMAIN_DESTROY_DEFAULT)
+			return fmt.Errorf("start %s: %w", name, err)
+		}
 		return nil
 	})
+}
+
+// applyMemoryLimit sets the memory hard limit from nodevirt's metadata on
+// the running domain's cgroup (see domain.Metadata.MemoryHardLimitKiB).
+func applyMemoryLimit(d *libvirt.Domain) error {
+	doc, err := d.GetMetadata(libvirt.DOMAIN_METADATA_ELEMENT, domain.MetadataNamespace, libvirt.DOMAIN_AFFECT_LIVE)
+	if libvirtCode(err) == libvirt.ERR_NO_DOMAIN_METADATA {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("read metadata: %w", err)
+	}
+	md, ok, err := domain.ParseMetadata(doc)
+	if err != nil || !ok || md.MemoryHardLimitKiB == 0 {
+		return err
+	}
+	params := &libvirt.DomainMemoryParameters{HardLimitSet: true, HardLimit: md.MemoryHardLimitKiB}
+	if err := d.SetMemoryParameters(params, libvirt.DOMAIN_AFFECT_LIVE); err != nil {
+		return fmt.Errorf("set memory hard limit %d KiB: %w", md.MemoryHardLimitKiB, err)
+	}
+	return nil
 }
 
 // Create defines dom and starts it.

@@ -89,15 +89,16 @@ func (c *converter) convert() *libvirtxml.Domain {
 		Name:    Name(c.vmi.Namespace, c.vmi.Name),
 		Devices: &libvirtxml.DomainDeviceList{Emulator: c.env.Emulator},
 	}
-	md, err := Metadata{UID: string(c.vmi.UID), Namespace: c.vmi.Namespace, Name: c.vmi.Name}.Marshal()
+	c.refuseSpec()
+	c.cpu(d)
+	hardLimit := c.memory(d)
+	md, err := Metadata{
+		UID: string(c.vmi.UID), Namespace: c.vmi.Namespace, Name: c.vmi.Name, MemoryHardLimitKiB: hardLimit,
+	}.Marshal()
 	if err != nil {
 		c.fail(err)
 	}
 	d.Metadata = &libvirtxml.DomainMetadata{XML: md}
-
-	c.refuseSpec()
-	c.cpu(d)
-	c.memory(d)
 	c.os(d)
 	c.features(d)
 	c.clock(d)
@@ -250,7 +251,10 @@ func (c *converter) cpu(d *libvirtxml.Domain) {
 
 func kib(bytes int64) uint { return uint((bytes + 1023) / 1024) }
 
-func (c *converter) memory(d *libvirtxml.Domain) {
+// memory sets the guest memory and its backing, and returns the memory hard
+// limit of the domain's cgroup in KiB (0 for none), see
+// Metadata.MemoryHardLimitKiB.
+func (c *converter) memory(d *libvirtxml.Domain) uint64 {
 	const path = "spec.domain.memory"
 	mem := c.spec.Domain.Memory
 	if mem == nil {
@@ -270,7 +274,7 @@ func (c *converter) memory(d *libvirtxml.Domain) {
 	}
 	if guest == nil || guest.Value() <= 0 {
 		c.invalid(path+".guest", "guest memory is not set (set memory.guest or resources.requests.memory)")
-		return
+		return 0
 	}
 	d.Memory = &libvirtxml.DomainMemory{Value: kib(guest.Value()), Unit: "KiB"}
 	if mem.MaxGuest != nil && mem.MaxGuest.Cmp(*guest) != 0 {
@@ -311,12 +315,11 @@ func (c *converter) memory(d *libvirtxml.Domain) {
 		hard := lim.Value() + c.env.MemoryOverhead + added
 		if hard < 0 || hard > math.MaxInt64/2 {
 			c.invalid("spec.domain.resources.limits.memory", "%s is out of range", &lim)
-			return
+			return 0
 		}
-		d.MemoryTune = &libvirtxml.DomainMemoryTune{
-			HardLimit: &libvirtxml.DomainMemoryTuneLimit{Value: uint64(kib(hard)), Unit: "KiB"},
-		}
+		return uint64(kib(hard))
 	}
+	return 0
 }
 
 func (c *converter) os(d *libvirtxml.Domain) {

@@ -134,8 +134,9 @@ func TestGoldenSpecifics(t *testing.T) {
 	if d.VCPU.Value != 4 || d.CPU.Topology.Cores != 2 || d.CPU.Topology.Threads != 2 {
 		t.Errorf("vcpus %d topology %+v", d.VCPU.Value, d.CPU.Topology)
 	}
-	if d.Memory.Value != 1<<20 || d.MemoryTune.HardLimit.Value != (2<<20)+(DefaultMemoryOverhead>>10) {
-		t.Errorf("memory %d KiB, hard limit %d KiB", d.Memory.Value, d.MemoryTune.HardLimit.Value)
+	md, _, _ := MetadataOf(d)
+	if d.Memory.Value != 1<<20 || md.MemoryHardLimitKiB != (2<<20)+(DefaultMemoryOverhead>>10) || d.MemoryTune != nil {
+		t.Errorf("memory %d KiB, hard limit %d KiB", d.Memory.Value, md.MemoryHardLimitKiB)
 	}
 	if d.CPUTune.GlobalQuota.Value != 200000 || d.CPUTune.Shares.Value != 512 {
 		t.Errorf("cputune %+v %+v", d.CPUTune.GlobalQuota, d.CPUTune.Shares)

@@ -24,6 +24,12 @@ type Metadata struct {
 	UID       string   `xml:"uid,attr"`
 	Namespace string   `xml:"namespace,attr"`
 	Name      string   `xml:"name,attr"`
+	// MemoryHardLimitKiB is the memory limit of the domain's cgroup
+	// (resources.limits.memory plus QEMU's overhead); 0 for none. It is not
+	// a <memtune> element because libvirt raises QEMU's RLIMIT_MEMLOCK to a
+	// <memtune> hard limit at start, which fails without CAP_SYS_RESOURCE;
+	// the launcher applies it to the running domain instead.
+	MemoryHardLimitKiB uint64 `xml:"memoryHardLimitKiB,attr,omitempty"`
 }
 
 // Name returns the domain name of a VMI, "<namespace>_<name>" as KubeVirt
@@ -72,11 +78,12 @@ func ParseMetadata(innerXML string) (m Metadata, ok bool, err error) {
 				UID       string `xml:"uid,attr"`
 				Namespace string `xml:"namespace,attr"`
 				Name      string `xml:"name,attr"`
+				HardLimit uint64 `xml:"memoryHardLimitKiB,attr"`
 			}
 			if err := dec.DecodeElement(&attrs, &se); err != nil {
 				return Metadata{}, false, fmt.Errorf("parse domain metadata: %w", err)
 			}
-			return Metadata{UID: attrs.UID, Namespace: attrs.Namespace, Name: attrs.Name}, true, nil
+			return Metadata{UID: attrs.UID, Namespace: attrs.Namespace, Name: attrs.Name, MemoryHardLimitKiB: attrs.HardLimit}, true, nil
 		}
 	}
 }
