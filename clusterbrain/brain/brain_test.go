@@ -1,0 +1,78 @@
+package brain
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"syscall"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/nodevirt/nodevirt/test/controlplane"
+)
+
+func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
+
+// TestKilledLeaderHandsOver runs two brain processes, kills the leader with
+// SIGKILL (no lease release) and expects the other to lead within 15 s.
+func TestKilledLeaderHandsOver(t *testing.T) {
+	cp := controlplane.Shared(t)
+	dir := t.TempDir()
+	bin := filepath.Join(dir, "clusterbrain")
+	build := exec.Command("go", "build", "-o", bin, "github.com/nodevirt/nodevirt/clusterbrain/cmd/clusterbrain")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("build clusterbrain: %v\n%s", err, out)
+	}
+	ns := cp.Namespace(t)
+	start := func(id string) *exec.Cmd {
+		cmd := exec.Command(bin, "--kubeconfig="+cp.Kubeconfig, "--namespace="+ns, "--identity="+id, "--health-addr=127.0.0.1:0")
+		logf, err := os.Create(filepath.Join(dir, id+".log"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cmd.Stdout, cmd.Stderr = logf, logf
+		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+		return cmd
+	}
+	brains := map[string]*exec.Cmd{"brain-a": start("brain-a"), "brain-b": start("brain-b")}
+	leases := cp.Clientset(t).CoordinationV1().Leases(ns)
+	holder := func() string {
+		l, err := leases.Get(context.Background(), "nodevirt-clusterbrain", metav1.GetOptions{})
+		if err != nil || l.Spec.HolderIdentity == nil {
+			return ""
+		}
+		return *l.Spec.HolderIdentity
+	}
+	waitFor := func(cond func(string) bool, within time.Duration) (string, time.Duration) {
+		t0 := time.Now()
+		for time.Since(t0) < within {
+			if h := holder(); cond(h) {
+				return h, time.Since(t0)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		return holder(), time.Since(t0)
+	}
+	leader, _ := waitFor(func(h string) bool { return brains[h] != nil }, 90*time.Second)
+	if brains[leader] == nil {
+		t.Fatalf("no brain leads; lease holder %q", leader)
+	}
+	if err := brains[leader].Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	next, took := waitFor(func(h string) bool { return h != "" && h != leader }, 20*time.Second)
+	if next == leader || brains[next] == nil {
+		t.Fatalf("after killing %s the lease is held by %q", leader, next)
+	}
+	if took > 15*time.Second {
+		t.Fatalf("%s took over after %s, want within 15s", next, took)
+	}
+	t.Logf("%s killed, %s leads after %s", leader, next, took.Round(100*time.Millisecond))
+}
