@@ -218,8 +218,8 @@ func importStream(ctx context.Context, req Request, src io.Reader, total int64, 
 		return Result{}, err
 	}
 	committed = true
+	res.SourceBytes = t.read()
 	t.done()
-	res.SourceBytes = t.bytes
 	req.logger().Debug("import done", "dest", req.Dest, "format", res.Format,
 		"compression", res.Compression, "virtualSize", res.VirtualSize, "streamed", res.Streamed)
 	return res, nil

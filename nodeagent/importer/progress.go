@@ -93,6 +93,13 @@ func (t *tracker) setConvert(pct float64) {
 	t.mu.Unlock()
 }
 
+// read is the number of source bytes read so far.
+func (t *tracker) read() int64 {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.bytes
+}
+
 // done reports 100%.
 func (t *tracker) done() {
 	t.mu.Lock()
