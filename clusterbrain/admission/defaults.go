@@ -1,0 +1,81 @@
+package admission
+
+import (
+	"context"
+	"encoding/json"
+
+	admissionv1 "k8s.io/api/admission/v1"
+	corev1 "k8s.io/api/core/v1"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+)
+
+// mutateVMI applies the defaults KubeVirt applies when a VMI is created.
+func mutateVMI(_ context.Context, req *admissionv1.AdmissionRequest) *admissionv1.AdmissionResponse {
+	var vmi kubevirtv1.VirtualMachineInstance
+	if err := json.Unmarshal(req.Object.Raw, &vmi); err != nil {
+		return Denyf("decode virtualmachineinstance: %v", err)
+	}
+	before, _ := json.Marshal(vmi.Spec)
+	DefaultVMISpec(&vmi.Spec)
+	after, _ := json.Marshal(vmi.Spec)
+	if string(before) == string(after) {
+		return Allow()
+	}
+	return Patch([]PatchOp{{Op: "replace", Path: "/spec", Value: vmi.Spec}})
+}
+
+// DefaultVMISpec fills what KubeVirt defaults: the pod network with a
+// masquerade interface when no network is given, a virtio disk target, the
+// q35 machine, a 1×1×1 CPU topology and memory request and guest memory
+// from each other.
+func DefaultVMISpec(s *kubevirtv1.VirtualMachineInstanceSpec) {
+	d := &s.Domain
+	auto := d.Devices.AutoattachPodInterface
+	if len(d.Devices.Interfaces) == 0 && len(s.Networks) == 0 && (auto == nil || *auto) {
+		s.Networks = []kubevirtv1.Network{*kubevirtv1.DefaultPodNetwork()}
+		d.Devices.Interfaces = []kubevirtv1.Interface{{Name: "default",
+			InterfaceBindingMethod: kubevirtv1.InterfaceBindingMethod{Masquerade: &kubevirtv1.InterfaceMasquerade{}}}}
+	}
+	for i := range d.Devices.Disks {
+		dk := &d.Devices.Disks[i]
+		if dk.Disk == nil && dk.LUN == nil && dk.CDRom == nil {
+			dk.Disk = &kubevirtv1.DiskTarget{}
+		}
+		if dk.Disk != nil && dk.Disk.Bus == "" {
+			dk.Disk.Bus = kubevirtv1.DiskBusVirtio
+		}
+	}
+	if d.Machine == nil {
+		d.Machine = &kubevirtv1.Machine{Type: "q35"}
+	}
+	if d.CPU == nil {
+		d.CPU = &kubevirtv1.CPU{}
+	}
+	if d.CPU.Sockets == 0 {
+		d.CPU.Sockets = 1
+	}
+	if d.CPU.Cores == 0 {
+		d.CPU.Cores = 1
+	}
+	if d.CPU.Threads == 0 {
+		d.CPU.Threads = 1
+	}
+	req, hasReq := d.Resources.Requests[corev1.ResourceMemory]
+	if d.Memory == nil || d.Memory.Guest == nil {
+		g := req
+		if !hasReq {
+			g, hasReq = d.Resources.Limits[corev1.ResourceMemory]
+		}
+		if hasReq {
+			if d.Memory == nil {
+				d.Memory = &kubevirtv1.Memory{}
+			}
+			d.Memory.Guest = &g
+		}
+	} else if !hasReq {
+		if d.Resources.Requests == nil {
+			d.Resources.Requests = corev1.ResourceList{}
+		}
+		d.Resources.Requests[corev1.ResourceMemory] = d.Memory.Guest.DeepCopy()
+	}
+}

@@ -1,0 +1,358 @@
+// Package admission is the brain's HTTPS admission webhook server: it
+// serves every webhook of the brain (its own VM/VMI defaulting and
+// validation, the MAC pool, and paths other roles register) with a
+// certificate from the brain's own CA, and keeps the Mutating and
+// Validating webhook configurations pointing at it with that CA's bundle.
+package admission
+
+import (
+	"context"
+	"crypto/tls"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"sync"
+	"time"
+
+	admissionv1 "k8s.io/api/admission/v1"
+	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/certs"
+)
+
+// Names of the webhook configurations the brain owns.
+const (
+	MutatingConfigName   = "nodevirt-brain-mutator"
+	ValidatingConfigName = "nodevirt-brain-validator"
+)
+
+// AdmitFunc decides one admission request. It returns nil to allow the
+// request unchanged.
+type AdmitFunc func(ctx context.Context, req *admissionv1.AdmissionRequest) *admissionv1.AdmissionResponse
+
+// Webhook is one entry of the brain's webhook configurations, served on
+// Path of the brain's server.
+type Webhook struct {
+	// Name is the webhook's fully qualified name, e.g.
+	// "mutatevirtualmachines.kubemacpool.io".
+	Name     string
+	Path     string
+	Mutating bool
+	Rules    []admissionregistrationv1.RuleWithOperations
+	// NamespaceSelector and ObjectSelector narrow what is sent (nil: all).
+	NamespaceSelector *metav1.LabelSelector
+	ObjectSelector    *metav1.LabelSelector
+	// Ignore makes the apiserver admit when the brain is unreachable;
+	// the default is to fail the request.
+	Ignore bool
+	// SideEffects says the handler writes other objects except on dry run.
+	SideEffects bool
+	// Timeout defaults to 10s.
+	Timeout time.Duration
+	Admit   AdmitFunc
+}
+
+// Config configures the server.
+type Config struct {
+	// Addr is where the server listens (default 127.0.0.1:8443).
+	Addr string
+	// URL is the base URL the apiserver calls (default https://<listen address>).
+	URL string
+	// Namespace holds the certificate secrets.
+	Namespace string
+	// Certs overrides certificate settings; Kube, Namespace and
+	// PublishBundle are filled in by the server.
+	Certs certs.Config
+}
+
+// Deps are the clients the server and its contributors use.
+type Deps struct {
+	Kube kubernetes.Interface
+	Virt *client.Set
+	Log  *slog.Logger
+}
+
+// Server is the brain's webhook server.
+type Server struct {
+	cfg  Config
+	deps Deps
+	log  *slog.Logger
+	cm   *certs.Manager
+	mux  *http.ServeMux
+
+	mu       sync.Mutex
+	webhooks []Webhook
+	paths    map[string]bool
+	url      string
+	runners  []func(context.Context) error
+	ready    chan struct{}
+}
+
+// New defaults and validates cfg and builds a server with no webhooks.
+func New(cfg Config, deps Deps) (*Server, error) {
+	if cfg.Addr == "" {
+		cfg.Addr = "127.0.0.1:8443"
+	}
+	if cfg.Namespace == "" {
+		return nil, errors.New("admission: namespace is required")
+	}
+	if deps.Kube == nil {
+		return nil, errors.New("admission: kube client is required")
+	}
+	if deps.Log == nil {
+		deps.Log = slog.Default()
+	}
+	s := &Server{cfg: cfg, deps: deps, log: deps.Log.With("role", "admission"), mux: http.NewServeMux(),
+		paths: map[string]bool{}, ready: make(chan struct{})}
+	cc := cfg.Certs
+	cc.Kube, cc.Namespace, cc.Log = deps.Kube, cfg.Namespace, s.log
+	cc.PublishBundle = s.publish
+	cm, err := certs.New(cc)
+	if err != nil {
+		return nil, err
+	}
+	s.cm = cm
+	return s, nil
+}
+
+// Deps returns the clients the server was built with.
+func (s *Server) Deps() Deps { return s.deps }
+
+// Certs returns the server's certificate manager.
+func (s *Server) Certs() *certs.Manager { return s.cm }
+
+// Ready is closed once the server listens and its configurations are
+// published.
+func (s *Server) Ready() <-chan struct{} { return s.ready }
+
+// URL returns the base URL the apiserver calls ("" before Run listens).
+func (s *Server) URL() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.url
+}
+
+// Handle serves h on path. Handle alone adds no webhook entry; use Register
+// for that.
+func (s *Server) Handle(path string, h AdmitFunc) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.paths[path] {
+		panic(fmt.Sprintf("admission: path %s registered twice", path))
+	}
+	s.paths[path] = true
+	s.mux.Handle(path, s.review(path, h))
+}
+
+// Register serves w.Admit on w.Path and adds w to the webhook
+// configurations (republished at once when the server already runs).
+func (s *Server) Register(w Webhook) {
+	s.Handle(w.Path, w.Admit)
+	s.mu.Lock()
+	s.webhooks = append(s.webhooks, w)
+	running := s.url != ""
+	s.mu.Unlock()
+	if running {
+		if err := s.publish(context.Background(), s.cm.CABundle()); err != nil {
+			s.log.Error("publish webhooks", "err", err)
+		}
+	}
+}
+
+// Go runs f beside the server for as long as it runs (a contributor's
+// informers, for instance).
+func (s *Server) Go(f func(context.Context) error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.runners = append(s.runners, f)
+}
+
+// Name implements the brain's Role.
+func (s *Server) Name() string { return "admission" }
+
+// Run listens, obtains a certificate, publishes the webhook
+// configurations and serves until ctx ends.
+func (s *Server) Run(ctx context.Context) error {
+	ln, err := net.Listen("tcp", s.cfg.Addr)
+	if err != nil {
+		return fmt.Errorf("listen %s: %w", s.cfg.Addr, err)
+	}
+	defer ln.Close()
+	s.mu.Lock()
+	s.url = s.cfg.URL
+	if s.url == "" {
+		s.url = "https://" + ln.Addr().String()
+	}
+	runners := s.runners
+	s.mu.Unlock()
+
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	for _, f := range runners {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := f(ctx); err != nil && ctx.Err() == nil {
+				s.log.Error("admission runner stopped", "err", err)
+			}
+		}()
+	}
+	if _, err := s.cm.Sync(ctx); err != nil {
+		return fmt.Errorf("certificates: %w", err)
+	}
+	wg.Add(1)
+	go func() { defer wg.Done(); _ = s.cm.Run(ctx) }()
+
+	srv := &http.Server{
+		Handler:           s.mux,
+		ReadHeaderTimeout: 10 * time.Second,
+		TLSConfig:         s.tlsConfig(),
+		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelDebug),
+	}
+	go func() {
+		<-ctx.Done()
+		shut, c := context.WithTimeout(context.Background(), 5*time.Second)
+		defer c()
+		_ = srv.Shutdown(shut)
+	}()
+	close(s.ready)
+	s.log.Info("serving webhooks", "url", s.url)
+	if err := srv.ServeTLS(ln, "", ""); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return err
+	}
+	return nil
+}
+
+func (s *Server) tlsConfig() *tls.Config {
+	return &tls.Config{MinVersion: tls.VersionTLS12, GetCertificate: s.cm.GetCertificate}
+}
+
+// review decodes an AdmissionReview, runs h and encodes its answer.
+func (s *Server) review(path string, h AdmitFunc) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, err := io.ReadAll(io.LimitReader(r.Body, 8<<20))
+		if err != nil {
+			http.Error(w, "read body", http.StatusBadRequest)
+			return
+		}
+		var ar admissionv1.AdmissionReview
+		if err := json.Unmarshal(body, &ar); err != nil || ar.Request == nil {
+			http.Error(w, "not an admission review", http.StatusBadRequest)
+			return
+		}
+		resp := h(r.Context(), ar.Request)
+		if resp == nil {
+			resp = &admissionv1.AdmissionResponse{Allowed: true}
+		}
+		resp.UID = ar.Request.UID
+		if !resp.Allowed && resp.Result != nil {
+			s.log.Info("denied", "path", path, "kind", ar.Request.Kind.Kind, "namespace", ar.Request.Namespace,
+				"name", ar.Request.Name, "reason", resp.Result.Message)
+		}
+		out := admissionv1.AdmissionReview{TypeMeta: ar.TypeMeta, Response: resp}
+		if out.APIVersion == "" {
+			out.APIVersion, out.Kind = "admission.k8s.io/v1", "AdmissionReview"
+		}
+		w.Header().Set("Content-Type", "application/json")
+		_ = json.NewEncoder(w).Encode(&out)
+	})
+}
+
+// configurations renders the webhook configurations for bundle.
+func (s *Server) configurations(bundle []byte) (*admissionregistrationv1.MutatingWebhookConfiguration, *admissionregistrationv1.ValidatingWebhookConfiguration) {
+	s.mu.Lock()
+	hooks := append([]Webhook(nil), s.webhooks...)
+	base := s.url
+	s.mu.Unlock()
+	labels := map[string]string{"app.kubernetes.io/managed-by": "nodevirt"}
+	mut := &admissionregistrationv1.MutatingWebhookConfiguration{ObjectMeta: metav1.ObjectMeta{Name: MutatingConfigName, Labels: labels}}
+	val := &admissionregistrationv1.ValidatingWebhookConfiguration{ObjectMeta: metav1.ObjectMeta{Name: ValidatingConfigName, Labels: labels}}
+	for _, h := range hooks {
+		url := base + h.Path
+		cc := admissionregistrationv1.WebhookClientConfig{URL: &url, CABundle: bundle}
+		fail := admissionregistrationv1.Fail
+		if h.Ignore {
+			fail = admissionregistrationv1.Ignore
+		}
+		side := admissionregistrationv1.SideEffectClassNone
+		if h.SideEffects {
+			side = admissionregistrationv1.SideEffectClassNoneOnDryRun
+		}
+		timeout := int32(10)
+		if h.Timeout > 0 {
+			timeout = int32(h.Timeout / time.Second)
+		}
+		equiv := admissionregistrationv1.Equivalent
+		nsSel, objSel := h.NamespaceSelector, h.ObjectSelector
+		if nsSel == nil {
+			nsSel = &metav1.LabelSelector{}
+		}
+		if objSel == nil {
+			objSel = &metav1.LabelSelector{}
+		}
+		if h.Mutating {
+			never := admissionregistrationv1.NeverReinvocationPolicy
+			mut.Webhooks = append(mut.Webhooks, admissionregistrationv1.MutatingWebhook{
+				Name: h.Name, ClientConfig: cc, Rules: h.Rules, FailurePolicy: &fail, MatchPolicy: &equiv,
+				NamespaceSelector: nsSel, ObjectSelector: objSel, SideEffects: &side, TimeoutSeconds: &timeout,
+				AdmissionReviewVersions: []string{"v1"}, ReinvocationPolicy: &never,
+			})
+		} else {
+			val.Webhooks = append(val.Webhooks, admissionregistrationv1.ValidatingWebhook{
+				Name: h.Name, ClientConfig: cc, Rules: h.Rules, FailurePolicy: &fail, MatchPolicy: &equiv,
+				NamespaceSelector: nsSel, ObjectSelector: objSel, SideEffects: &side, TimeoutSeconds: &timeout,
+				AdmissionReviewVersions: []string{"v1"},
+			})
+		}
+	}
+	return mut, val
+}
+
+// publish creates or updates both webhook configurations with bundle.
+func (s *Server) publish(ctx context.Context, bundle []byte) error {
+	mut, val := s.configurations(bundle)
+	ar := s.deps.Kube.AdmissionregistrationV1()
+	if err := applyMutating(ctx, ar.MutatingWebhookConfigurations(), mut); err != nil {
+		return fmt.Errorf("mutating webhook configuration: %w", err)
+	}
+	if err := applyValidating(ctx, ar.ValidatingWebhookConfigurations(), val); err != nil {
+		return fmt.Errorf("validating webhook configuration: %w", err)
+	}
+	return nil
+}
+
+// Contributor registers webhooks (and runners) of another role on the
+// brain's server.
+type Contributor func(s *Server) error
+
+// NewRole builds the brain's webhook server with KubeVirt's own webhooks
+// and those of contributors. Certificate lifetimes follow the
+// HyperConverged kubevirt-hyperconverged's spec.certConfig in the namespace
+// unless cfg.Certs.Durations is set.
+func NewRole(cfg Config, deps Deps, contributors ...Contributor) (*Server, error) {
+	if cfg.Certs.Durations == nil && deps.Virt != nil {
+		cfg.Certs.Durations = certs.HCODurations(deps.Virt, cfg.Namespace, "kubevirt-hyperconverged")
+	}
+	s, err := New(cfg, deps)
+	if err != nil {
+		return nil, err
+	}
+	if err := RegisterKubeVirt(s); err != nil {
+		return nil, err
+	}
+	for _, c := range contributors {
+		if err := c(s); err != nil {
+			return nil, err
+		}
+	}
+	return s, nil
+}

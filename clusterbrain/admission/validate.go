@@ -1,0 +1,315 @@
+package admission
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"strings"
+
+	admissionv1 "k8s.io/api/admission/v1"
+	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/apimachinery/pkg/util/validation/field"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+)
+
+// rules returns the rule matching resource of kubevirt.io/v1 on ops.
+func rules(resource string, ops ...admissionregistrationv1.OperationType) []admissionregistrationv1.RuleWithOperations {
+	return []admissionregistrationv1.RuleWithOperations{{
+		Operations: ops,
+		Rule: admissionregistrationv1.Rule{APIGroups: []string{"kubevirt.io"}, APIVersions: []string{"v1"},
+			Resources: []string{resource}},
+	}}
+}
+
+// RegisterKubeVirt adds KubeVirt's own VM/VMI webhooks to s: VMI defaults
+// and VM/VMI validation.
+func RegisterKubeVirt(s *Server) error {
+	s.Register(Webhook{Name: "virtualmachineinstances-mutator.kubevirt.io", Path: "/virtualmachineinstances-mutate", Mutating: true,
+		Rules: rules("virtualmachineinstances", admissionregistrationv1.Create), Admit: mutateVMI})
+	s.Register(Webhook{Name: "virtualmachine-validator.kubevirt.io", Path: "/virtualmachines-validate",
+		Rules: rules("virtualmachines", admissionregistrationv1.Create, admissionregistrationv1.Update), Admit: admitVM})
+	s.Register(Webhook{Name: "virtualmachineinstances-create-validator.kubevirt.io", Path: "/virtualmachineinstances-validate-create",
+		Rules: rules("virtualmachineinstances", admissionregistrationv1.Create), Admit: admitVMI})
+	return nil
+}
+
+func admitVM(_ context.Context, req *admissionv1.AdmissionRequest) *admissionv1.AdmissionResponse {
+	var vm kubevirtv1.VirtualMachine
+	if err := json.Unmarshal(req.Object.Raw, &vm); err != nil {
+		return Denyf("decode virtualmachine: %v", err)
+	}
+	if req.Operation == admissionv1.Update && vm.DeletionTimestamp != nil {
+		return Allow()
+	}
+	if errs := ValidateVM(&vm); len(errs) > 0 {
+		return DenyFields(errs)
+	}
+	return Allow()
+}
+
+func admitVMI(_ context.Context, req *admissionv1.AdmissionRequest) *admissionv1.AdmissionResponse {
+	var vmi kubevirtv1.VirtualMachineInstance
+	if err := json.Unmarshal(req.Object.Raw, &vmi); err != nil {
+		return Denyf("decode virtualmachineinstance: %v", err)
+	}
+	if errs := ValidateVMISpec(field.NewPath("spec"), &vmi.Spec, false); len(errs) > 0 {
+		return DenyFields(errs)
+	}
+	return Allow()
+}
+
+var runStrategies = map[kubevirtv1.VirtualMachineRunStrategy]bool{
+	kubevirtv1.RunStrategyAlways: true, kubevirtv1.RunStrategyHalted: true, kubevirtv1.RunStrategyManual: true,
+	kubevirtv1.RunStrategyRerunOnFailure: true, kubevirtv1.RunStrategyOnce: true, kubevirtv1.RunStrategyWaitAsReceiver: true,
+}
+
+// ValidateVM checks a VirtualMachine as KubeVirt's validator does, naming
+// each offending field.
+func ValidateVM(vm *kubevirtv1.VirtualMachine) field.ErrorList {
+	var errs field.ErrorList
+	spec := field.NewPath("spec")
+	if vm.Spec.Template == nil {
+		return append(errs, field.Required(spec.Child("template"), "missing virtual machine template"))
+	}
+	if vm.Spec.Running != nil && vm.Spec.RunStrategy != nil {
+		errs = append(errs, field.Invalid(spec.Child("running"), *vm.Spec.Running, "running and runStrategy are mutually exclusive"))
+	}
+	if rs := vm.Spec.RunStrategy; rs != nil && !runStrategies[*rs] {
+		errs = append(errs, field.NotSupported(spec.Child("runStrategy"), *rs, []string{"Always", "Halted", "Manual", "RerunOnFailure", "Once"}))
+	}
+	withType := vm.Spec.Instancetype != nil
+	errs = append(errs, ValidateVMISpec(spec.Child("template", "spec"), &vm.Spec.Template.Spec, withType)...)
+	if it := vm.Spec.Instancetype; it != nil {
+		errs = append(errs, validateMatcher(spec.Child("instancetype"), it.Name, it.Kind, "virtualmachineinstancetype", "virtualmachineclusterinstancetype")...)
+		errs = append(errs, instancetypeConflicts(spec.Child("template", "spec", "domain"), &vm.Spec.Template.Spec.Domain)...)
+	}
+	if p := vm.Spec.Preference; p != nil {
+		errs = append(errs, validateMatcher(spec.Child("preference"), p.Name, p.Kind, "virtualmachinepreference", "virtualmachineclusterpreference")...)
+	}
+	volumes := map[string]bool{}
+	for _, v := range vm.Spec.Template.Spec.Volumes {
+		if v.DataVolume != nil {
+			volumes[v.DataVolume.Name] = true
+		}
+	}
+	seen := map[string]bool{}
+	for i, dvt := range vm.Spec.DataVolumeTemplates {
+		p := spec.Child("dataVolumeTemplates").Index(i)
+		switch {
+		case dvt.Name == "":
+			errs = append(errs, field.Required(p.Child("metadata", "name"), "dataVolumeTemplate needs a name"))
+		case seen[dvt.Name]:
+			errs = append(errs, field.Duplicate(p.Child("metadata", "name"), dvt.Name))
+		case !volumes[dvt.Name]:
+			errs = append(errs, field.Invalid(p.Child("metadata", "name"), dvt.Name,
+				"dataVolumeTemplate must be referenced by a dataVolume volume of the template"))
+		}
+		seen[dvt.Name] = true
+	}
+	return errs
+}
+
+func validateMatcher(p *field.Path, name, kind string, namespaced, cluster string) field.ErrorList {
+	var errs field.ErrorList
+	if name == "" {
+		errs = append(errs, field.Required(p.Child("name"), "a name is required"))
+	}
+	if k := strings.ToLower(kind); k != "" && k != namespaced && k != cluster {
+		errs = append(errs, field.NotSupported(p.Child("kind"), kind, []string{namespaced, cluster}))
+	}
+	return errs
+}
+
+// instancetypeConflicts refuses what an instance type owns: vCPUs and
+// guest memory.
+func instancetypeConflicts(p *field.Path, d *kubevirtv1.DomainSpec) field.ErrorList {
+	var errs field.ErrorList
+	const msg = "VM field conflicts with selected instance type"
+	if c := d.CPU; c != nil {
+		if c.Sockets != 0 {
+			errs = append(errs, field.Invalid(p.Child("cpu", "sockets"), c.Sockets, msg))
+		}
+		if c.Cores != 0 {
+			errs = append(errs, field.Invalid(p.Child("cpu", "cores"), c.Cores, msg))
+		}
+		if c.Threads != 0 {
+			errs = append(errs, field.Invalid(p.Child("cpu", "threads"), c.Threads, msg))
+		}
+	}
+	if d.Memory != nil && d.Memory.Guest != nil {
+		errs = append(errs, field.Invalid(p.Child("memory", "guest"), d.Memory.Guest.String(), msg))
+	}
+	if _, ok := d.Resources.Requests["memory"]; ok {
+		errs = append(errs, field.Invalid(p.Child("resources", "requests", "memory"), d.Resources.Requests.Memory().String(), msg))
+	}
+	if _, ok := d.Resources.Requests["cpu"]; ok {
+		errs = append(errs, field.Invalid(p.Child("resources", "requests", "cpu"), d.Resources.Requests.Cpu().String(), msg))
+	}
+	return errs
+}
+
+var minMemory = resource.MustParse("1Mi")
+
+// ValidateVMISpec checks a VMI spec at path p. withInstancetype relaxes
+// what an instance type provides (memory).
+func ValidateVMISpec(p *field.Path, spec *kubevirtv1.VirtualMachineInstanceSpec, withInstancetype bool) field.ErrorList {
+	var errs field.ErrorList
+	dom := p.Child("domain")
+	devs := dom.Child("devices")
+
+	volumes := map[string]int{}
+	for i, v := range spec.Volumes {
+		vp := p.Child("volumes").Index(i)
+		if msgs := validation.IsDNS1123Label(v.Name); len(msgs) > 0 {
+			errs = append(errs, field.Invalid(vp.Child("name"), v.Name, strings.Join(msgs, "; ")))
+		}
+		if _, dup := volumes[v.Name]; dup {
+			errs = append(errs, field.Duplicate(vp.Child("name"), v.Name))
+		}
+		volumes[v.Name] = i
+		if n := countSources(v.VolumeSource); n != 1 {
+			errs = append(errs, field.Invalid(vp, v.Name, fmt.Sprintf("volume must have exactly one source, has %d", n)))
+		}
+	}
+	disks := map[string]bool{}
+	boot := map[uint]bool{}
+	for i, d := range spec.Domain.Devices.Disks {
+		dp := devs.Child("disks").Index(i)
+		if d.Name == "" {
+			errs = append(errs, field.Required(dp.Child("name"), "disk needs a name"))
+			continue
+		}
+		if disks[d.Name] {
+			errs = append(errs, field.Duplicate(dp.Child("name"), d.Name))
+		}
+		disks[d.Name] = true
+		if _, ok := volumes[d.Name]; !ok {
+			errs = append(errs, field.NotFound(dp.Child("name"), d.Name))
+		}
+		targets := 0
+		for _, set := range []bool{d.Disk != nil, d.LUN != nil, d.CDRom != nil} {
+			if set {
+				targets++
+			}
+		}
+		if targets > 1 {
+			errs = append(errs, field.Invalid(dp, d.Name, "disk must have at most one of disk, lun or cdrom"))
+		}
+		if d.BootOrder != nil {
+			if *d.BootOrder < 1 {
+				errs = append(errs, field.Invalid(dp.Child("bootOrder"), *d.BootOrder, "must be greater than 0"))
+			} else if boot[*d.BootOrder] {
+				errs = append(errs, field.Duplicate(dp.Child("bootOrder"), *d.BootOrder))
+			}
+			boot[*d.BootOrder] = true
+		}
+	}
+
+	networks := map[string]kubevirtv1.Network{}
+	pods := 0
+	for i, n := range spec.Networks {
+		np := p.Child("networks").Index(i)
+		if n.Name == "" {
+			errs = append(errs, field.Required(np.Child("name"), "network needs a name"))
+		}
+		if _, dup := networks[n.Name]; dup {
+			errs = append(errs, field.Duplicate(np.Child("name"), n.Name))
+		}
+		networks[n.Name] = n
+		switch {
+		case n.Pod != nil && n.Multus != nil, n.Pod == nil && n.Multus == nil:
+			errs = append(errs, field.Invalid(np, n.Name, "network must have exactly one of pod or multus"))
+		case n.Pod != nil:
+			pods++
+		case n.Multus.NetworkName == "":
+			errs = append(errs, field.Required(np.Child("multus", "networkName"), "multus network needs a networkName"))
+		}
+	}
+	if pods > 1 {
+		errs = append(errs, field.TooMany(p.Child("networks"), pods, 1))
+	}
+	ifaces := map[string]bool{}
+	for i, iface := range spec.Domain.Devices.Interfaces {
+		ip := devs.Child("interfaces").Index(i)
+		if ifaces[iface.Name] {
+			errs = append(errs, field.Duplicate(ip.Child("name"), iface.Name))
+		}
+		ifaces[iface.Name] = true
+		n, ok := networks[iface.Name]
+		if !ok {
+			errs = append(errs, field.NotFound(ip.Child("name"), iface.Name))
+		}
+		b := iface.InterfaceBindingMethod
+		bindings := 0
+		for _, set := range []bool{b.Bridge != nil, b.Masquerade != nil, b.SRIOV != nil, b.DeprecatedSlirp != nil,
+			b.DeprecatedMacvtap != nil, b.DeprecatedPasst != nil, iface.Binding != nil} {
+			if set {
+				bindings++
+			}
+		}
+		if bindings > 1 {
+			errs = append(errs, field.Invalid(ip, iface.Name, "interface must have at most one binding method"))
+		}
+		if b.Masquerade != nil && ok && n.Pod == nil {
+			errs = append(errs, field.Invalid(ip.Child("masquerade"), iface.Name, "masquerade is only allowed on the pod network"))
+		}
+		if iface.MacAddress != "" {
+			if hw, err := net.ParseMAC(iface.MacAddress); err != nil || len(hw) != 6 {
+				errs = append(errs, field.Invalid(ip.Child("macAddress"), iface.MacAddress, "must be a 48-bit MAC address"))
+			} else if hw[0]&1 == 1 {
+				errs = append(errs, field.Invalid(ip.Child("macAddress"), iface.MacAddress, "must be a unicast MAC address"))
+			}
+		}
+	}
+	for i, n := range spec.Networks {
+		if !ifaces[n.Name] {
+			errs = append(errs, field.Invalid(p.Child("networks").Index(i).Child("name"), n.Name, "network has no interface"))
+		}
+	}
+
+	errs = append(errs, validateMemory(dom, &spec.Domain, withInstancetype)...)
+	return errs
+}
+
+func validateMemory(dom *field.Path, d *kubevirtv1.DomainSpec, withInstancetype bool) field.ErrorList {
+	var errs field.ErrorList
+	req, hasReq := d.Resources.Requests["memory"]
+	lim, hasLim := d.Resources.Limits["memory"]
+	var guest *resource.Quantity
+	if d.Memory != nil {
+		guest = d.Memory.Guest
+	}
+	if !hasReq && !hasLim && guest == nil && !withInstancetype {
+		errs = append(errs, field.Required(dom.Child("resources", "requests", "memory"),
+			"no memory requested, at least one of domain.memory.guest, resources.requests.memory or resources.limits.memory must be set"))
+	}
+	if hasReq && req.Cmp(minMemory) < 0 {
+		errs = append(errs, field.Invalid(dom.Child("resources", "requests", "memory"), req.String(), "must be greater than or equal to 1Mi"))
+	}
+	if guest != nil && guest.Cmp(minMemory) < 0 {
+		errs = append(errs, field.Invalid(dom.Child("memory", "guest"), guest.String(), "must be greater than or equal to 1Mi"))
+	}
+	if hasReq && hasLim && lim.Cmp(req) < 0 {
+		errs = append(errs, field.Invalid(dom.Child("resources", "limits", "memory"), lim.String(), "must be greater than or equal to the memory request"))
+	}
+	if guest != nil && hasLim && guest.Cmp(lim) > 0 {
+		errs = append(errs, field.Invalid(dom.Child("memory", "guest"), guest.String(), "must not exceed the memory limit"))
+	}
+	return errs
+}
+
+func countSources(v kubevirtv1.VolumeSource) int {
+	n := 0
+	for _, set := range []bool{v.HostDisk != nil, v.PersistentVolumeClaim != nil, v.CloudInitNoCloud != nil,
+		v.CloudInitConfigDrive != nil, v.Sysprep != nil, v.ContainerDisk != nil, v.Ephemeral != nil, v.EmptyDisk != nil,
+		v.DataVolume != nil, v.ConfigMap != nil, v.Secret != nil, v.DownwardAPI != nil, v.ServiceAccount != nil,
+		v.DownwardMetrics != nil, v.MemoryDump != nil} {
+		if set {
+			n++
+		}
+	}
+	return n
+}
