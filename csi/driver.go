@@ -338,3 +338,40 @@ func (k *keyedLocks) lock(key string) func() {
 		k.mu.Unlock()
 	}
 }
+
+// Deactivate unmounts every publication and volume filesystem and detaches
+// every loop device of this driver's volumes, keeping all data and records:
+// what `make lab-down` or a node drain needs. A later New brings the
+// volumes back. It returns the first error but tries every volume.
+func (d *Driver) Deactivate() error {
+	d.mu.Lock()
+	vols := make([]volume, 0, len(d.volumes))
+	for _, v := range d.volumes {
+		vols = append(vols, v.clone())
+	}
+	d.mu.Unlock()
+	var first error
+	keep := func(err error) {
+		if err != nil && first == nil {
+			first = err
+		}
+	}
+	for _, v := range vols {
+		unlock := d.locks.lock("volume/" + v.ID)
+		p := d.pools[v.Pool]
+		for target, pub := range v.Published {
+			keep(unmountIfMounted(target))
+			if pub.Device != "" && loopBacking(pub.Device) == p.image(v.ID) {
+				keep(detachLoop(pub.Device))
+			}
+		}
+		keep(d.deactivate(p, &v))
+		d.mu.Lock()
+		if rec, ok := d.volumes[v.ID]; ok {
+			rec.dev = v.dev
+		}
+		d.mu.Unlock()
+		unlock()
+	}
+	return first
+}

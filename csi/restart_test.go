@@ -145,3 +145,59 @@ func TestRestartKeepsEverything(t *testing.T) {
 		t.Errorf("snapshot after reboot: %v %v", snaps, err)
 	}
 }
+
+// TestDeactivate: after Deactivate no mount or loop device of the driver's
+// volumes remains, and a new driver brings the data back.
+func TestDeactivate(t *testing.T) {
+	requireRoot(t)
+	cfg := testConfig(t)
+	ctx := context.Background()
+	d, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fs, err := d.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "a", VolumeCapabilities: []*csi.VolumeCapability{mountCap(rw)}, CapacityRange: &csi.CapacityRange{RequiredBytes: 8 * mib}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	blk, err := d.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "b", VolumeCapabilities: []*csi.VolumeCapability{blockCap(rw)}, CapacityRange: &csi.CapacityRange{RequiredBytes: 8 * mib}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fsID, blkID := fs.GetVolume().GetVolumeId(), blk.GetVolume().GetVolumeId()
+	disk, _, _ := d.VolumeDisk(fsID)
+	if err := os.WriteFile(disk, []byte("kept"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	target := filepath.Join(t.TempDir(), "t")
+	if _, err := d.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: blkID, TargetPath: target, VolumeCapability: blockCap(rw), Readonly: true}); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Deactivate(); err != nil {
+		t.Fatal(err)
+	}
+	p := d.pools["fast"] // the first pool is the default
+	loops, err := loopsByBacking()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range []string{fsID, blkID} {
+		if l := loops[p.image(id)]; len(l) > 0 {
+			t.Errorf("volume %s still has loop devices %v", id, l)
+		}
+	}
+	for _, m := range []string{target, p.mountDir(fsID)} {
+		if mounted, _ := isMountpoint(m); mounted {
+			t.Errorf("%s still mounted", m)
+		}
+	}
+	d2, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cleanupDriver(t, d2)
+	disk2, _, _ := d2.VolumeDisk(fsID)
+	if got, err := os.ReadFile(disk2); err != nil || string(got) != "kept" {
+		t.Errorf("after Deactivate and New the volume holds %q (%v)", got, err)
+	}
+}
