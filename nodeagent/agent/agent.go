@@ -9,6 +9,8 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"path/filepath"
+	"sort"
 	"sync"
 	"time"
 
@@ -18,6 +20,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/daemon"
+	"github.com/nodevirt/nodevirt/csi"
 	"github.com/nodevirt/nodevirt/nodeagent/kvm"
 	"github.com/nodevirt/nodevirt/nodeagent/node"
 )
@@ -98,6 +101,9 @@ type Deps struct {
 	Health     *daemon.Health
 	// Emulation is the decision taken at start: guests run under TCG.
 	Emulation bool
+	// Volumes is the node's hostpath CSI driver, served on the CSI socket
+	// and called in-process for disk paths and provisioning.
+	Volumes *csi.Driver
 }
 
 // Role is one job of the node agent. Run blocks until ctx ends.
@@ -145,8 +151,12 @@ func New(cfg Config) (*Agent, error) {
 	if err != nil {
 		return nil, err
 	}
+	volumes, err := newVolumes(cfg)
+	if err != nil {
+		return nil, err
+	}
 	d := &Deps{Config: cfg, RestConfig: rc, Kube: kube, Virt: virt, Log: cfg.Log,
-		Health: daemon.NewHealth("node-registered"), Emulation: emulation}
+		Health: daemon.NewHealth("node-registered"), Emulation: emulation, Volumes: volumes}
 	a := &Agent{cfg: cfg, deps: d, reg: reg}
 	for _, f := range nodeRoles {
 		r, err := f(d)
@@ -156,6 +166,23 @@ func New(cfg Config) (*Agent, error) {
 		a.roles = append(a.roles, r)
 	}
 	return a, nil
+}
+
+// newVolumes builds the CSI driver over the configured pools, in a stable
+// order so the first pool named "local" (or the first by name) is the default.
+func newVolumes(cfg Config) (*csi.Driver, error) {
+	var pools []csi.PoolConfig
+	for name, path := range cfg.Pools {
+		pools = append(pools, csi.PoolConfig{Name: name, Path: path})
+	}
+	sort.Slice(pools, func(i, j int) bool { return pools[i].Name < pools[j].Name })
+	def := pools[0].Name
+	if _, ok := cfg.Pools["local"]; ok {
+		def = "local"
+	}
+	return csi.New(csi.Config{NodeID: cfg.NodeName, Endpoint: cfg.CSISocket,
+		StateRoot: filepath.Join(cfg.StateDir, "csi"), Pools: pools, DefaultPool: def,
+		Logger: cfg.Log.With("role", "csi")})
 }
 
 func decideEmulation(mode string) (bool, string) {

@@ -1,4 +1,7 @@
 package agent
 
 // nodeRoles are the node agent's jobs, each in its own package.
-var nodeRoles = []RoleFactory{}
+var nodeRoles = []RoleFactory{
+	newCSIRole,
+	newProvisionerRole,
+}
