@@ -42,6 +42,18 @@ func linkByName(h *netlink.Handle, name string) (netlink.Link, error) {
 	return l, nil
 }
 
+// ensureBridgeLocked is ensureBridge under the bridge's file lock, so that
+// concurrent attachments agree on creation, promiscuity and VLAN filtering.
+// Per-port work needs no lock: each attachment owns its own names.
+func ensureBridgeLocked(h *netlink.Handle, n *NetConf, st store) (*netlink.Bridge, error) {
+	unlock, err := st.lockBridge(n.Bridge)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	return ensureBridge(h, n)
+}
+
 // ensureBridge returns the named bridge, creating it (VLAN filtering on when
 // the kernel has it) when missing. When the attachment needs VLANs, filtering
 // is switched on for an existing bridge too, or a CNI error explains why not.

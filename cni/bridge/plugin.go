@@ -157,16 +157,11 @@ func Add(ctx context.Context, n *NetConf, args *skel.CmdArgs) (_ *current.Result
 	return result, nil
 }
 
-// attachVeth does the host-side work under the bridge lock: bridge, veth
+// attachVeth does the host-side work: bridge (under the bridge lock), veth
 // pair (peer created directly in the container netns), port flags, VLANs,
 // spoof-check rules, and the state record.
 func attachVeth(ctx context.Context, hh, ch *netlink.Handle, cns netns.NsHandle, n *NetConf, st store, recPath string, rec *Record, undo *revert) (*netlink.Bridge, netlink.Link, netlink.Link, error) {
-	unlock, err := st.lockBridge(n.Bridge)
-	if err != nil {
-		return nil, nil, nil, err
-	}
-	defer unlock()
-	br, err := ensureBridge(hh, n)
+	br, err := ensureBridgeLocked(hh, n, st)
 	if err != nil {
 		return nil, nil, nil, err
 	}

@@ -45,11 +45,6 @@ func AttachTap(ctx context.Context, conf *NetConf, tap string, mac net.HardwareA
 	if err != nil {
 		return nil, err
 	}
-	unlock, err := st.lockBridge(conf.Bridge)
-	if err != nil {
-		return nil, err
-	}
-	defer unlock()
 	hh, err := netlink.NewHandle(unix.NETLINK_ROUTE)
 	if err != nil {
 		return nil, fmt.Errorf("netlink: %w", err)
@@ -62,7 +57,7 @@ func AttachTap(ctx context.Context, conf *NetConf, tap string, mac net.HardwareA
 			undo.run()
 		}
 	}()
-	br, err := ensureBridge(hh, conf)
+	br, err := ensureBridgeLocked(hh, conf, st)
 	if err != nil {
 		return nil, err
 	}
@@ -165,7 +160,7 @@ func DetachTap(ctx context.Context, conf *NetConf, tap string) error {
 			rec.SpoofChain = spoofChainName(tap)
 		}
 	}
-	if err := removeHostSide(ctx, st, rec); err != nil {
+	if err := removeHostSide(ctx, rec, ""); err != nil {
 		return fmt.Errorf("detach %s: %w", tap, err)
 	}
 	return st.remove(recPath)
