@@ -25,9 +25,6 @@ import (
 // defaultOverhead is CDI's filesystem overhead when the CDI CR sets none.
 const defaultOverhead = 0.06
 
-// hostpathTopologyKey is the node label of the hostpath CSI driver.
-const hostpathTopologyKey = "topology.hostpath.csi/node"
-
 // claimError is a reason the PVC cannot be made (yet), shown as the Bound
 // condition of the DataVolume.
 type claimError struct {
@@ -202,6 +199,8 @@ func (c *Controller) buildClaim(ctx context.Context, dv *cdiv1.DataVolume, src *
 		ann[importstate.AnnEndpoint] = *src.Registry.URL
 	case kind == importstate.SourceUpload:
 		ann[importstate.AnnUploadTarget] = ""
+	case src != nil && src.PVC != nil:
+		ann[importstate.AnnCloneRequest] = src.PVC.Namespace + "/" + src.PVC.Name
 	}
 	for _, k := range []string{importstate.AnnImmediateBinding, importstate.AnnSelectedNode} {
 		if v, ok := dv.Annotations[k]; ok {
@@ -338,7 +337,7 @@ func (c *Controller) claimNode(ctx context.Context, ns, name string) (string, er
 	if pvc.Spec.VolumeName != "" {
 		pv, err := c.kube.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
 		if err == nil {
-			if n := PVNode(pv); n != "" {
+			if n := importstate.PVNode(pv); n != "" {
 				return n, nil
 			}
 		}
@@ -347,22 +346,6 @@ func (c *Controller) claimNode(ctx context.Context, ns, name string) (string, er
 		return n, nil
 	}
 	return "", claimErrorf("CloneSourceNotPlaced", "clone source pvc %s/%s is on no node yet", ns, name)
-}
-
-// PVNode returns the node a hostpath PV lives on (its required node
-// affinity on topology.hostpath.csi/node or kubernetes.io/hostname), or "".
-func PVNode(pv *corev1.PersistentVolume) string {
-	if pv.Spec.NodeAffinity == nil || pv.Spec.NodeAffinity.Required == nil {
-		return ""
-	}
-	for _, term := range pv.Spec.NodeAffinity.Required.NodeSelectorTerms {
-		for _, e := range term.MatchExpressions {
-			if (e.Key == hostpathTopologyKey || e.Key == corev1.LabelHostname) && e.Operator == corev1.NodeSelectorOpIn && len(e.Values) == 1 {
-				return e.Values[0]
-			}
-		}
-	}
-	return ""
 }
 
 // usableNode says whether n may receive a claim.

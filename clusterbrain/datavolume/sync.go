@@ -34,11 +34,15 @@ func (c *Controller) sync(ctx context.Context, key string) (time.Duration, error
 	if err != nil {
 		return c.pending(ctx, dv, err)
 	}
+	if src != nil && src.PVC != nil && src.PVC.Namespace == "" {
+		src = src.DeepCopy()
+		src.PVC.Namespace = dv.Namespace
+	}
 	if kind := sourceKind(src); !supportedKinds[kind] {
 		st := failedStatus(dv, "UnsupportedSource", fmt.Sprintf("source %s is not supported by nodevirt", kind))
 		return 0, c.writeStatus(ctx, dv, st)
 	}
-	if src != nil && src.PVC != nil && src.PVC.Namespace != "" && src.PVC.Namespace != dv.Namespace {
+	if src != nil && src.PVC != nil && src.PVC.Namespace != dv.Namespace {
 		st := failedStatus(dv, "CrossNamespaceClone",
 			"cloning from another namespace needs an authorization check nodevirt does not make yet")
 		return 0, c.writeStatus(ctx, dv, st)

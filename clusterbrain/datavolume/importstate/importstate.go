@@ -15,6 +15,7 @@ import (
 	"strconv"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
 )
 
 // Keys the node writes (CDI's own names where CDI has one, so that tools
@@ -97,8 +98,9 @@ func Read(pvc *corev1.PersistentVolumeClaim) Report {
 	return r
 }
 
-// Patch is the JSON merge patch that writes r onto a PVC.
-func (r Report) Patch() []byte {
+// Patch is the JSON merge patch that writes r onto the PVC whose UID is
+// uid (the API server refuses it on any other object of the same name).
+func (r Report) Patch(uid types.UID) []byte {
 	ann := map[string]any{
 		AnnPhase:    string(r.Phase),
 		AnnReady:    strconv.FormatBool(r.Ready),
@@ -108,13 +110,14 @@ func (r Report) Patch() []byte {
 		AnnProgress: r.Progress,
 		AnnNode:     r.Node,
 	}
-	data, _ := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": ann}})
+	data, _ := json.Marshal(map[string]any{"metadata": map[string]any{"uid": uid, "annotations": ann}})
 	return data
 }
 
-// ProgressPatch is the merge patch that updates only the progress.
-func ProgressPatch(progress string) []byte {
-	data, _ := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": map[string]string{AnnProgress: progress}}})
+// ProgressPatch is the merge patch that updates only the progress of the
+// PVC whose UID is uid.
+func ProgressPatch(uid types.UID, progress string) []byte {
+	data, _ := json.Marshal(map[string]any{"metadata": map[string]any{"uid": uid, "annotations": map[string]string{AnnProgress: progress}}})
 	return data
 }
 
@@ -125,4 +128,27 @@ func UsableSize(pvc *corev1.PersistentVolumeClaim) int64 {
 		return 0
 	}
 	return n
+}
+
+// AnnCloneRequest names the clone source of a PVC as "namespace/name"
+// (CDI's key), written by the brain.
+const AnnCloneRequest = "k8s.io/CloneRequest"
+
+// HostpathTopologyKey is the node label of the hostpath CSI driver.
+const HostpathTopologyKey = "topology.hostpath.csi/node"
+
+// PVNode returns the node a node-local PV lives on (its required node
+// affinity on topology.hostpath.csi/node or kubernetes.io/hostname), or "".
+func PVNode(pv *corev1.PersistentVolume) string {
+	if pv.Spec.NodeAffinity == nil || pv.Spec.NodeAffinity.Required == nil {
+		return ""
+	}
+	for _, term := range pv.Spec.NodeAffinity.Required.NodeSelectorTerms {
+		for _, e := range term.MatchExpressions {
+			if (e.Key == HostpathTopologyKey || e.Key == corev1.LabelHostname) && e.Operator == corev1.NodeSelectorOpIn && len(e.Values) == 1 {
+				return e.Values[0]
+			}
+		}
+	}
+	return ""
 }

@@ -1,0 +1,345 @@
+// Package dvimport is the nodeagent's DataVolume role (CDI's importer,
+// cloner and upload server without pods): it fills the volumes of this node
+// that DataVolumes ask for. For every DataVolume whose PVC is bound to a PV
+// on this node it resolves the PV's volume to its disk, imports the source
+// there (http, registry, blank, a clone of a volume on this node), and for an
+// upload source serves the upload over mutual TLS to the brain's upload
+// proxy. It reports through annotations on the PVC (see importstate); the
+// brain turns them into the DataVolume's status. Deleting the DataVolume
+// cancels its import.
+package dvimport
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	corelisters "k8s.io/client-go/listers/core/v1"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/util/workqueue"
+	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
+)
+
+// Config configures the role.
+type Config struct {
+	// NodeName is this node's name (required).
+	NodeName string
+	Kube     kubernetes.Interface
+	Virt     *client.Set
+	// Resolver finds volumes' disks (required).
+	Resolver VolumeResolver
+	// BrainNamespace holds the upload CA Secret and the import proxy's
+	// trusted CA ConfigMap (default kubevirt-hyperconverged).
+	BrainNamespace string
+	// UploadAddr is where the upload endpoint listens (":8445"); empty
+	// disables uploads on this node.
+	UploadAddr string
+	// UploadAdvertiseIP is the address published on the Node for the upload
+	// proxy; empty means the listen address's host, or this host's first
+	// global IPv4 address when that is unspecified.
+	UploadAdvertiseIP string
+	// MaxRestarts is how many times a failing import is tried again
+	// (default 3; negative means never).
+	MaxRestarts int
+	// RetryDelay is the wait before the first retry, doubled each time
+	// (default 2s).
+	RetryDelay time.Duration
+	// ProgressInterval is the shortest time between progress reports
+	// (default 1s).
+	ProgressInterval time.Duration
+	// Resync re-reads every object this often (default 10 minutes).
+	Resync time.Duration
+	Log    *slog.Logger
+}
+
+func (c *Config) defaults() {
+	if c.BrainNamespace == "" {
+		c.BrainNamespace = "kubevirt-hyperconverged"
+	}
+	if c.MaxRestarts == 0 {
+		c.MaxRestarts = 3
+	}
+	if c.RetryDelay == 0 {
+		c.RetryDelay = 2 * time.Second
+	}
+	if c.ProgressInterval == 0 {
+		c.ProgressInterval = time.Second
+	}
+	if c.Resync == 0 {
+		c.Resync = 10 * time.Minute
+	}
+	if c.Log == nil {
+		c.Log = slog.Default()
+	}
+}
+
+func (c *Config) validate() error {
+	switch {
+	case c.NodeName == "":
+		return errors.New("dvimport: NodeName is required")
+	case c.Kube == nil || c.Virt == nil:
+		return errors.New("dvimport: Kube and Virt clients are required")
+	case c.Resolver == nil:
+		return errors.New("dvimport: a VolumeResolver is required")
+	}
+	return nil
+}
+
+// Agent is the running role.
+type Agent struct {
+	cfg  Config
+	log  *slog.Logger
+	kube kubernetes.Interface
+	virt *client.Set
+
+	dvInformer cache.SharedIndexInformer
+	factory    informers.SharedInformerFactory
+	pvcs       corelisters.PersistentVolumeClaimLister
+	pvs        corelisters.PersistentVolumeLister
+	synced     []cache.InformerSynced
+	queue      workqueue.TypedRateLimitingInterface[string]
+
+	mu   sync.Mutex
+	jobs map[string]*job // by DataVolume key; imports, clones and running uploads
+
+	upload *uploadServer
+}
+
+// New validates cfg and builds the role; Run starts it.
+func New(cfg Config) (*Agent, error) {
+	cfg.defaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	a := &Agent{
+		cfg: cfg, log: cfg.Log.With("role", "dvimport", "node", cfg.NodeName), kube: cfg.Kube, virt: cfg.Virt,
+		jobs: map[string]*job{},
+		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[string](),
+			workqueue.TypedRateLimitingQueueConfig[string]{Name: "dvimport"}),
+	}
+	a.dvInformer = cfg.Virt.DataVolumes.Informer("", cfg.Resync, nil)
+	a.factory = informers.NewSharedInformerFactory(cfg.Kube, cfg.Resync)
+	pvcInformer := a.factory.Core().V1().PersistentVolumeClaims()
+	pvInformer := a.factory.Core().V1().PersistentVolumes()
+	a.pvcs, a.pvs = pvcInformer.Lister(), pvInformer.Lister()
+	a.synced = []cache.InformerSynced{a.dvInformer.HasSynced, pvcInformer.Informer().HasSynced, pvInformer.Informer().HasSynced}
+
+	enqueue := func(obj any) {
+		if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
+			a.queue.Add(key)
+		}
+	}
+	handlers := cache.ResourceEventHandlerFuncs{AddFunc: enqueue, UpdateFunc: func(_, obj any) { enqueue(obj) }, DeleteFunc: enqueue}
+	_, _ = a.dvInformer.AddEventHandler(handlers)
+	// A PVC has its DataVolume's name.
+	_, _ = pvcInformer.Informer().AddEventHandler(handlers)
+	// A PV names its claim.
+	enqueueClaim := func(obj any) {
+		if pv, ok := obj.(*corev1.PersistentVolume); ok && pv.Spec.ClaimRef != nil {
+			a.queue.Add(pv.Spec.ClaimRef.Namespace + "/" + pv.Spec.ClaimRef.Name)
+		}
+	}
+	_, _ = pvInformer.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc: enqueueClaim, UpdateFunc: func(_, obj any) { enqueueClaim(obj) },
+	})
+	if cfg.UploadAddr != "" {
+		a.upload = &uploadServer{a: a}
+	}
+	return a, nil
+}
+
+// Name is the role's name.
+func (a *Agent) Name() string { return "dvimport" }
+
+// Run runs the role until ctx ends; running imports are canceled then and
+// resumed (as a restart) by the next run.
+func (a *Agent) Run(ctx context.Context) error {
+	defer utilruntime.HandleCrash()
+	defer a.queue.ShutDown()
+	go a.dvInformer.RunWithContext(ctx)
+	a.factory.Start(ctx.Done())
+	defer a.factory.Shutdown()
+	if !cache.WaitForCacheSync(ctx.Done(), a.synced...) {
+		return fmt.Errorf("dvimport: caches did not sync: %w", ctx.Err())
+	}
+	errc := make(chan error, 1)
+	if a.upload != nil {
+		if err := a.upload.start(ctx); err != nil {
+			return err
+		}
+		go func() { errc <- a.upload.serve(ctx) }()
+	}
+	a.log.Info("started", "uploads", a.upload != nil)
+	for range 2 {
+		go wait.UntilWithContext(ctx, a.worker, time.Second)
+	}
+	select {
+	case <-ctx.Done():
+	case err := <-errc:
+		if ctx.Err() == nil {
+			return fmt.Errorf("upload endpoint: %w", err)
+		}
+	}
+	a.waitJobs()
+	return nil
+}
+
+func (a *Agent) worker(ctx context.Context) {
+	for {
+		key, quit := a.queue.Get()
+		if quit {
+			return
+		}
+		if err := a.sync(ctx, key); err != nil {
+			a.log.Warn("sync failed", "datavolume", key, "err", err)
+			a.queue.AddRateLimited(key)
+		} else {
+			a.queue.Forget(key)
+		}
+		a.queue.Done(key)
+	}
+}
+
+// target is a DataVolume whose volume is on this node.
+type target struct {
+	key      string
+	dv       *cdiv1.DataVolume
+	pvc      *corev1.PersistentVolumeClaim
+	kind     string
+	disk     string
+	isBlock  bool
+	capacity int64
+}
+
+func (t *target) log(l *slog.Logger) *slog.Logger {
+	return l.With("namespace", t.dv.Namespace, "datavolume", t.dv.Name)
+}
+
+// sync starts, keeps or cancels the work of one DataVolume.
+func (a *Agent) sync(ctx context.Context, key string) error {
+	obj, exists, err := a.dvInformer.GetIndexer().GetByKey(key)
+	if err != nil {
+		return err
+	}
+	if !exists || obj.(*cdiv1.DataVolume).DeletionTimestamp != nil {
+		a.cancel(key, "datavolume deleted")
+		return nil
+	}
+	dv := obj.(*cdiv1.DataVolume)
+	t, err := a.target(dv)
+	if err != nil || t == nil {
+		return err
+	}
+	rep := importstate.Read(t.pvc)
+	if j := a.job(key); j != nil {
+		if j.pvcUID != t.pvc.UID {
+			a.cancel(key, "claim replaced")
+			a.queue.AddAfter(key, time.Second)
+		}
+		return nil
+	}
+	if rep.Phase == corev1.PodSucceeded || rep.Phase == corev1.PodFailed {
+		return nil
+	}
+	switch t.kind {
+	case importstate.SourceNone:
+		return nil
+	case importstate.SourceUpload:
+		if a.upload == nil {
+			return a.report(ctx, t, importstate.Report{Phase: corev1.PodFailed, Node: a.cfg.NodeName,
+				Reason: "UploadUnavailable", Message: "node " + a.cfg.NodeName + " serves no uploads"})
+		}
+		if rep.Phase != corev1.PodRunning || !rep.Ready || rep.Node != a.cfg.NodeName {
+			t.log(a.log).Info("upload target ready")
+			return a.report(ctx, t, importstate.Report{Phase: corev1.PodRunning, Ready: true, Restarts: rep.Restarts,
+				Node: a.cfg.NodeName, Reason: rep.Reason, Message: rep.Message})
+		}
+		return nil
+	case importstate.SourceHTTP, importstate.SourceRegistry, importstate.SourceBlank, importstate.SourcePVC:
+		a.startJob(t, rep)
+		return nil
+	default:
+		return a.report(ctx, t, importstate.Report{Phase: corev1.PodFailed, Node: a.cfg.NodeName,
+			Reason: "UnsupportedSource", Message: "source " + t.kind + " is not supported"})
+	}
+}
+
+// target returns dv's work if its volume is bound to a PV on this node,
+// else nil.
+func (a *Agent) target(dv *cdiv1.DataVolume) (*target, error) {
+	pvc, err := a.pvcs.PersistentVolumeClaims(dv.Namespace).Get(dv.Name)
+	if apierrors.IsNotFound(err) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	if !metav1.IsControlledBy(pvc, dv) || pvc.Status.Phase != corev1.ClaimBound || pvc.Spec.VolumeName == "" {
+		return nil, nil
+	}
+	pv, err := a.pvs.Get(pvc.Spec.VolumeName)
+	if apierrors.IsNotFound(err) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	node := importstate.PVNode(pv)
+	if node == "" {
+		node = pvc.Annotations[importstate.AnnSelectedNode]
+	}
+	if node != a.cfg.NodeName {
+		return nil, nil
+	}
+	t := &target{key: dv.Namespace + "/" + dv.Name, dv: dv, pvc: pvc, kind: pvc.Annotations[importstate.AnnSource]}
+	if t.kind == "" {
+		return nil, nil // not a claim the brain made for a DataVolume
+	}
+	if pv.Spec.CSI == nil {
+		return t, a.report(context.Background(), t, importstate.Report{Phase: corev1.PodFailed, Node: a.cfg.NodeName,
+			Reason: "UnsupportedVolume", Message: fmt.Sprintf("pv %s is not a csi volume", pv.Name)})
+	}
+	disk, isBlock, capacity, err := a.cfg.Resolver.VolumeDisk(pv.Spec.CSI.VolumeHandle)
+	if err != nil {
+		return nil, fmt.Errorf("resolve volume %s of pv %s: %w", pv.Spec.CSI.VolumeHandle, pv.Name, err)
+	}
+	usable := importstate.UsableSize(pvc)
+	if usable == 0 && !isBlock {
+		if q, ok := pv.Spec.Capacity[corev1.ResourceStorage]; ok {
+			usable = q.Value() * 94 / 100
+		}
+	}
+	if capacity > 0 && (usable == 0 || capacity < usable) {
+		usable = capacity
+	}
+	t.disk, t.isBlock, t.capacity = disk, isBlock, usable
+	return t, nil
+}
+
+// report writes r onto the target's PVC.
+func (a *Agent) report(ctx context.Context, t *target, r importstate.Report) error {
+	_, err := a.kube.CoreV1().PersistentVolumeClaims(t.pvc.Namespace).Patch(ctx, t.pvc.Name, types.MergePatchType,
+		r.Patch(t.pvc.UID), metav1.PatchOptions{})
+	if apierrors.IsNotFound(err) || apierrors.IsConflict(err) || apierrors.IsInvalid(err) {
+		// Gone, or replaced by a claim of the same name.
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("report on pvc %s/%s: %w", t.pvc.Namespace, t.pvc.Name, err)
+	}
+	return nil
+}

@@ -1,0 +1,237 @@
+package dvimport
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"io"
+	"mime"
+	"net"
+	"net/http"
+	"strings"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
+	"github.com/nodevirt/nodevirt/nodeagent/importer"
+)
+
+// UploadPath is the path of the node's upload endpoint:
+// POST UploadPath + "<namespace>/<claim>?form=true|false". The body is the
+// image, or a multipart form with the image in the field "file".
+const UploadPath = "/v1beta1/claims/"
+
+// uploadServer is the node's upload endpoint: HTTPS, accepting only the
+// brain's upload proxy (client certificate from the upload CA).
+type uploadServer struct {
+	a        *Agent
+	listener net.Listener
+	srv      *http.Server
+}
+
+// start loads the upload CA (waiting for the brain to create it), mints the
+// serving certificate, listens and publishes the endpoint on the Node.
+func (s *uploadServer) start(ctx context.Context) error {
+	cfg := s.a.cfg
+	var ca *uploadtls.CA
+	err := waitFor(ctx, func(ctx context.Context) (bool, error) {
+		var err error
+		ca, err = uploadtls.LoadCA(ctx, s.a.kube, cfg.BrainNamespace)
+		if apierrors.IsNotFound(err) {
+			s.a.log.Info("waiting for the upload ca", "secret", cfg.BrainNamespace+"/"+uploadtls.CASecretName)
+			return false, nil
+		}
+		return err == nil, err
+	})
+	if err != nil {
+		return fmt.Errorf("upload ca: %w", err)
+	}
+	ln, err := net.Listen("tcp", cfg.UploadAddr)
+	if err != nil {
+		return fmt.Errorf("upload endpoint: %w", err)
+	}
+	ip, err := s.advertiseIP(ln)
+	if err != nil {
+		ln.Close()
+		return err
+	}
+	cert, err := ca.Issue(cfg.NodeName, []string{uploadtls.NodeServerName, cfg.NodeName}, []net.IP{ip, net.IPv4(127, 0, 0, 1)}, false)
+	if err != nil {
+		ln.Close()
+		return err
+	}
+	tlsCfg := &tls.Config{
+		MinVersion:   tls.VersionTLS12,
+		Certificates: []tls.Certificate{cert},
+		ClientAuth:   tls.RequireAndVerifyClientCert,
+		ClientCAs:    ca.Pool(),
+	}
+	s.listener = tls.NewListener(ln, tlsCfg)
+	s.srv = &http.Server{Handler: s, ReadHeaderTimeout: 30 * time.Second, ErrorLog: nil}
+	_, port, _ := net.SplitHostPort(ln.Addr().String())
+	url := "https://" + net.JoinHostPort(ip.String(), port)
+	patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:%q}}}`, importstate.NodeUploadEndpoint, url)
+	if _, err := s.a.kube.CoreV1().Nodes().Patch(ctx, cfg.NodeName, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+		ln.Close()
+		return fmt.Errorf("publish upload endpoint on node %s: %w", cfg.NodeName, err)
+	}
+	s.a.log.Info("upload endpoint listening", "url", url)
+	return nil
+}
+
+func (s *uploadServer) advertiseIP(ln net.Listener) (net.IP, error) {
+	if s.a.cfg.UploadAdvertiseIP != "" {
+		ip := net.ParseIP(s.a.cfg.UploadAdvertiseIP)
+		if ip == nil {
+			return nil, fmt.Errorf("upload advertise ip %q is not an ip", s.a.cfg.UploadAdvertiseIP)
+		}
+		return ip, nil
+	}
+	if tcp, ok := ln.Addr().(*net.TCPAddr); ok && !tcp.IP.IsUnspecified() {
+		return tcp.IP, nil
+	}
+	return uploadtls.HostIP()
+}
+
+func (s *uploadServer) serve(ctx context.Context) error {
+	go func() {
+		<-ctx.Done()
+		shut, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = s.srv.Shutdown(shut)
+	}()
+	if err := s.srv.Serve(s.listener); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return err
+	}
+	return nil
+}
+
+func (s *uploadServer) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if r.TLS == nil || len(r.TLS.VerifiedChains) == 0 || r.TLS.VerifiedChains[0][0].Subject.CommonName != uploadtls.ProxyClientName {
+		http.Error(w, "only the upload proxy may upload", http.StatusForbidden)
+		return
+	}
+	rest, ok := strings.CutPrefix(r.URL.Path, UploadPath)
+	ns, name, ok2 := strings.Cut(rest, "/")
+	if !ok || !ok2 || ns == "" || name == "" || strings.Contains(name, "/") {
+		http.NotFound(w, r)
+		return
+	}
+	if r.Method != http.MethodPost && r.Method != http.MethodPut {
+		http.Error(w, "method not allowed", http.StatusMethodNotAllowed)
+		return
+	}
+	code, err := s.upload(r, ns, name, r.URL.Query().Get("form") == "true")
+	if err != nil {
+		http.Error(w, err.Error(), code)
+		return
+	}
+	w.WriteHeader(http.StatusOK)
+}
+
+// upload imports the request's body into the claim ns/name and returns
+// the HTTP status and error to answer.
+func (s *uploadServer) upload(r *http.Request, ns, name string, form bool) (int, error) {
+	a := s.a
+	key := ns + "/" + name
+	obj, exists, err := a.dvInformer.GetIndexer().GetByKey(key)
+	if err != nil || !exists || obj.(*cdiv1.DataVolume).DeletionTimestamp != nil {
+		return http.StatusNotFound, fmt.Errorf("no datavolume %s", key)
+	}
+	t, err := a.target(obj.(*cdiv1.DataVolume))
+	if err != nil {
+		return http.StatusServiceUnavailable, err
+	}
+	if t == nil || t.kind != importstate.SourceUpload {
+		return http.StatusNotFound, fmt.Errorf("pvc %s is not an upload target on node %s", key, a.cfg.NodeName)
+	}
+	rep := importstate.Read(t.pvc)
+	switch {
+	case rep.Phase == corev1.PodSucceeded:
+		return http.StatusConflict, fmt.Errorf("pvc %s already holds its upload", key)
+	case rep.Phase != corev1.PodRunning || !rep.Ready:
+		return http.StatusServiceUnavailable, fmt.Errorf("pvc %s is not ready for an upload", key)
+	}
+	j, ctx := a.claimJob(key, t.pvc.UID)
+	if j == nil {
+		return http.StatusConflict, fmt.Errorf("an upload into pvc %s is already running", key)
+	}
+	defer a.releaseJob(key, j)
+	stopWatch := context.AfterFunc(r.Context(), func() { j.cancel(errors.New("client went away")) })
+	defer stopWatch()
+
+	body, size := io.Reader(r.Body), r.ContentLength
+	if form {
+		part, err := filePart(r)
+		if err != nil {
+			return http.StatusBadRequest, err
+		}
+		body, size = part, -1
+	}
+	log := t.log(a.log)
+	log.Info("upload starting", "disk", t.disk, "capacity", t.capacity, "size", size)
+	stop := a.reportProgress(t, j)
+	req := baseRequest(t)
+	req.Progress = func(p importer.Progress) { j.progress.Store(p.String()) }
+	start := time.Now()
+	res, err := importer.ImportFromReader(ctx, body, size, req)
+	stop()
+	if err != nil {
+		reason := importer.ReasonOf(err)
+		log.Warn("upload failed", "reason", reason, "err", err)
+		// The target stays ready: the user may upload again.
+		a.reportHard(context.Background(), t, importstate.Report{Phase: corev1.PodRunning, Ready: true, Restarts: rep.Restarts,
+			Node: a.cfg.NodeName, Reason: string(reason), Message: err.Error()})
+		if permanent[reason] {
+			return http.StatusBadRequest, err
+		}
+		return http.StatusInternalServerError, err
+	}
+	log.Info("upload done", "format", res.Format, "virtualSize", res.VirtualSize, "bytes", res.SourceBytes,
+		"took", time.Since(start).Round(time.Millisecond))
+	a.reportHard(context.Background(), t, importstate.Report{Phase: corev1.PodSucceeded, Restarts: rep.Restarts,
+		Progress: "100.00%", Node: a.cfg.NodeName, Reason: "Completed", Message: "Upload Complete"})
+	return http.StatusOK, nil
+}
+
+// filePart is the "file" field of a multipart upload.
+func filePart(r *http.Request) (io.Reader, error) {
+	if mt, _, err := mime.ParseMediaType(r.Header.Get("Content-Type")); err != nil || !strings.HasPrefix(mt, "multipart/") {
+		return nil, errors.New("form upload without a multipart body")
+	}
+	mr, err := r.MultipartReader()
+	if err != nil {
+		return nil, fmt.Errorf("form upload: %w", err)
+	}
+	for {
+		p, err := mr.NextPart()
+		if err != nil {
+			return nil, errors.New("form upload without a file field")
+		}
+		if p.FormName() == "file" {
+			return p, nil
+		}
+	}
+}
+
+// waitFor polls cond every second until it is done or fails.
+func waitFor(ctx context.Context, cond func(context.Context) (bool, error)) error {
+	for {
+		ok, err := cond(ctx)
+		if err != nil || ok {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(time.Second):
+		}
+	}
+}
