@@ -1,8 +1,16 @@
 package brain
 
+import (
+	"github.com/nodevirt/nodevirt/clusterbrain/hco"
+)
+
 // everyBrainRoles run on every brain replica: they serve requests
 // (admission webhooks, aggregated APIs, downloads) and hold no exclusive state.
 var everyBrainRoles = []RoleFactory{}
 
 // leaderRoles run only on the elected brain: controllers that write.
-var leaderRoles = []RoleFactory{}
+var leaderRoles = []RoleFactory{
+	func(d *Deps) (Role, error) {
+		return hco.New(hco.Config{Namespace: d.Config.Namespace, Kube: d.Kube, Virt: d.Virt, Log: d.Log.With("role", "hco"), BrainHealth: d.Health.Ready})
+	},
+}

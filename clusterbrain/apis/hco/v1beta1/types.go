@@ -23,6 +23,28 @@ const (
 	DefaultNamespace = "kubevirt-hyperconverged"
 )
 
+// Condition types of the HyperConverged status.
+const (
+	ConditionReconcileComplete    = "ReconcileComplete"
+	ConditionAvailable            = "Available"
+	ConditionProgressing          = "Progressing"
+	ConditionDegraded             = "Degraded"
+	ConditionUpgradeable          = "Upgradeable"
+	ConditionTaintedConfiguration = "TaintedConfiguration"
+)
+
+// Annotations upstream HCO reads on the HyperConverged: JSON patches applied
+// to one child's rendering (unsupported, they taint the configuration).
+const (
+	JSONPatchKubeVirtAnnotation = "kubevirt.kubevirt.io/jsonpatch"
+	JSONPatchCDIAnnotation      = "containerizeddataimporter.kubevirt.io/jsonpatch"
+	JSONPatchCNAOAnnotation     = "networkaddonsconfigs.kubevirt.io/jsonpatch"
+	JSONPatchSSPAnnotation      = "ssp.kubevirt.io/jsonpatch"
+	// UseEmulationAnnotation set to "true" makes KubeVirt fall back to
+	// software emulation (nodevirt's convenience for hosts without KVM).
+	UseEmulationAnnotation = "nodevirt.io/use-emulation"
+)
+
 // Uninstall strategies.
 const (
 	RemoveWorkloads                = "RemoveWorkloads"
@@ -119,6 +141,8 @@ type HyperConvergedFeatureGates struct {
 	DeclarativeHotplugVolumes      *bool `json:"declarativeHotplugVolumes,omitempty"`
 	VideoConfig                    *bool `json:"videoConfig,omitempty"`
 	ObjectGraph                    *bool `json:"objectGraph,omitempty"`
+	IncrementalBackup              *bool `json:"incrementalBackup,omitempty"`
+	ContainerPathVolumes           *bool `json:"containerPathVolumes,omitempty"`
 	// Deprecated gates still accepted so that older manifests apply.
 	WithHostPassthroughCPU           *bool `json:"withHostPassthroughCPU,omitempty"`
 	EnableCommonBootImageImport      *bool `json:"enableCommonBootImageImport,omitempty"`
@@ -126,6 +150,7 @@ type HyperConvergedFeatureGates struct {
 	NonRoot                          *bool `json:"nonRoot,omitempty"`
 	AutoResourceLimits               *bool `json:"autoResourceLimits,omitempty"`
 	EnableManagedTenantQuota         *bool `json:"enableManagedTenantQuota,omitempty"`
+	DeployKubevirtIpamController     *bool `json:"deployKubevirtIpamController,omitempty"`
 	DeployVMConsoleProxy             *bool `json:"deployVmConsoleProxy,omitempty"`
 	EnableApplicationAwareQuota      *bool `json:"enableApplicationAwareQuota,omitempty"`
 	PrimaryUserDefinedNetworkBinding *bool `json:"primaryUserDefinedNetworkBinding,omitempty"`

@@ -1,0 +1,347 @@
+// Package hco is the HyperConverged reconciliation role of the cluster brain
+// (upstream's hyperconverged-cluster-operator): it defaults the singleton
+// HyperConverged CR, renders the KubeVirt, CDI, NetworkAddonsConfig, SSP and
+// HostPathProvisioner CRs from it, reverts manual edits of those children,
+// reports each child's status (nodevirt runs no separate operators) and
+// aggregates one platform status. webhook.go holds the hco-webhook's
+// admission functions.
+package hco
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"runtime/debug"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/record"
+	"k8s.io/client-go/util/workqueue"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
+)
+
+// Finalizer keeps the HyperConverged until its cluster-scoped children are
+// removed (they cannot carry an ownerReference to a namespaced owner).
+const Finalizer = "kubevirt.io/hyperconverged"
+
+// Config configures the role.
+type Config struct {
+	// Namespace is where the singleton HyperConverged lives.
+	Namespace string
+	Kube      kubernetes.Interface
+	Virt      *client.Set
+	Log       *slog.Logger
+	// Version is reported in status.versions and the children's labels
+	// (default: the binary's module version, else "devel").
+	Version string
+	// BrainHealth reports this brain's own readiness checks; a failing one
+	// makes the platform Degraded. Nil means healthy.
+	BrainHealth func() error
+	// Registerer receives the out-of-band modification counter; nil
+	// leaves it unregistered.
+	Registerer prometheus.Registerer
+	// Resync re-reconciles periodically (default 5m).
+	Resync time.Duration
+}
+
+func (c *Config) defaults() {
+	if c.Namespace == "" {
+		c.Namespace = hcov1beta1.DefaultNamespace
+	}
+	if c.Log == nil {
+		c.Log = slog.Default()
+	}
+	if c.Version == "" {
+		c.Version = moduleVersion()
+	}
+	if c.Resync == 0 {
+		c.Resync = 5 * time.Minute
+	}
+}
+
+func (c *Config) validate() error {
+	if c.Kube == nil || c.Virt == nil {
+		return errors.New("hco: kube and virt clients are required")
+	}
+	if errs := validation.IsValidLabelValue(c.Version); len(errs) > 0 {
+		return fmt.Errorf("hco: version %q is not a label value: %v", c.Version, errs)
+	}
+	return nil
+}
+
+func moduleVersion() string {
+	if bi, ok := debug.ReadBuildInfo(); ok && len(validation.IsValidLabelValue(bi.Main.Version)) == 0 && bi.Main.Version != "" {
+		return bi.Main.Version
+	}
+	return "devel"
+}
+
+// Controller is the HyperConverged reconciliation role.
+type Controller struct {
+	cfg         Config
+	queue       workqueue.TypedRateLimitingInterface[string]
+	broadcaster record.EventBroadcaster
+	recorder    record.EventRecorder
+	overwritten *prometheus.CounterVec
+
+	mu          sync.Mutex
+	lastApplied map[string]string // child kind → hash of the spec last written
+	reverts     map[string]int    // child kind → out-of-band edits reverted
+}
+
+// New validates cfg and builds the role.
+func New(cfg Config) (*Controller, error) {
+	cfg.defaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	b := record.NewBroadcaster()
+	c := &Controller{
+		cfg:         cfg,
+		queue:       workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[string]()),
+		broadcaster: b,
+		recorder:    b.NewRecorder(client.NewScheme(), corev1.EventSource{Component: "nodevirt-hco"}),
+		overwritten: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kubevirt_hco_out_of_band_modifications_total",
+			Help: "Count of out-of-band modifications overwritten by the HyperConverged reconciliation.",
+		}, []string{"component_name"}),
+		lastApplied: map[string]string{},
+		reverts:     map[string]int{},
+	}
+	if cfg.Registerer != nil {
+		if err := cfg.Registerer.Register(c.overwritten); err != nil {
+			return nil, fmt.Errorf("hco: register metrics: %w", err)
+		}
+	}
+	return c, nil
+}
+
+// Name implements the brain's Role.
+func (c *Controller) Name() string { return "hco" }
+
+// Reverts returns how many manual edits of each child kind were reverted.
+func (c *Controller) Reverts() map[string]int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := make(map[string]int, len(c.reverts))
+	for k, v := range c.reverts {
+		out[k] = v
+	}
+	return out
+}
+
+func (c *Controller) singletonKey() string { return c.cfg.Namespace + "/" + hcov1beta1.Name }
+
+// Run watches the HyperConverged CRs, the children and the Nodes, and
+// reconciles until ctx ends.
+func (c *Controller) Run(ctx context.Context) error {
+	defer c.queue.ShutDown()
+	c.broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: c.cfg.Kube.CoreV1().Events("")})
+	defer c.broadcaster.Shutdown()
+
+	toSingleton := cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(any) { c.queue.Add(c.singletonKey()) },
+		UpdateFunc: func(any, any) { c.queue.Add(c.singletonKey()) },
+		DeleteFunc: func(any) { c.queue.Add(c.singletonKey()) },
+	}
+	byKey := func(obj any) {
+		if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
+			c.queue.Add(key)
+		}
+	}
+	v, ns, rs := c.cfg.Virt, c.cfg.Namespace, c.cfg.Resync
+	hcoInf := v.HyperConvergeds.Informer("", rs, nil)
+	if _, err := hcoInf.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc: byKey, UpdateFunc: func(_, o any) { byKey(o) }, DeleteFunc: byKey,
+	}); err != nil {
+		return err
+	}
+	infs := []cache.SharedIndexInformer{hcoInf,
+		v.KubeVirts.Informer(ns, rs, nil), v.SSPs.Informer(ns, rs, nil),
+		v.CDIs.Informer("", rs, nil), v.NetworkAddonsConfigs.Informer("", rs, nil), v.HostPathProvisioners.Informer("", rs, nil),
+	}
+	for _, inf := range infs[1:] {
+		if _, err := inf.AddEventHandler(toSingleton); err != nil {
+			return err
+		}
+	}
+	nodes := informers.NewSharedInformerFactoryWithOptions(c.cfg.Kube, rs,
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = schedulableLabel })).Core().V1().Nodes().Informer()
+	if _, err := nodes.AddEventHandler(toSingleton); err != nil {
+		return err
+	}
+	infs = append(infs, nodes)
+	var synced []cache.InformerSynced
+	for _, inf := range infs {
+		go inf.RunWithContext(ctx)
+		synced = append(synced, inf.HasSynced)
+	}
+	if !cache.WaitForCacheSync(ctx.Done(), synced...) {
+		return ctx.Err()
+	}
+	c.queue.Add(c.singletonKey())
+	go func() {
+		for c.processNext(ctx) {
+		}
+	}()
+	<-ctx.Done()
+	return nil
+}
+
+func (c *Controller) processNext(ctx context.Context) bool {
+	key, quit := c.queue.Get()
+	if quit {
+		return false
+	}
+	defer c.queue.Done(key)
+	ns, name, _ := cache.SplitMetaNamespaceKey(key)
+	requeue, err := c.Sync(ctx, ns, name)
+	switch {
+	case err != nil && ctx.Err() == nil:
+		c.cfg.Log.Warn("reconcile hyperconverged", "namespace", ns, "name", name, "err", err)
+		c.queue.AddRateLimited(key)
+	case requeue > 0:
+		c.queue.Forget(key)
+		c.queue.AddAfter(key, requeue)
+	default:
+		c.queue.Forget(key)
+	}
+	return true
+}
+
+// Sync reconciles one HyperConverged; a positive duration asks to be
+// called again after it (waiting on something nothing watched signals).
+func (c *Controller) Sync(ctx context.Context, ns, name string) (time.Duration, error) {
+	log := c.cfg.Log.With("namespace", ns, "name", name)
+	hc, err := c.cfg.Virt.HyperConvergeds.Get(ctx, ns, name)
+	if apierrors.IsNotFound(err) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("get hyperconverged: %w", err)
+	}
+	if ns != c.cfg.Namespace || name != hcov1beta1.Name {
+		return 0, c.refuse(ctx, hc)
+	}
+	if hc.DeletionTimestamp != nil {
+		return c.uninstall(ctx, hc, log)
+	}
+	if hc, err = c.prepare(ctx, hc, log); err != nil {
+		return 0, err
+	}
+	children, err := Render(hc, c.cfg.Version)
+	if err != nil {
+		log.Warn("render children", "err", err)
+		return 0, c.writeStatus(ctx, hc, failedReconcile(reasonInvalidConfig, err.Error()), nil)
+	}
+	nodeList, err := c.cfg.Kube.CoreV1().Nodes().List(ctx, metav1.ListOptions{LabelSelector: schedulableLabel})
+	if err != nil {
+		return 0, fmt.Errorf("list nodes: %w", err)
+	}
+	var brainErr error
+	if c.cfg.BrainHealth != nil {
+		brainErr = c.cfg.BrainHealth()
+	}
+	related, health, err := c.reconcileChildren(ctx, hc, children, nodeHealthOf(nodeList.Items))
+	if err != nil {
+		return 0, err
+	}
+	return 0, c.writeStatus(ctx, hc, aggregate(health, brainErr), related)
+}
+
+// refuse marks a HyperConverged that is not the singleton, rendering
+// nothing for it.
+func (c *Controller) refuse(ctx context.Context, hc *hcov1beta1.HyperConverged) error {
+	msg := fmt.Sprintf(messageInvalidRequest, hcov1beta1.Name, c.cfg.Namespace)
+	s := conditionSet{hcov1beta1.ConditionReconcileComplete: {Type: hcov1beta1.ConditionReconcileComplete,
+		Status: metav1.ConditionFalse, Reason: reasonInvalidRequest, Message: msg}}
+	return c.writeStatus(ctx, hc, s, nil)
+}
+
+// prepare writes upstream's defaults, the app label and the finalizer into
+// the CR when missing, and returns the stored object.
+func (c *Controller) prepare(ctx context.Context, hc *hcov1beta1.HyperConverged, log *slog.Logger) (*hcov1beta1.HyperConverged, error) {
+	want := hc.DeepCopyObject().(*hcov1beta1.HyperConverged)
+	changed := SetDefaults(want)
+	if want.Labels[LabelApp] == "" {
+		if want.Labels == nil {
+			want.Labels = map[string]string{}
+		}
+		want.Labels[LabelApp] = want.Name
+		changed = true
+	}
+	if !slices.Contains(want.Finalizers, Finalizer) {
+		want.Finalizers = append(want.Finalizers, Finalizer)
+		changed = true
+	}
+	if !changed {
+		return hc, nil
+	}
+	if hc.Status.Conditions == nil {
+		c.recorder.Event(hc, corev1.EventTypeNormal, "InitHCO", "Initiating the HyperConverged")
+	}
+	out, err := c.cfg.Virt.HyperConvergeds.Update(ctx, want)
+	if err != nil {
+		return nil, fmt.Errorf("write defaults: %w", err)
+	}
+	log.Info("defaulted hyperconverged", "generation", out.Generation)
+	return out, nil
+}
+
+// writeStatus applies the conditions, related objects, versions and
+// observed generation, writing the status only when it changed.
+func (c *Controller) writeStatus(ctx context.Context, hc *hcov1beta1.HyperConverged, s conditionSet, related []corev1.ObjectReference) error {
+	want := hc.DeepCopyObject().(*hcov1beta1.HyperConverged)
+	wasAvailable := isTrue(hc.Status.Conditions, hcov1beta1.ConditionAvailable)
+	applyConditions(want, s)
+	if related != nil {
+		want.Status.RelatedObjects = related
+	}
+	want.Status.Versions = []hcov1beta1.Version{{Name: "operator", Version: c.cfg.Version}}
+	want.Status.ObservedGeneration = hc.Generation
+	want.Status.InfrastructureHighlyAvailable = nil
+	if equalStatus(hc.Status, want.Status) {
+		return nil
+	}
+	if _, err := c.cfg.Virt.HyperConvergeds.UpdateStatus(ctx, want); err != nil {
+		return fmt.Errorf("update hyperconverged status: %w", err)
+	}
+	nowAvailable := isTrue(want.Status.Conditions, hcov1beta1.ConditionAvailable)
+	switch {
+	case nowAvailable && !wasAvailable:
+		c.recorder.Event(hc, corev1.EventTypeNormal, "ReconcileHCO", "HCO Reconcile completed successfully")
+	case !nowAvailable && wasAvailable:
+		c.recorder.Event(hc, corev1.EventTypeWarning, "ReconcileHCO", "Not all the operators are ready")
+	}
+	return nil
+}
+
+func isTrue(conds []metav1.Condition, typ string) bool {
+	for _, c := range conds {
+		if c.Type == typ {
+			return c.Status == metav1.ConditionTrue
+		}
+	}
+	return false
+}
+
+func equalStatus(a, b hcov1beta1.HyperConvergedStatus) bool {
+	if !sameConditions(a.Conditions, b.Conditions) {
+		return false
+	}
+	a.Conditions, b.Conditions = nil, nil
+	return jsonEqual(a, b)
+}

@@ -1,0 +1,195 @@
+package hco
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"os"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/crds"
+	"github.com/nodevirt/nodevirt/test/controlplane"
+)
+
+func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
+
+var installOnce sync.Once
+
+// env is one test's world: a namespace holding the HyperConverged, a
+// running role for it, and clients.
+type env struct {
+	t    *testing.T
+	ns   string
+	kube kubernetes.Interface
+	virt *client.Set
+	ctrl *Controller
+	// brainErr is what the role's BrainHealth reports.
+	mu       sync.Mutex
+	brainErr error
+}
+
+func testLog() *slog.Logger {
+	if os.Getenv("HCO_TEST_LOG") != "" {
+		return slog.New(slog.NewTextHandler(os.Stderr, nil))
+	}
+	return slog.New(slog.NewTextHandler(io.Discard, nil))
+}
+
+// newEnv installs the CRDs, makes a namespace and starts the role on it.
+// Cluster-scoped children and test Nodes are removed when the test ends,
+// since tests share one control plane.
+func newEnv(t *testing.T) *env {
+	t.Helper()
+	cp := controlplane.Shared(t)
+	installOnce.Do(func() {
+		if err := crds.Install(context.Background(), apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.Catalog()); err != nil {
+			t.Fatalf("install crds: %v", err)
+		}
+	})
+	virt, err := client.NewSet(cp.RestConfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &env{t: t, ns: cp.Namespace(t), kube: cp.Clientset(t), virt: virt}
+	ctrl, err := New(Config{Namespace: e.ns, Kube: e.kube, Virt: virt, Log: testLog(), Version: "v1.2.3",
+		BrainHealth: func() error { e.mu.Lock(); defer e.mu.Unlock(); return e.brainErr }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.ctrl = ctrl
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = ctrl.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		<-done
+		e.cleanupClusterScoped()
+	})
+	return e
+}
+
+func (e *env) cleanupClusterScoped() {
+	ctx := context.Background()
+	_ = e.virt.CDIs.Delete(ctx, "", CDIName, metav1.DeleteOptions{})
+	_ = e.virt.NetworkAddonsConfigs.Delete(ctx, "", CNAOName, metav1.DeleteOptions{})
+	_ = e.virt.HostPathProvisioners.Delete(ctx, "", HPPName, metav1.DeleteOptions{})
+	nodes, _ := e.kube.CoreV1().Nodes().List(ctx, metav1.ListOptions{LabelSelector: "nodevirt.io/test-node"})
+	if nodes != nil {
+		for _, n := range nodes.Items {
+			_ = e.kube.CoreV1().Nodes().Delete(ctx, n.Name, metav1.DeleteOptions{})
+		}
+	}
+	// Let the HyperConverged go without a brain to remove its finalizer.
+	hcos, _ := e.virt.HyperConvergeds.List(ctx, e.ns, metav1.ListOptions{})
+	for _, hc := range hcos {
+		patch := []byte(`{"metadata":{"finalizers":null}}`)
+		_, _ = e.virt.HyperConvergeds.Patch(ctx, hc.Namespace, hc.Name, types.MergePatchType, patch, metav1.PatchOptions{})
+		_ = e.virt.HyperConvergeds.Delete(ctx, hc.Namespace, hc.Name, metav1.DeleteOptions{})
+	}
+}
+
+func (e *env) setBrainErr(err error) {
+	e.mu.Lock()
+	e.brainErr = err
+	e.mu.Unlock()
+}
+
+// node registers a Node as a nodeagent does, Ready or not.
+func (e *env) node(name string, ready bool, msg string) {
+	e.t.Helper()
+	ctx := context.Background()
+	n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name,
+		Labels: map[string]string{schedulableLabel: "true", "nodevirt.io/test-node": "true"}}}
+	got, err := e.kube.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		got, err = e.kube.CoreV1().Nodes().Create(ctx, n, metav1.CreateOptions{})
+	}
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	status := corev1.ConditionTrue
+	if !ready {
+		status = corev1.ConditionFalse
+	}
+	got.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: status, Reason: "NodeAgentStatus",
+		Message: msg, LastHeartbeatTime: metav1.Now()}}
+	if _, err := e.kube.CoreV1().Nodes().UpdateStatus(ctx, got, metav1.UpdateOptions{}); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+// create makes a HyperConverged from JSON (the spec and metadata as a user
+// writes them).
+func (e *env) create(name, manifest string) *hcov1beta1.HyperConverged {
+	e.t.Helper()
+	hc := &hcov1beta1.HyperConverged{}
+	if manifest != "" {
+		if err := json.Unmarshal([]byte(manifest), hc); err != nil {
+			e.t.Fatal(err)
+		}
+	}
+	hc.Name, hc.Namespace = name, e.ns
+	out, err := e.virt.HyperConvergeds.Create(context.Background(), hc)
+	if err != nil {
+		e.t.Fatalf("create hyperconverged: %v", err)
+	}
+	return out
+}
+
+func (e *env) get(name string) *hcov1beta1.HyperConverged {
+	e.t.Helper()
+	hc, err := e.virt.HyperConvergeds.Get(context.Background(), e.ns, name)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return hc
+}
+
+// eventually polls f until it returns nil, failing with its last error.
+func eventually(t *testing.T, timeout time.Duration, f func() error) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		err := f()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after %v: %v", timeout, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func condition(hc *hcov1beta1.HyperConverged, typ string) *metav1.Condition {
+	return meta.FindStatusCondition(hc.Status.Conditions, typ)
+}
+
+// update applies f to the stored HyperConverged, retrying on conflicts.
+func (e *env) update(name string, f func(*hcov1beta1.HyperConverged)) {
+	e.t.Helper()
+	for i := 0; ; i++ {
+		hc := e.get(name)
+		f(hc)
+		_, err := e.virt.HyperConvergeds.Update(context.Background(), hc)
+		if err == nil {
+			return
+		}
+		if !apierrors.IsConflict(err) || i > 20 {
+			e.t.Fatalf("update hyperconverged: %v", err)
+		}
+	}
+}
