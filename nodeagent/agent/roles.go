@@ -4,4 +4,5 @@ package agent
 var nodeRoles = []RoleFactory{
 	newCSIRole,
 	newProvisionerRole,
+	newBridgeMarkerRole,
 }

@@ -6,26 +6,25 @@ import (
 	"github.com/nodevirt/nodevirt/nodeagent/provisioner"
 )
 
-// csiRole serves the node's CSI driver on its socket.
-type csiRole struct{ d *Deps }
+// namedRole adapts a Run function to Role.
+type namedRole struct {
+	name string
+	run  func(context.Context) error
+}
 
-func (r csiRole) Name() string                  { return "csi" }
-func (r csiRole) Run(ctx context.Context) error { return r.d.Volumes.Run(ctx) }
+func (r namedRole) Name() string                  { return r.name }
+func (r namedRole) Run(ctx context.Context) error { return r.run(ctx) }
 
-func newCSIRole(d *Deps) (Role, error) { return csiRole{d}, nil }
+// newCSIRole serves the node's CSI driver on its socket.
+func newCSIRole(d *Deps) (Role, error) { return namedRole{"csi", d.Volumes.Run}, nil }
 
-// provisionerRole provisions PersistentVolumes on this node for claims of the
-// hostpath storage classes.
-type provisionerRole struct{ p *provisioner.Provisioner }
-
-func (r provisionerRole) Name() string                  { return "provisioner" }
-func (r provisionerRole) Run(ctx context.Context) error { return r.p.Run(ctx) }
-
+// newProvisionerRole provisions PersistentVolumes on this node for claims of
+// the hostpath storage classes.
 func newProvisionerRole(d *Deps) (Role, error) {
 	p, err := provisioner.New(provisioner.Config{NodeName: d.Config.NodeName, Client: d.Kube, Driver: d.Volumes,
 		Logger: d.Log.With("role", "provisioner")})
 	if err != nil {
 		return nil, err
 	}
-	return provisionerRole{p}, nil
+	return namedRole{"provisioner", p.Run}, nil
 }
