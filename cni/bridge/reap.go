@@ -29,7 +29,9 @@ func retireVeth(hh *netlink.Handle, port, netnsPath, ifName string) error {
 		return err
 	}
 	ipPath, lookErr := ipBinary()
-	if lookErr != nil {
+	if lookErr != nil || retiredBacklog(hh) >= maxRetired {
+		// Under a burst of DELs the helpers only add processes competing
+		// for the CPU; delete in line instead.
 		return deleteLink(hh, port)
 	}
 	if err := hh.LinkSetNoMaster(l); err != nil {
@@ -91,6 +93,23 @@ func ipBinary() (string, error) {
 		}
 	}
 	return "", errors.New("ip not found")
+}
+
+// maxRetired bounds the veths awaiting a helper before DEL deletes in line.
+const maxRetired = 4
+
+func retiredBacklog(hh *netlink.Handle) int {
+	links, err := hh.LinkList()
+	if err != nil && !errors.Is(err, netlink.ErrDumpInterrupted) {
+		return 0
+	}
+	n := 0
+	for _, l := range links {
+		if strings.HasPrefix(l.Attrs().Name, retiredPrefix) {
+			n++
+		}
+	}
+	return n
 }
 
 // sweepRetired deletes retired veths whose helper did not finish.
