@@ -14,6 +14,7 @@ import (
 	hppv1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hostpathprovisioner/v1beta1"
 	cnaov1 "github.com/nodevirt/nodevirt/clusterbrain/apis/networkaddons/v1"
 	sspv1beta2 "github.com/nodevirt/nodevirt/clusterbrain/apis/ssp/v1beta2"
+	macv1alpha1 "github.com/nodevirt/nodevirt/clusterbrain/macpool/api/v1alpha1"
 )
 
 // Kind describes one served resource.
@@ -111,6 +112,11 @@ func Catalog() []Kind {
 			Status: true, Type: reflect.TypeOf(hppv1beta1.HostPathProvisioner{})},
 		{Group: "ssp.kubevirt.io", Version: "v1beta2", Kind: "SSP", Plural: "ssps", Singular: "ssp",
 			Namespaced: true, Status: true, Type: reflect.TypeOf(sspv1beta2.SSP{})},
+		{Group: "nodevirt.io", Version: "v1alpha1", Kind: "MACAllocation", Plural: "macallocations", Singular: "macallocation",
+			ShortNames: []string{"macalloc"}, Columns: []apiextensionsv1.CustomResourceColumnDefinition{
+				col("MAC", "string", ".spec.mac", 0), col("Namespace", "string", ".spec.namespace", 0),
+				col("VM", "string", ".spec.vmName", 0), age},
+			Type: reflect.TypeOf(macv1alpha1.MACAllocation{})},
 	}
 }
 

@@ -1,0 +1,174 @@
+package macpool
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/util/workqueue"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	macv1alpha1 "github.com/nodevirt/nodevirt/clusterbrain/macpool/api/v1alpha1"
+)
+
+const macIndex = "mac"
+
+// Reconciler is the pool's leader role: it fills in the owner of each
+// allocation and frees allocations no VirtualMachine uses once they are
+// older than the grace (admissions in flight), on VM deletion or
+// interface edits, and at start for whatever a crash left behind.
+type Reconciler struct {
+	cfg    Config
+	store  *store
+	vms    cache.SharedIndexInformer
+	allocs cache.SharedIndexInformer
+	queue  workqueue.TypedRateLimitingInterface[string]
+}
+
+// NewReconciler builds the reconciler.
+func NewReconciler(cfg Config) (*Reconciler, error) {
+	if err := cfg.defaults(); err != nil {
+		return nil, err
+	}
+	st, err := newStore(cfg.RestConfig)
+	if err != nil {
+		return nil, err
+	}
+	r := &Reconciler{cfg: cfg, store: st,
+		vms:    cfg.Virt.VMs.Informer("", 0, nil),
+		allocs: st.informer(5 * time.Minute),
+		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[string](),
+			workqueue.TypedRateLimitingQueueConfig[string]{Name: "macpool"}),
+	}
+	if err := r.vms.AddIndexers(cache.Indexers{macIndex: func(obj any) ([]string, error) {
+		return vmMACs(obj.(*kubevirtv1.VirtualMachine)), nil
+	}}); err != nil {
+		return nil, err
+	}
+	enqueueVM := func(obj any) {
+		if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+			obj = d.Obj
+		}
+		if vm, ok := obj.(*kubevirtv1.VirtualMachine); ok {
+			for _, m := range vmMACs(vm) {
+				if hw, err := ParseMAC(m); err == nil {
+					r.queue.Add(macv1alpha1.NameFor(hwOf(hw)))
+				}
+			}
+		}
+	}
+	_, _ = r.vms.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    enqueueVM,
+		UpdateFunc: func(o, n any) { enqueueVM(o); enqueueVM(n) },
+		DeleteFunc: enqueueVM,
+	})
+	enqueueAlloc := func(obj any) {
+		if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
+			r.queue.Add(key)
+		}
+	}
+	_, _ = r.allocs.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    enqueueAlloc,
+		UpdateFunc: func(_, n any) { enqueueAlloc(n) },
+	})
+	return r, nil
+}
+
+// Name implements the brain's Role.
+func (r *Reconciler) Name() string { return "macpool-reconciler" }
+
+// Run reconciles until ctx ends.
+func (r *Reconciler) Run(ctx context.Context) error {
+	defer utilruntime.HandleCrash()
+	defer r.queue.ShutDown()
+	go r.vms.RunWithContext(ctx)
+	go r.allocs.RunWithContext(ctx)
+	if !cache.WaitForCacheSync(ctx.Done(), r.vms.HasSynced, r.allocs.HasSynced) {
+		return ctx.Err()
+	}
+	for i := 0; i < 4; i++ {
+		go wait.UntilWithContext(ctx, func(ctx context.Context) {
+			for r.processNext(ctx) {
+			}
+		}, time.Second)
+	}
+	<-ctx.Done()
+	return nil
+}
+
+func (r *Reconciler) processNext(ctx context.Context) bool {
+	key, quit := r.queue.Get()
+	if quit {
+		return false
+	}
+	defer r.queue.Done(key)
+	after, err := r.Sync(ctx, key)
+	switch {
+	case err != nil:
+		r.cfg.Log.Warn("mac allocation sync", "allocation", key, "err", err)
+		r.queue.AddRateLimited(key)
+	case after > 0:
+		r.queue.Forget(key)
+		r.queue.AddAfter(key, after)
+	default:
+		r.queue.Forget(key)
+	}
+	return true
+}
+
+// Sync reconciles the allocation named key. It returns a positive
+// duration when the allocation must be looked at again later.
+func (r *Reconciler) Sync(ctx context.Context, key string) (time.Duration, error) {
+	obj, ok, err := r.allocs.GetStore().GetByKey(key)
+	if err != nil || !ok {
+		return 0, err
+	}
+	a := obj.(*macv1alpha1.MACAllocation)
+	users, err := r.vms.GetIndexer().ByIndex(macIndex, a.Spec.MAC)
+	if err != nil {
+		return 0, err
+	}
+	if len(users) > 1 {
+		// Cannot happen through the webhook; report loudly if it does.
+		r.cfg.Log.Error("mac address used by several vms", "mac", a.Spec.MAC, "vms", len(users))
+	}
+	if len(users) > 0 {
+		vm := users[0].(*kubevirtv1.VirtualMachine)
+		for _, u := range users {
+			if v := u.(*kubevirtv1.VirtualMachine); v.Namespace == a.Spec.Namespace && v.Name == a.Spec.VMName {
+				vm = v
+			}
+		}
+		if a.Spec.Namespace == vm.Namespace && a.Spec.VMName == vm.Name && a.Spec.VMUID == vm.UID {
+			return 0, nil
+		}
+		a = a.DeepCopy()
+		a.Spec.Namespace, a.Spec.VMName, a.Spec.VMUID = vm.Namespace, vm.Name, vm.UID
+		if _, err := r.store.update(ctx, a); err != nil && !apierrors.IsConflict(err) && !apierrors.IsNotFound(err) {
+			return 0, fmt.Errorf("record owner of mac %s: %w", a.Spec.MAC, err)
+		}
+		return 0, nil
+	}
+	if age := time.Since(allocatedAt(a)); age < r.cfg.Grace {
+		return r.cfg.Grace - age + 100*time.Millisecond, nil
+	}
+	// The cache says nobody: confirm with the API before freeing.
+	if a.Spec.VMName != "" {
+		vm, err := r.cfg.Virt.VMs.Get(ctx, a.Spec.Namespace, a.Spec.VMName)
+		if err == nil && hasMAC(vm, a.Spec.MAC) {
+			return r.cfg.Grace, nil
+		}
+		if err != nil && !apierrors.IsNotFound(err) {
+			return 0, err
+		}
+	}
+	if err := r.store.delete(ctx, a); err != nil && !apierrors.IsNotFound(err) && !apierrors.IsConflict(err) {
+		return 0, fmt.Errorf("free mac %s: %w", a.Spec.MAC, err)
+	}
+	r.cfg.Log.Info("mac freed", "mac", a.Spec.MAC, "namespace", a.Spec.Namespace, "name", a.Spec.VMName)
+	return 0, nil
+}
