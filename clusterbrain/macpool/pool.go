@@ -364,4 +364,3 @@ func hwOf(m uint64) []byte {
 	}
 	return hw
 }
-
