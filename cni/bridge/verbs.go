@@ -75,7 +75,7 @@ func Del(ctx context.Context, n *NetConf, args *skel.CmdArgs) error {
 			errs = append(errs, err)
 		}
 	}
-	if err := removeHostSide(ctx, rec, args.Netns); err != nil {
+	if err := removeHostSide(ctx, rec); err != nil {
 		errs = append(errs, err)
 	}
 	if len(errs) == 0 {
@@ -84,22 +84,16 @@ func Del(ctx context.Context, n *NetConf, args *skel.CmdArgs) error {
 	return errors.Join(errs...)
 }
 
-// removeHostSide removes a record's port and nft chains. With netnsPath
-// (CNI DEL) a veth is retired at once and unregistered by a detached helper
-// (see retireVeth); otherwise the link is deleted before returning.
-func removeHostSide(ctx context.Context, rec *Record, netnsPath string) error {
+// removeHostSide removes a record's port and nft chains before returning,
+// so that nothing of the attachment remains when DEL answers.
+func removeHostSide(ctx context.Context, rec *Record) error {
 	hh, err := netlink.NewHandle(unix.NETLINK_ROUTE)
 	if err != nil {
 		return fmt.Errorf("netlink: %w", err)
 	}
 	defer hh.Close()
 	var errs []error
-	if rec.Kind == "veth" && netnsPath != "" {
-		err = retireVeth(hh, rec.Port, netnsPath, rec.IfName)
-	} else {
-		err = deleteLink(hh, rec.Port)
-	}
-	if err != nil {
+	if err := deleteLink(hh, rec.Port); err != nil {
 		errs = append(errs, err)
 	}
 	if rec.SpoofChain != "" {
@@ -317,16 +311,13 @@ func GC(ctx context.Context, n *NetConf, stdin []byte) error {
 				recErrs = append(recErrs, err)
 			}
 		}
-		if err := removeHostSide(ctx, rec, ""); err != nil {
+		if err := removeHostSide(ctx, rec); err != nil {
 			recErrs = append(recErrs, err)
 		}
 		if len(recErrs) == 0 {
 			recErrs = append(recErrs, st.remove(path))
 		}
 		errs = append(errs, recErrs...)
-	}
-	if err := sweepRetired(); err != nil {
-		errs = append(errs, err)
 	}
 	if n.IPAM.Type != "" {
 		// An IPAM plugin older than 1.1.0 has no GC; the per-attachment
