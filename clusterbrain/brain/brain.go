@@ -79,11 +79,8 @@ type Deps struct {
 	Health     *daemon.Health
 }
 
-// Role is one job of the brain. Run blocks until ctx ends.
-type Role interface {
-	Name() string
-	Run(ctx context.Context) error
-}
+// Role is one job of the brain.
+type Role = daemon.Role
 
 // RoleFactory builds a role from the brain's dependencies.
 type RoleFactory func(d *Deps) (Role, error)
@@ -154,19 +151,7 @@ func (b *Brain) Run(ctx context.Context) error {
 	_ = daemon.Notify("READY=1")
 	go daemon.Watchdog(ctx, b.deps.Health.Ready)
 
-	var wg sync.WaitGroup
-	runAll := func(ctx context.Context, roles []Role) {
-		for _, r := range roles {
-			wg.Add(1)
-			go func(r Role) {
-				defer wg.Done()
-				if err := r.Run(ctx); err != nil && ctx.Err() == nil {
-					log.Error("role stopped", "role", r.Name(), "err", err)
-				}
-			}(r)
-		}
-	}
-	runAll(ctx, b.always)
+	groups := []*sync.WaitGroup{daemon.Start(ctx, log, b.deps.Health, b.always...)}
 	lock := &resourcelock.LeaseLock{
 		LeaseMeta:  metav1.ObjectMeta{Namespace: b.cfg.Namespace, Name: "nodevirt-clusterbrain"},
 		Client:     b.deps.Kube.CoordinationV1(),
@@ -182,7 +167,7 @@ func (b *Brain) Run(ctx context.Context) error {
 		Callbacks: leaderelection.LeaderCallbacks{
 			OnStartedLeading: func(ctx context.Context) {
 				log.Info("leading", "identity", b.cfg.Identity)
-				runAll(ctx, b.leader)
+				groups = append(groups, daemon.Start(ctx, log, nil, b.leader...))
 			},
 			OnStoppedLeading: func() { log.Info("stopped leading", "identity", b.cfg.Identity) },
 			OnNewLeader: func(id string) {
@@ -199,7 +184,9 @@ func (b *Brain) Run(ctx context.Context) error {
 	for ctx.Err() == nil {
 		le.Run(ctx)
 	}
-	wg.Wait()
+	for _, g := range groups {
+		g.Wait()
+	}
 	select {
 	case err := <-errc:
 		return err

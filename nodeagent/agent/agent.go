@@ -11,7 +11,6 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
-	"sync"
 	"time"
 
 	"k8s.io/client-go/kubernetes"
@@ -106,11 +105,8 @@ type Deps struct {
 	Volumes *csi.Driver
 }
 
-// Role is one job of the node agent. Run blocks until ctx ends.
-type Role interface {
-	Name() string
-	Run(ctx context.Context) error
-}
+// Role is one job of the node agent.
+type Role = daemon.Role
 
 // RoleFactory builds a role.
 type RoleFactory func(d *Deps) (Role, error)
@@ -211,21 +207,8 @@ func (a *Agent) Run(ctx context.Context) error {
 	}
 	a.deps.Health.Set("node-registered", nil)
 	log.Info("node registered", "node", a.cfg.NodeName, "standalone", standalone)
-	var wg sync.WaitGroup
-	run := func(name string, f func(context.Context) error) {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if err := f(ctx); err != nil && ctx.Err() == nil {
-				log.Error("role stopped", "role", name, "node", a.cfg.NodeName, "err", err)
-				a.deps.Health.Set(name, err)
-			}
-		}()
-	}
-	run("node", a.reg.Run)
-	for _, r := range a.roles {
-		run(r.Name(), r.Run)
-	}
+	roles := append([]Role{namedRole{"node", a.reg.Run}}, a.roles...)
+	wg := daemon.Start(ctx, log.With("node", a.cfg.NodeName), a.deps.Health, roles...)
 	_ = daemon.Notify("READY=1")
 	go daemon.Watchdog(ctx, a.deps.Health.Ready)
 	wg.Wait()
