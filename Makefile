@@ -9,7 +9,7 @@ DEBIAN_PACKAGES := libvirt-daemon-system libvirt-dev qemu-system-x86 qemu-utils 
 	iproute2 ovmf xz-utils zstd curl cpio kmod e2fsprogs util-linux
 TEST_TIMEOUT ?= 35m
 
-.PHONY: all build deps controlplane lab lab-down demo test unit bench vet fmt clean virtctl-dist
+.PHONY: all build install deps controlplane lab lab-down demo test unit bench vet fmt clean virtctl-dist
 
 all: build
 
@@ -26,6 +26,18 @@ build: deps
 	$(GO) build -o $(BIN)/ ./nodeagent/cmd/nodeagent ./clusterbrain/cmd/... ./cni/cmd/cnv-bridge ./test/cmd/nodevirt-lab
 	@ln -sf cnv-bridge $(BIN)/nodevirt-bridge
 	@if [ -d csi/cmd/hostpath-csi-driver ]; then $(GO) build -o $(BIN)/ ./csi/cmd/hostpath-csi-driver; fi
+
+# install puts the daemons on PATH, the CNI plugin where runtimes look for it
+# (as cnv-bridge and nodevirt-bridge) and the systemd units in place.
+PREFIX ?= /usr/local
+CNI_BIN_DIR ?= /opt/cni/bin
+install: build
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(CNI_BIN_DIR) $(DESTDIR)/etc/systemd/system
+	install -m 0755 $(BIN)/nodeagent $(BIN)/clusterbrain $(DESTDIR)$(PREFIX)/bin/
+	@if [ -x $(BIN)/virtctl ]; then install -m 0755 $(BIN)/virtctl $(DESTDIR)$(PREFIX)/bin/; fi
+	install -m 0755 $(BIN)/cnv-bridge $(DESTDIR)$(CNI_BIN_DIR)/cnv-bridge
+	ln -sf cnv-bridge $(DESTDIR)$(CNI_BIN_DIR)/nodevirt-bridge
+	install -m 0644 systemd/*.service $(DESTDIR)/etc/systemd/system/
 
 # virtctl-dist cross-builds the CLI for the download service.
 virtctl-dist:
