@@ -213,15 +213,15 @@ func renderKubeVirt(hc *hcov1beta1.HyperConverged, version string) (*kubevirtv1.
 		NetworkConfiguration: &kubevirtv1.NetworkConfiguration{
 			NetworkInterface: string(kubevirtv1.MasqueradeInterface), Binding: s.NetworkBinding,
 		},
-		MigrationConfiguration: mig,
-		PermittedHostDevices:   s.PermittedHostDevices.DeepCopy(),
-		ObsoleteCPUModels:      obsolete,
-		DeprecatedMinCPUModel:  minCPU,
-		TLSConfiguration:       &kubevirtv1.TLSConfiguration{MinTLSVersion: minTLS, Ciphers: ianaCiphers(tlsSpec.Ciphers)},
-		EvictionStrategy:       s.EvictionStrategy,
-		KSMConfiguration:       s.KSMConfiguration.DeepCopy(),
+		MigrationConfiguration:        mig,
+		PermittedHostDevices:          s.PermittedHostDevices.DeepCopy(),
+		ObsoleteCPUModels:             obsolete,
+		DeprecatedMinCPUModel:         minCPU,
+		TLSConfiguration:              &kubevirtv1.TLSConfiguration{MinTLSVersion: minTLS, Ciphers: ianaCiphers(tlsSpec.Ciphers)},
+		EvictionStrategy:              s.EvictionStrategy,
+		KSMConfiguration:              s.KSMConfiguration.DeepCopy(),
 		CommonInstancetypesDeployment: s.CommonInstancetypesDeployment.DeepCopy(),
-		Instancetype:           s.InstancetypeConfig.DeepCopy(),
+		Instancetype:                  s.InstancetypeConfig.DeepCopy(),
 	}
 	if s.DefaultCPUModel != nil {
 		cfg.CPUModel = *s.DefaultCPUModel
