@@ -1,0 +1,257 @@
+// Package console serves the serial consoles, VNC displays and power
+// controls of a node's VMs to the cluster brain, over HTTPS with mutual TLS:
+// only a client whose certificate chains to the configured CA (and, when
+// Config.AllowedClients is set, carries one of those names) gets past the
+// handshake. The brain turns KubeVirt's subresources (virtctl console, vnc,
+// pause, unpause, softreboot, ...) into these calls.
+//
+// # Protocol
+//
+// Streams:
+//
+//	GET /v1/namespaces/{namespace}/vmis/{name}/console   serial console (ttyS0)
+//	GET /v1/namespaces/{namespace}/vmis/{name}/vnc       RFB (VNC) display
+//
+// A stream request upgrades the connection in one of two ways:
+//
+//   - raw: request headers "Connection: Upgrade" and "Upgrade: nodevirt-stream".
+//     The answer is "101 Switching Protocols" with the same Upgrade header;
+//     from then on the TLS connection carries the console's (or VNC's)
+//     bytes in both directions, unframed. Client.Console and Client.VNC
+//     do this.
+//   - WebSocket (RFC 6455, "Upgrade: websocket"): every binary (or text)
+//     message carries bytes; the server sends binary messages. The
+//     subprotocol plain.kubevirt.io is accepted, so the brain can hand
+//     virtctl's WebSocket through a reverse proxy unchanged.
+//
+// A second stream of the same kind for the same VMI ends the first (its
+// connection is closed), as with KubeVirt's console. Closing a stream leaves
+// the guest running.
+//
+// Controls, each a PUT with an empty body, answered 200 when done (202 for
+// shutdown, which only starts the graceful shutdown):
+//
+//	PUT /v1/namespaces/{namespace}/vmis/{name}/pause
+//	PUT /v1/namespaces/{namespace}/vmis/{name}/unpause
+//	PUT /v1/namespaces/{namespace}/vmis/{name}/softreboot   ACPI reboot request
+//	PUT /v1/namespaces/{namespace}/vmis/{name}/reset        hard reset
+//	PUT /v1/namespaces/{namespace}/vmis/{name}/shutdown     ACPI power button, destroyed after the grace period
+//
+// Errors are plain-text bodies with 404 (the VMI is not running on this
+// node's books: ErrNotFound), 409 (the VMI has no running domain:
+// ErrNotRunning), 403 (client certificate name not allowed), 400 (bad
+// request) or 500.
+package console
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"slices"
+	"sync"
+	"time"
+)
+
+// Backend runs the VMIs; the virt-handler role implements it. Errors wrap
+// ErrNotFound or ErrNotRunning where they apply.
+type Backend interface {
+	// Console opens the serial console of a running VMI; Close ends the
+	// session, not the guest. Opening another takes the console over.
+	Console(ctx context.Context, namespace, name string) (io.ReadWriteCloser, error)
+	// VNC connects to the VNC server of a running VMI.
+	VNC(ctx context.Context, namespace, name string) (io.ReadWriteCloser, error)
+	Pause(ctx context.Context, namespace, name string) error
+	Unpause(ctx context.Context, namespace, name string) error
+	SoftReboot(ctx context.Context, namespace, name string) error
+	Reset(ctx context.Context, namespace, name string) error
+	// Shutdown starts a graceful shutdown and returns.
+	Shutdown(ctx context.Context, namespace, name string) error
+}
+
+var (
+	// ErrNotFound: no such VMI on this node.
+	ErrNotFound = errors.New("vmi not found on this node")
+	// ErrNotRunning: the VMI has no running domain.
+	ErrNotRunning = errors.New("vmi is not running")
+)
+
+// Config configures a Server. The TLS material is either files or TLS.
+type Config struct {
+	// Addr is the listen address, e.g. ":8186" or "127.0.0.1:0"; required.
+	Addr string
+	// CertFile and KeyFile are the server's certificate and key (PEM).
+	CertFile, KeyFile string
+	// ClientCAFile is the PEM bundle client certificates must chain to.
+	ClientCAFile string
+	// AllowedClients, when not empty, are the only client certificate
+	// names (subject CN or DNS SAN) let in.
+	AllowedClients []string
+	// TLS, when set, replaces the files; it must require and verify client
+	// certificates.
+	TLS *tls.Config
+	// Log; slog.Default() when nil.
+	Log *slog.Logger
+}
+
+func (c *Config) tlsConfig() (*tls.Config, error) {
+	if c.TLS != nil {
+		if c.TLS.ClientAuth != tls.RequireAndVerifyClientCert {
+			return nil, errors.New("console: tls config must require and verify client certificates")
+		}
+		return c.TLS.Clone(), nil
+	}
+	if c.CertFile == "" || c.KeyFile == "" || c.ClientCAFile == "" {
+		return nil, errors.New("console: cert file, key file and client CA file are required")
+	}
+	cert, err := tls.LoadX509KeyPair(c.CertFile, c.KeyFile)
+	if err != nil {
+		return nil, fmt.Errorf("console: server certificate: %w", err)
+	}
+	pem, err := os.ReadFile(c.ClientCAFile)
+	if err != nil {
+		return nil, fmt.Errorf("console: client CA: %w", err)
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(pem) {
+		return nil, fmt.Errorf("console: client CA %s holds no certificate", c.ClientCAFile)
+	}
+	return &tls.Config{
+		Certificates: []tls.Certificate{cert},
+		ClientAuth:   tls.RequireAndVerifyClientCert,
+		ClientCAs:    pool,
+		MinVersion:   tls.VersionTLS12,
+	}, nil
+}
+
+// Server is the console/VNC/control server.
+type Server struct {
+	cfg     Config
+	log     *slog.Logger
+	backend Backend
+	ln      net.Listener
+	srv     *http.Server
+
+	mu       sync.Mutex
+	sessions map[string]io.Closer
+}
+
+// New validates cfg and listens on cfg.Addr; Run serves.
+func New(cfg Config, backend Backend) (*Server, error) {
+	if cfg.Addr == "" {
+		return nil, errors.New("console: listen address is required")
+	}
+	if backend == nil {
+		return nil, errors.New("console: backend is required")
+	}
+	if cfg.Log == nil {
+		cfg.Log = slog.Default()
+	}
+	tc, err := cfg.tlsConfig()
+	if err != nil {
+		return nil, err
+	}
+	tc.NextProtos = []string{"http/1.1"} // upgrades need HTTP/1.1
+	ln, err := net.Listen("tcp", cfg.Addr)
+	if err != nil {
+		return nil, fmt.Errorf("console: %w", err)
+	}
+	s := &Server{cfg: cfg, log: cfg.Log.With("server", "console"), backend: backend, sessions: map[string]io.Closer{}}
+	s.ln = tls.NewListener(ln, tc)
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /v1/namespaces/{namespace}/vmis/{name}/console", s.stream("console", backend.Console))
+	mux.HandleFunc("GET /v1/namespaces/{namespace}/vmis/{name}/vnc", s.stream("vnc", backend.VNC))
+	mux.HandleFunc("PUT /v1/namespaces/{namespace}/vmis/{name}/{action}", s.control)
+	s.srv = &http.Server{
+		Handler:           s.authorize(mux),
+		ReadHeaderTimeout: 10 * time.Second,
+		TLSNextProto:      map[string]func(*http.Server, *tls.Conn, http.Handler){},
+		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelDebug),
+	}
+	return s, nil
+}
+
+// Addr is the address the server listens on.
+func (s *Server) Addr() string { return s.ln.Addr().String() }
+
+// Run serves until ctx ends, then closes the listener and every stream.
+func (s *Server) Run(ctx context.Context) error {
+	errc := make(chan error, 1)
+	go func() { errc <- s.srv.Serve(s.ln) }()
+	select {
+	case err := <-errc:
+		return err
+	case <-ctx.Done():
+	}
+	s.srv.Close()
+	s.mu.Lock()
+	for _, c := range s.sessions {
+		c.Close()
+	}
+	s.mu.Unlock()
+	<-errc
+	return nil
+}
+
+// authorize checks the client certificate's names against AllowedClients.
+func (s *Server) authorize(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.TLS == nil || len(r.TLS.PeerCertificates) == 0 {
+			http.Error(w, "client certificate required", http.StatusUnauthorized)
+			return
+		}
+		if len(s.cfg.AllowedClients) > 0 {
+			leaf := r.TLS.PeerCertificates[0]
+			names := append([]string{leaf.Subject.CommonName}, leaf.DNSNames...)
+			if !slices.ContainsFunc(names, func(n string) bool { return slices.Contains(s.cfg.AllowedClients, n) }) {
+				s.log.Warn("client not allowed", "names", names, "remote", r.RemoteAddr)
+				http.Error(w, "client not allowed", http.StatusForbidden)
+				return
+			}
+		}
+		next.ServeHTTP(w, r)
+	})
+}
+
+func (s *Server) control(w http.ResponseWriter, r *http.Request) {
+	ns, name, action := r.PathValue("namespace"), r.PathValue("name"), r.PathValue("action")
+	ops := map[string]func(context.Context, string, string) error{
+		"pause": s.backend.Pause, "unpause": s.backend.Unpause, "softreboot": s.backend.SoftReboot,
+		"reset": s.backend.Reset, "shutdown": s.backend.Shutdown,
+	}
+	op, ok := ops[action]
+	if !ok {
+		http.Error(w, fmt.Sprintf("unknown action %q", action), http.StatusNotFound)
+		return
+	}
+	log := s.log.With("vmi", ns+"/"+name, "action", action)
+	if err := op(r.Context(), ns, name); err != nil {
+		log.Info("control failed", "err", err)
+		httpError(w, err)
+		return
+	}
+	log.Info("control done")
+	if action == "shutdown" {
+		w.WriteHeader(http.StatusAccepted)
+		return
+	}
+	w.WriteHeader(http.StatusOK)
+}
+
+// httpError maps a backend error to its status code, once.
+func httpError(w http.ResponseWriter, err error) {
+	code := http.StatusInternalServerError
+	switch {
+	case errors.Is(err, ErrNotFound):
+		code = http.StatusNotFound
+	case errors.Is(err, ErrNotRunning):
+		code = http.StatusConflict
+	}
+	http.Error(w, err.Error(), code)
+}

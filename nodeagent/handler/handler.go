@@ -1,0 +1,373 @@
+// Package handler is the virt-handler role of the node agent: it turns the
+// VirtualMachineInstances bound to this node into libvirt domains and writes
+// their status back.
+//
+// It watches only the VMIs labelled kubevirt.io/nodeName=<node> (the label
+// the scheduler sets together with status.nodeName and phase Scheduled) and
+// reconciles each one against its domain in the node's libvirtd:
+//
+//   - Scheduled, no domain: add the finalizer nodevirt.io/virt-handler,
+//     resolve volumes (PVC/DataVolume → PV → CSI volume handle → disk), read
+//     cloud-init Secrets, attach a tap per bridge NIC to the bridge of its
+//     NetworkAttachmentDefinition, convert (launcher/domain), define and
+//     start (paused for startStrategy Paused).
+//   - a domain exists: phase, conditions (Ready, Paused, LiveMigratable,
+//     Synchronized), status.interfaces and the annotations
+//     nodevirt.io/qemu-pid and nodevirt.io/emulation follow the domain.
+//     Libvirt's lifecycle events trigger the reconcile; nothing polls.
+//   - the guest powered off: Succeeded; QEMU died or the guest panicked:
+//     Failed with status.reason; a final VMI's domain is undefined, its taps
+//     detached, its state removed, and the finalizer dropped.
+//   - deletionTimestamp set: ACPI shutdown within
+//     spec.terminationGracePeriodSeconds (counted from the deletion), then
+//     destroy, then as above.
+//
+// Domains are persistent libvirt domains whose QEMU is libvirtd's child:
+// they outlive the agent. A restarted handler finds them by name
+// (<namespace>_<name>) and checks the VMI UID in their metadata before
+// adopting them; it never touches a domain whose VMI state it did not
+// create (Config.StateDir), so several agents may share one libvirtd in
+// tests.
+//
+// Pause, unpause, soft reboot, reset, shutdown and the console and VNC
+// streams are methods the console server (package console) calls for the
+// brain's subresources.
+package handler
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"path/filepath"
+	"sync"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/util/workqueue"
+	v1 "kubevirt.io/api/core/v1"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	"github.com/nodevirt/nodevirt/launcher"
+	"github.com/nodevirt/nodevirt/launcher/domain"
+	"github.com/nodevirt/nodevirt/nodeagent/console"
+)
+
+// Names the handler writes on VMIs.
+const (
+	// Finalizer keeps a VMI until its domain, taps and state are gone.
+	Finalizer = "nodevirt.io/virt-handler"
+	// AnnotationQEMUPID is the pid of the VMI's QEMU process.
+	AnnotationQEMUPID = "nodevirt.io/qemu-pid"
+	// AnnotationEmulation is "true" when the guest runs under TCG, "false"
+	// under KVM.
+	AnnotationEmulation = "nodevirt.io/emulation"
+)
+
+// DefaultGracePeriod is KubeVirt's terminationGracePeriodSeconds default.
+const DefaultGracePeriod = 30 * time.Second
+
+// VolumeResolver finds the disk of a CSI volume on this node; the hostpath
+// CSI driver (csi.Driver) satisfies it. Without one, VMIs whose PVs are CSI
+// volumes fail to start with a condition saying so; hostPath and local PVs
+// still work.
+type VolumeResolver interface {
+	// VolumeDisk returns the disk image file inside a filesystem volume, or
+	// the block device of a block volume.
+	VolumeDisk(volumeHandle string) (path string, isBlock bool, err error)
+}
+
+// Config configures a Handler.
+type Config struct {
+	// NodeName is this node; required.
+	NodeName string
+	// StateDir holds one directory per VMI (by UID): disks the launcher
+	// prepares, cloud-init seeds and the handler's record of what it made.
+	// It must be reachable by the user QEMU runs as. Required, absolute.
+	StateDir string
+	// LibvirtURI of the node's libvirtd; launcher.DefaultURI when empty.
+	LibvirtURI string
+	// PIDDir is where libvirtd writes QEMU pid files; launcher's default
+	// when empty.
+	PIDDir string
+	// Emulation runs guests under TCG. The KubeVirt CR's
+	// spec.configuration.developerConfiguration.useEmulation turns it on
+	// as well, at run time.
+	Emulation bool
+	// Kube and Virt are the API clients; required.
+	Kube kubernetes.Interface
+	Virt *client.Set
+	// Volumes resolves CSI volume handles; may be nil (see VolumeResolver).
+	Volumes VolumeResolver
+	// NetStateDir overrides the bridge package's state directory in every
+	// NetworkAttachmentDefinition config (tests); empty keeps the config's.
+	NetStateDir string
+	// Workers is the number of VMIs reconciled at once; 4 when zero.
+	Workers int
+	// ShutdownRetry is how often the ACPI power button is pressed again
+	// during a graceful shutdown; the launcher's default when zero.
+	ShutdownRetry time.Duration
+	// Console configures the console/VNC/control server; no server when
+	// Console.Addr is empty.
+	Console console.Config
+	// Log; slog.Default() when nil.
+	Log *slog.Logger
+}
+
+func (c *Config) defaults() {
+	if c.Workers == 0 {
+		c.Workers = 4
+	}
+	if c.Log == nil {
+		c.Log = slog.Default()
+	}
+}
+
+func (c *Config) validate() error {
+	switch {
+	case c.NodeName == "":
+		return errors.New("handler: node name is required")
+	case !filepath.IsAbs(c.StateDir):
+		return fmt.Errorf("handler: state dir %q is not an absolute path", c.StateDir)
+	case c.Kube == nil || c.Virt == nil:
+		return errors.New("handler: kubernetes clients are required")
+	case c.Workers < 0:
+		return errors.New("handler: negative worker count")
+	}
+	return nil
+}
+
+// Handler is the virt-handler role.
+type Handler struct {
+	cfg Config
+	log *slog.Logger
+
+	vmis     cache.SharedIndexInformer
+	kubevirt cache.SharedIndexInformer
+	queue    workqueue.TypedRateLimitingInterface[string]
+	console  *console.Server
+
+	mu       sync.Mutex
+	lv       *launcher.Manager // set while Run runs
+	runCtx   context.Context
+	stopping map[types.UID]bool
+	bg       sync.WaitGroup // graceful shutdowns under way
+	ready    chan struct{}
+}
+
+var _ console.Backend = (*Handler)(nil)
+
+// New validates cfg and builds the handler; with Console.Addr set it also
+// starts listening there (so ConsoleAddr is known), serving once Run runs.
+func New(cfg Config) (*Handler, error) {
+	cfg.defaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	h := &Handler{
+		cfg:      cfg,
+		log:      cfg.Log.With("role", "virt-handler", "node", cfg.NodeName),
+		stopping: map[types.UID]bool{},
+		ready:    make(chan struct{}),
+	}
+	selector := v1.NodeNameLabel + "=" + cfg.NodeName
+	h.vmis = cfg.Virt.VMIs.Informer(metav1.NamespaceAll, 10*time.Minute, func(o *metav1.ListOptions) {
+		o.LabelSelector = selector
+	})
+	h.kubevirt = cfg.Virt.KubeVirts.Informer(metav1.NamespaceAll, 0, nil)
+	if cfg.Console.Addr != "" {
+		ccfg := cfg.Console
+		if ccfg.Log == nil {
+			ccfg.Log = cfg.Log
+		}
+		s, err := console.New(ccfg, h)
+		if err != nil {
+			return nil, err
+		}
+		h.console = s
+	}
+	return h, nil
+}
+
+// Name is the role's name.
+func (h *Handler) Name() string { return "virt-handler" }
+
+// ConsoleAddr is the address the console server listens on; empty without
+// one.
+func (h *Handler) ConsoleAddr() string {
+	if h.console == nil {
+		return ""
+	}
+	return h.console.Addr()
+}
+
+// Ready is closed once Run has connected to libvirtd, synced its caches and
+// queued every VMI and every domain it made.
+func (h *Handler) Ready() <-chan struct{} { return h.ready }
+
+// Run reconciles until ctx ends. Domains keep running when it returns.
+func (h *Handler) Run(ctx context.Context) error {
+	if h.queue != nil {
+		return errors.New("handler: Run called twice")
+	}
+	lv, err := launcher.Open(launcher.Config{
+		URI: h.cfg.LibvirtURI, PIDDir: h.cfg.PIDDir, ShutdownRetry: h.cfg.ShutdownRetry, Logger: h.cfg.Log,
+	})
+	if err != nil {
+		return err
+	}
+	defer lv.Close()
+	h.mu.Lock()
+	h.lv = lv
+	h.mu.Unlock()
+	defer func() {
+		h.mu.Lock()
+		h.lv, h.runCtx = nil, nil
+		h.mu.Unlock()
+	}()
+
+	h.queue = workqueue.NewTypedRateLimitingQueueWithConfig(
+		workqueue.NewTypedItemExponentialFailureRateLimiter[string](200*time.Millisecond, 30*time.Second),
+		workqueue.TypedRateLimitingQueueConfig[string]{Name: "virt-handler"})
+	defer h.queue.ShutDown()
+	enqueue := func(obj any) {
+		if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
+			h.queue.Add(key)
+		}
+	}
+	if _, err := h.vmis.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc: enqueue, UpdateFunc: func(_, o any) { enqueue(o) }, DeleteFunc: enqueue,
+	}); err != nil {
+		return err
+	}
+	defer h.bg.Wait()
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	h.mu.Lock()
+	h.runCtx = ctx
+	h.mu.Unlock()
+	for _, inf := range []cache.SharedIndexInformer{h.vmis, h.kubevirt} {
+		wg.Add(1)
+		go func() { defer wg.Done(); inf.Run(ctx.Done()) }()
+	}
+	if !cache.WaitForCacheSync(ctx.Done(), h.vmis.HasSynced, h.kubevirt.HasSynced) {
+		return ctx.Err()
+	}
+	wg.Add(1)
+	go func() { defer wg.Done(); h.watchDomains(ctx, lv) }()
+	if err := h.queueOwnDomains(ctx, lv); err != nil {
+		h.log.Warn("listing domains", "err", err)
+	}
+	if h.console != nil {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := h.console.Run(ctx); err != nil && ctx.Err() == nil {
+				h.log.Error("console server stopped", "err", err)
+			}
+		}()
+	}
+	for range h.cfg.Workers {
+		wg.Add(1)
+		go func() { defer wg.Done(); h.work(ctx) }()
+	}
+	close(h.ready)
+	h.log.Info("virt-handler running", "emulation", h.emulation())
+	<-ctx.Done()
+	h.queue.ShutDown()
+	return nil
+}
+
+// watchDomains turns libvirt's lifecycle events into reconciles of the
+// domain's VMI; a reconnect to libvirtd reconciles every VMI.
+func (h *Handler) watchDomains(ctx context.Context, lv *launcher.Manager) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case e, ok := <-lv.Events():
+			if !ok {
+				return
+			}
+			if e.Type == launcher.EventReconnected {
+				h.log.Info("libvirtd connection restored, reconciling every vmi")
+				for _, key := range h.vmis.GetStore().ListKeys() {
+					h.queue.Add(key)
+				}
+				continue
+			}
+			if ns, name, ok := domain.SplitName(e.Domain); ok {
+				h.log.Debug("domain event", "vmi", ns+"/"+name, "event", e.String())
+				h.queue.Add(ns + "/" + name)
+			}
+		}
+	}
+}
+
+// queueOwnDomains queues the VMIs of the domains and state records this
+// handler made, so that those whose VMI is gone get cleaned up.
+func (h *Handler) queueOwnDomains(ctx context.Context, lv *launcher.Manager) error {
+	recs, err := h.records()
+	for _, r := range recs {
+		h.queue.Add(r.Namespace + "/" + r.Name)
+	}
+	doms, lerr := lv.List(ctx)
+	for _, d := range doms {
+		if d.HasVMI && h.owns(types.UID(d.VMI.UID)) {
+			h.queue.Add(d.VMI.Namespace + "/" + d.VMI.Name)
+		}
+	}
+	return errors.Join(err, lerr)
+}
+
+func (h *Handler) work(ctx context.Context) {
+	for {
+		key, quit := h.queue.Get()
+		if quit {
+			return
+		}
+		err := h.sync(ctx, key)
+		switch {
+		case err == nil:
+			h.queue.Forget(key)
+		case ctx.Err() != nil:
+		default:
+			h.log.Warn("reconcile failed, retrying", "vmi", key, "err", err)
+			h.queue.AddRateLimited(key)
+		}
+		h.queue.Done(key)
+	}
+}
+
+// manager returns the libvirt connection of the running handler.
+func (h *Handler) manager() (*launcher.Manager, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.lv == nil {
+		return nil, fmt.Errorf("%w: handler is not running", launcher.ErrDisconnected)
+	}
+	return h.lv, nil
+}
+
+// emulation is the configured decision, or'ed with the KubeVirt CR's
+// useEmulation.
+func (h *Handler) emulation() bool {
+	if h.cfg.Emulation {
+		return true
+	}
+	for _, o := range h.kubevirt.GetStore().List() {
+		kv, ok := o.(*v1.KubeVirt)
+		if !ok {
+			continue
+		}
+		if dc := kv.Spec.Configuration.DeveloperConfiguration; dc != nil && dc.UseEmulation {
+			return true
+		}
+	}
+	return false
+}

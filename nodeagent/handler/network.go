@@ -1,0 +1,142 @@
+package handler
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"strings"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/types"
+	v1 "kubevirt.io/api/core/v1"
+
+	"github.com/nodevirt/nodevirt/cni/bridge"
+)
+
+// errPodNetwork refuses what is not built yet: the pod network needs a
+// per-node NAT bridge with DHCP.
+var errPodNetwork = errors.New("the pod network (masquerade or bridge binding on spec.networks[].pod) is not supported by nodevirt yet: use a Multus network with the bridge binding")
+
+// tapName is the deterministic tap of a VMI's interface: an agent restart
+// finds the same device.
+func tapName(uid types.UID, iface string) string {
+	sum := sha256.Sum256([]byte(string(uid) + "/" + iface))
+	return "nvt" + hex.EncodeToString(sum[:])[:11]
+}
+
+// plannedTaps decides the tap of every bridge NIC of vmi and the network
+// config to attach it with; no device is made.
+func (h *Handler) plannedTaps(ctx context.Context, vmi *v1.VirtualMachineInstance) ([]tapRecord, error) {
+	networks := map[string]*v1.Network{}
+	for i := range vmi.Spec.Networks {
+		networks[vmi.Spec.Networks[i].Name] = &vmi.Spec.Networks[i]
+	}
+	var out []tapRecord
+	for i, iface := range vmi.Spec.Domain.Devices.Interfaces {
+		path := fmt.Sprintf("spec.domain.devices.interfaces[%d]", i)
+		n, ok := networks[iface.Name]
+		if !ok {
+			return nil, fmt.Errorf("%s: no network named %q in spec.networks", path, iface.Name)
+		}
+		if iface.State == v1.InterfaceStateAbsent {
+			continue
+		}
+		if n.Pod != nil {
+			return nil, fmt.Errorf("%s (%s): %w", path, iface.Name, errPodNetwork)
+		}
+		if n.Multus == nil {
+			return nil, fmt.Errorf("%s (%s): the network has no source (pod or multus)", path, iface.Name)
+		}
+		if iface.Bridge == nil {
+			return nil, fmt.Errorf("%s (%s): only the bridge binding can connect to a Multus network", path, iface.Name)
+		}
+		conf, err := h.networkConfig(ctx, vmi.Namespace, n.Multus.NetworkName)
+		if err != nil {
+			return nil, fmt.Errorf("%s (%s): %w", path, iface.Name, err)
+		}
+		out = append(out, tapRecord{Interface: iface.Name, Tap: tapName(vmi.UID, iface.Name), NetConf: conf})
+	}
+	return out, nil
+}
+
+// networkConfig reads spec.config of the NetworkAttachmentDefinition
+// networkName ("name" in the VMI's namespace, or "namespace/name") and
+// checks that the bridge plugin accepts it.
+func (h *Handler) networkConfig(ctx context.Context, namespace, networkName string) (json.RawMessage, error) {
+	ns, name := namespace, networkName
+	if a, b, ok := strings.Cut(networkName, "/"); ok {
+		ns, name = a, b
+	}
+	nad, err := h.cfg.Virt.NADs.Get(ctx, ns, name)
+	if apierrors.IsNotFound(err) {
+		return nil, fmt.Errorf("%w: network-attachment-definition %s/%s does not exist", errWaiting, ns, name)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("network-attachment-definition %s/%s: %w", ns, name, err)
+	}
+	raw := []byte(nad.Spec.Config)
+	if len(raw) == 0 {
+		return nil, fmt.Errorf("network-attachment-definition %s/%s has no spec.config", ns, name)
+	}
+	if _, err := h.netConf(raw); err != nil {
+		return nil, fmt.Errorf("network-attachment-definition %s/%s: %w", ns, name, err)
+	}
+	return raw, nil
+}
+
+// netConf parses a recorded network config, with NetStateDir applied.
+func (h *Handler) netConf(raw []byte) (*bridge.NetConf, error) {
+	conf, err := bridge.ParseNetConf(raw)
+	if err != nil {
+		return nil, err
+	}
+	if h.cfg.NetStateDir != "" {
+		conf.StateDir = h.cfg.NetStateDir
+	}
+	return conf, nil
+}
+
+// attachTaps makes (or re-adopts) every planned tap on its bridge with the
+// interface's MAC.
+func (h *Handler) attachTaps(ctx context.Context, vmi *v1.VirtualMachineInstance, taps []tapRecord) error {
+	macs := map[string]string{}
+	for _, iface := range vmi.Spec.Domain.Devices.Interfaces {
+		macs[iface.Name] = iface.MacAddress
+	}
+	for _, t := range taps {
+		conf, err := h.netConf(t.NetConf)
+		if err != nil {
+			return fmt.Errorf("interface %s: %w", t.Interface, err)
+		}
+		var mac net.HardwareAddr
+		if s := macs[t.Interface]; s != "" {
+			if mac, err = net.ParseMAC(s); err != nil {
+				return fmt.Errorf("interface %s: mac %q: %w", t.Interface, s, err)
+			}
+		}
+		if _, err := bridge.AttachTap(ctx, conf, t.Tap, mac, -1); err != nil {
+			return fmt.Errorf("interface %s: %w", t.Interface, err)
+		}
+	}
+	return nil
+}
+
+// detachTaps removes the taps of a record; gone taps are fine.
+func (h *Handler) detachTaps(ctx context.Context, r *record) error {
+	var errs []error
+	for _, t := range r.Taps {
+		conf, err := h.netConf(t.NetConf)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("tap %s: %w", t.Tap, err))
+			continue
+		}
+		if err := bridge.DetachTap(ctx, conf, t.Tap); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,255 @@
+package handler
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"slices"
+	"strconv"
+
+	k8sv1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	v1 "kubevirt.io/api/core/v1"
+	"libvirt.org/go/libvirtxml"
+
+	"github.com/nodevirt/nodevirt/launcher"
+)
+
+// Reasons in status.reason of a failed VMI.
+const (
+	ReasonQEMUCrashed = "QEMUCrashed"
+	ReasonGuestPanic  = "GuestPanicked"
+	ReasonDestroyed   = "DomainDestroyed"
+	ReasonDomainLost  = "DomainLost"
+	ReasonStopped     = "DomainStopped"
+)
+
+// observe writes the VMI's status from its domain: found false means the
+// domain does not exist (any more).
+func (h *Handler) observe(ctx context.Context, lv *launcher.Manager, vmi *v1.VirtualMachineInstance, info launcher.DomainInfo, found bool) error {
+	out := vmi.DeepCopy()
+	out.Status.NodeName = h.cfg.NodeName
+	removeCondition(out, v1.VirtualMachineInstanceSynchronized)
+	if out.Annotations == nil {
+		out.Annotations = map[string]string{}
+	}
+	switch {
+	case found && info.State.Active():
+		setPhase(out, v1.Running)
+		out.Status.Reason = ""
+		if info.PID > 0 {
+			out.Annotations[AnnotationQEMUPID] = strconv.Itoa(info.PID)
+		}
+		xml, err := lv.DomainXML(ctx, info.Name)
+		if err != nil {
+			return err
+		}
+		out.Annotations[AnnotationEmulation] = strconv.FormatBool(xml.Type == "qemu")
+		out.Status.Interfaces = interfaceStatus(vmi, xml.Devices)
+		if info.State == launcher.StatePaused {
+			reason := "PausedByUser"
+			if info.Reason == "ioerror" {
+				reason = "PausedIOError"
+			}
+			setCondition(out, v1.VirtualMachineInstancePaused, true, reason, "VMI was paused ("+info.Reason+")")
+			setCondition(out, v1.VirtualMachineInstanceReady, false, "Paused", "the guest's vCPUs are paused")
+		} else {
+			removeCondition(out, v1.VirtualMachineInstancePaused)
+			setCondition(out, v1.VirtualMachineInstanceReady, true, "", "")
+		}
+		if conditionOf(out, v1.VirtualMachineInstanceIsMigratable) == nil {
+			ok, reason, msg, err := h.migratable(ctx, vmi)
+			if err != nil {
+				return err
+			}
+			setCondition(out, v1.VirtualMachineInstanceIsMigratable, ok, reason, msg)
+		}
+	default:
+		phase, reason, msg := h.stoppedPhase(vmi, info, found)
+		setPhase(out, phase)
+		out.Status.Reason = reason
+		delete(out.Annotations, AnnotationQEMUPID)
+		removeCondition(out, v1.VirtualMachineInstancePaused)
+		setCondition(out, v1.VirtualMachineInstanceReady, false, v1.GuestNotRunningReason, msg)
+		if phase == v1.Failed {
+			h.log.Warn("vmi failed", "vmi", vmi.Namespace+"/"+vmi.Name, "reason", reason, "message", msg)
+		}
+	}
+	_, err := h.write(ctx, vmi, out)
+	return err
+}
+
+// stoppedPhase is the final phase of a VMI whose domain is not active.
+func (h *Handler) stoppedPhase(vmi *v1.VirtualMachineInstance, info launcher.DomainInfo, found bool) (v1.VirtualMachineInstancePhase, string, string) {
+	requested := vmi.DeletionTimestamp != nil || h.isStopping(vmi.UID)
+	switch {
+	case !found && requested:
+		return v1.Succeeded, "", "the domain is gone"
+	case !found:
+		return v1.Failed, ReasonDomainLost, "the libvirt domain disappeared"
+	case info.State == launcher.StateCrashed:
+		return v1.Failed, ReasonGuestPanic, "the guest crashed (" + info.Reason + ")"
+	case info.Reason == "shutdown":
+		return v1.Succeeded, "", "the guest powered off"
+	case info.Reason == "destroyed" && requested:
+		return v1.Succeeded, "", "the guest was stopped"
+	case info.Reason == "destroyed":
+		return v1.Failed, ReasonDestroyed, "the domain was destroyed outside nodevirt"
+	case info.Reason == "crashed" || info.Reason == "failed":
+		return v1.Failed, ReasonQEMUCrashed, "the QEMU process exited unexpectedly (" + info.Reason + ")"
+	}
+	return v1.Failed, ReasonStopped, "the domain stopped (" + info.Reason + ")"
+}
+
+// interfaceStatus lists the VMI's interfaces with the MACs the domain uses.
+func interfaceStatus(vmi *v1.VirtualMachineInstance, devs *libvirtxml.DomainDeviceList) []v1.VirtualMachineInstanceNetworkInterface {
+	macs := map[string]string{}
+	if devs != nil {
+		for _, i := range devs.Interfaces {
+			if i.Alias != nil && i.MAC != nil {
+				macs[i.Alias.Name] = i.MAC.Address
+			}
+		}
+	}
+	var out []v1.VirtualMachineInstanceNetworkInterface
+	for _, iface := range vmi.Spec.Domain.Devices.Interfaces {
+		if iface.State == v1.InterfaceStateAbsent {
+			continue
+		}
+		mac := iface.MacAddress
+		if mac == "" {
+			mac = macs["ua-"+iface.Name]
+		}
+		st := v1.VirtualMachineInstanceNetworkInterface{Name: iface.Name, MAC: mac, InfoSource: "domain"}
+		// Keep addresses someone else (a guest agent reader) learnt.
+		for _, old := range vmi.Status.Interfaces {
+			if old.Name == iface.Name && old.MAC == mac {
+				st.IP, st.IPs = old.IP, old.IPs
+			}
+		}
+		out = append(out, st)
+	}
+	return out
+}
+
+// migratable applies KubeVirt's rules: every PVC must be ReadWriteMany and
+// the pod network must not use the bridge binding.
+func (h *Handler) migratable(ctx context.Context, vmi *v1.VirtualMachineInstance) (bool, string, string, error) {
+	pod := map[string]bool{}
+	for _, n := range vmi.Spec.Networks {
+		pod[n.Name] = n.Pod != nil
+	}
+	for _, iface := range vmi.Spec.Domain.Devices.Interfaces {
+		if iface.Bridge != nil && pod[iface.Name] {
+			return false, v1.VirtualMachineInstanceReasonInterfaceNotMigratable,
+				"cannot migrate VMI which uses the bridge binding on the pod network", nil
+		}
+	}
+	for _, vol := range vmi.Spec.Volumes {
+		var claim string
+		switch {
+		case vol.PersistentVolumeClaim != nil:
+			claim = vol.PersistentVolumeClaim.ClaimName
+		case vol.DataVolume != nil:
+			claim = vol.DataVolume.Name
+		default:
+			continue
+		}
+		pvc, err := h.cfg.Kube.CoreV1().PersistentVolumeClaims(vmi.Namespace).Get(ctx, claim, metav1.GetOptions{})
+		if err != nil {
+			return false, "", "", fmt.Errorf("persistentvolumeclaim %s/%s: %w", vmi.Namespace, claim, err)
+		}
+		if !slices.Contains(pvc.Spec.AccessModes, k8sv1.ReadWriteMany) {
+			return false, v1.VirtualMachineInstanceReasonDisksNotMigratable,
+				fmt.Sprintf("cannot migrate VMI: PVC %s is not shared, live migration requires that all PVCs must be shared (using ReadWriteMany access mode)", claim), nil
+		}
+	}
+	return true, "", "", nil
+}
+
+func setPhase(vmi *v1.VirtualMachineInstance, phase v1.VirtualMachineInstancePhase) {
+	if vmi.Status.Phase == phase {
+		return
+	}
+	vmi.Status.Phase = phase
+	vmi.Status.PhaseTransitionTimestamps = append(vmi.Status.PhaseTransitionTimestamps,
+		v1.VirtualMachineInstancePhaseTransitionTimestamp{Phase: phase, PhaseTransitionTimestamp: metav1.Now()})
+}
+
+func conditionOf(vmi *v1.VirtualMachineInstance, t v1.VirtualMachineInstanceConditionType) *v1.VirtualMachineInstanceCondition {
+	for i := range vmi.Status.Conditions {
+		if vmi.Status.Conditions[i].Type == t {
+			return &vmi.Status.Conditions[i]
+		}
+	}
+	return nil
+}
+
+// setCondition sets a condition, keeping its transition time when its
+// status does not change.
+func setCondition(vmi *v1.VirtualMachineInstance, t v1.VirtualMachineInstanceConditionType, ok bool, reason, msg string) {
+	status := k8sv1.ConditionFalse
+	if ok {
+		status = k8sv1.ConditionTrue
+	}
+	c := conditionOf(vmi, t)
+	if c == nil {
+		vmi.Status.Conditions = append(vmi.Status.Conditions, v1.VirtualMachineInstanceCondition{Type: t})
+		c = &vmi.Status.Conditions[len(vmi.Status.Conditions)-1]
+	}
+	if c.Status != status {
+		c.LastTransitionTime = metav1.Now()
+	}
+	c.Status, c.Reason, c.Message = status, reason, msg
+}
+
+func removeCondition(vmi *v1.VirtualMachineInstance, t v1.VirtualMachineInstanceConditionType) {
+	vmi.Status.Conditions = slices.DeleteFunc(vmi.Status.Conditions, func(c v1.VirtualMachineInstanceCondition) bool {
+		return c.Type == t
+	})
+}
+
+// ensureFinalizer adds Finalizer before anything is made for the VMI.
+func (h *Handler) ensureFinalizer(ctx context.Context, vmi *v1.VirtualMachineInstance) (*v1.VirtualMachineInstance, error) {
+	if slices.Contains(vmi.Finalizers, Finalizer) {
+		return vmi, nil
+	}
+	out := vmi.DeepCopy()
+	out.Finalizers = append(out.Finalizers, Finalizer)
+	return h.write(ctx, vmi, out)
+}
+
+// write stores what changed from old to out: metadata (finalizers,
+// annotations) through an update, status through the status subresource.
+// Nothing changed, nothing is written. A conflict is returned, and the
+// reconcile runs again on the newer object.
+func (h *Handler) write(ctx context.Context, old, out *v1.VirtualMachineInstance) (*v1.VirtualMachineInstance, error) {
+	cur := old
+	if !slices.Equal(old.Finalizers, out.Finalizers) || !maps.Equal(old.Annotations, out.Annotations) {
+		upd := old.DeepCopy()
+		upd.Finalizers, upd.Annotations = out.Finalizers, out.Annotations
+		got, err := h.cfg.Virt.VMIs.Update(ctx, upd)
+		if apierrors.IsNotFound(err) {
+			return out, nil
+		}
+		if err != nil {
+			return nil, fmt.Errorf("update vmi %s/%s: %w", old.Namespace, old.Name, err)
+		}
+		cur = got
+	}
+	if equality.Semantic.DeepEqual(old.Status, out.Status) {
+		return cur, nil
+	}
+	upd := cur.DeepCopy()
+	upd.Status = out.Status
+	got, err := h.cfg.Virt.VMIs.UpdateStatus(ctx, upd)
+	if apierrors.IsNotFound(err) {
+		return out, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("update status of vmi %s/%s: %w", old.Namespace, old.Name, err)
+	}
+	return got, nil
+}

@@ -1,0 +1,168 @@
+package handler
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+
+	k8sv1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	v1 "kubevirt.io/api/core/v1"
+
+	"github.com/nodevirt/nodevirt/launcher/domain"
+)
+
+// DiskImageName is the VM disk inside a filesystem volume, as KubeVirt and
+// CDI name it.
+const DiskImageName = "disk.img"
+
+// errWaiting marks a start that cannot proceed yet (a claim not bound, a
+// disk still importing, a missing Secret or network) and will be retried.
+var errWaiting = errors.New("waiting")
+
+// resolveDisks finds the node disk of every persistentVolumeClaim,
+// dataVolume and ephemeral volume of vmi.
+func (h *Handler) resolveDisks(ctx context.Context, vmi *v1.VirtualMachineInstance) (map[string]domain.DiskSource, error) {
+	disks := map[string]domain.DiskSource{}
+	for i, vol := range vmi.Spec.Volumes {
+		var claim string
+		switch s := vol.VolumeSource; {
+		case s.PersistentVolumeClaim != nil:
+			claim = s.PersistentVolumeClaim.ClaimName
+		case s.DataVolume != nil:
+			// CDI's DataVolume owns a PVC of the same name.
+			claim = s.DataVolume.Name
+		case s.Ephemeral != nil && s.Ephemeral.PersistentVolumeClaim != nil:
+			claim = s.Ephemeral.PersistentVolumeClaim.ClaimName
+		default:
+			continue
+		}
+		ds, err := h.claimDisk(ctx, vmi.Namespace, claim)
+		if err != nil {
+			return nil, fmt.Errorf("spec.volumes[%d] (%s): %w", i, vol.Name, err)
+		}
+		disks[vol.Name] = ds
+	}
+	return disks, nil
+}
+
+// claimDisk follows a PVC to its PV and the PV to the disk on this node.
+func (h *Handler) claimDisk(ctx context.Context, namespace, claim string) (domain.DiskSource, error) {
+	pvc, err := h.cfg.Kube.CoreV1().PersistentVolumeClaims(namespace).Get(ctx, claim, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		return domain.DiskSource{}, fmt.Errorf("%w: persistentvolumeclaim %s/%s does not exist", errWaiting, namespace, claim)
+	}
+	if err != nil {
+		return domain.DiskSource{}, fmt.Errorf("persistentvolumeclaim %s/%s: %w", namespace, claim, err)
+	}
+	if pvc.Spec.VolumeName == "" {
+		return domain.DiskSource{}, fmt.Errorf("%w: persistentvolumeclaim %s/%s is not bound", errWaiting, namespace, claim)
+	}
+	pv, err := h.cfg.Kube.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
+	if err != nil {
+		return domain.DiskSource{}, fmt.Errorf("persistentvolume %s of claim %s/%s: %w", pvc.Spec.VolumeName, namespace, claim, err)
+	}
+	var path string
+	var block bool
+	switch s := pv.Spec.PersistentVolumeSource; {
+	case s.CSI != nil:
+		if h.cfg.Volumes == nil {
+			return domain.DiskSource{}, fmt.Errorf("persistentvolume %s is a CSI volume of driver %s, and this node agent has no CSI volume resolver", pv.Name, s.CSI.Driver)
+		}
+		path, block, err = h.cfg.Volumes.VolumeDisk(s.CSI.VolumeHandle)
+		if err != nil {
+			return domain.DiskSource{}, fmt.Errorf("persistentvolume %s (volume %s): %w", pv.Name, s.CSI.VolumeHandle, err)
+		}
+	case s.HostPath != nil:
+		path, block, err = hostDisk(s.HostPath.Path)
+	case s.Local != nil:
+		path, block, err = hostDisk(s.Local.Path)
+	default:
+		return domain.DiskSource{}, fmt.Errorf("persistentvolume %s: only CSI, hostPath and local volumes can back a VM disk on a node", pv.Name)
+	}
+	if err != nil {
+		return domain.DiskSource{}, fmt.Errorf("persistentvolume %s: %w", pv.Name, err)
+	}
+	ds := domain.DiskSource{Path: path, Block: block, Format: domain.FormatRaw}
+	if !block {
+		f, err := imageFormat(path)
+		if errors.Is(err, fs.ErrNotExist) {
+			return domain.DiskSource{}, fmt.Errorf("%w: persistentvolume %s has no %s yet (import not finished?)", errWaiting, pv.Name, DiskImageName)
+		}
+		if err != nil {
+			return domain.DiskSource{}, fmt.Errorf("persistentvolume %s: %w", pv.Name, err)
+		}
+		ds.Format = f
+	}
+	return ds, nil
+}
+
+// hostDisk maps a hostPath/local PV path to the VM disk: the block device
+// itself, a file as is, or disk.img inside a directory.
+func hostDisk(path string) (string, bool, error) {
+	st, err := os.Stat(path)
+	if err != nil {
+		return "", false, err
+	}
+	switch {
+	case st.Mode()&fs.ModeDevice != 0 && st.Mode()&fs.ModeCharDevice == 0:
+		return path, true, nil
+	case st.IsDir():
+		return filepath.Join(path, DiskImageName), false, nil
+	default:
+		return path, false, nil
+	}
+}
+
+var qcow2Magic = []byte{'Q', 'F', 'I', 0xfb}
+
+// imageFormat tells raw from qcow2 by the image's first bytes.
+func imageFormat(path string) (domain.Format, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	head := make([]byte, 4)
+	if _, err := io.ReadFull(f, head); err != nil && !errors.Is(err, io.ErrUnexpectedEOF) && !errors.Is(err, io.EOF) {
+		return "", fmt.Errorf("read %s: %w", path, err)
+	}
+	if bytes.Equal(head, qcow2Magic) {
+		return domain.FormatQcow2, nil
+	}
+	return domain.FormatRaw, nil
+}
+
+// resolveSecrets reads the Secrets the cloud-init volumes refer to.
+func (h *Handler) resolveSecrets(ctx context.Context, vmi *v1.VirtualMachineInstance) (map[string]map[string][]byte, error) {
+	out := map[string]map[string][]byte{}
+	for _, vol := range vmi.Spec.Volumes {
+		var refs []*k8sv1.LocalObjectReference
+		if s := vol.CloudInitNoCloud; s != nil {
+			refs = append(refs, s.UserDataSecretRef, s.NetworkDataSecretRef)
+		}
+		if s := vol.CloudInitConfigDrive; s != nil {
+			refs = append(refs, s.UserDataSecretRef, s.NetworkDataSecretRef)
+		}
+		for _, ref := range refs {
+			if ref == nil || out[ref.Name] != nil {
+				continue
+			}
+			sec, err := h.cfg.Kube.CoreV1().Secrets(vmi.Namespace).Get(ctx, ref.Name, metav1.GetOptions{})
+			if apierrors.IsNotFound(err) {
+				return nil, fmt.Errorf("%w: volume %s: secret %s/%s does not exist", errWaiting, vol.Name, vmi.Namespace, ref.Name)
+			}
+			if err != nil {
+				return nil, fmt.Errorf("volume %s: secret %s/%s: %w", vol.Name, vmi.Namespace, ref.Name, err)
+			}
+			out[ref.Name] = sec.Data
+		}
+	}
+	return out, nil
+}
