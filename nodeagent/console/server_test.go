@@ -55,8 +55,10 @@ func (b *echoBackend) do(action, ns, name string) error {
 	b.calls <- action + " " + ns + "/" + name
 	return nil
 }
-func (b *echoBackend) Pause(_ context.Context, ns, name string) error   { return b.do("pause", ns, name) }
-func (b *echoBackend) Unpause(_ context.Context, ns, name string) error { return b.do("unpause", ns, name) }
+func (b *echoBackend) Pause(_ context.Context, ns, name string) error { return b.do("pause", ns, name) }
+func (b *echoBackend) Unpause(_ context.Context, ns, name string) error {
+	return b.do("unpause", ns, name)
+}
 func (b *echoBackend) SoftReboot(_ context.Context, ns, name string) error {
 	return b.do("softreboot", ns, name)
 }
