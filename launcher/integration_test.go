@@ -65,9 +65,9 @@ func (c *consoleLog) Expect(t *testing.T, text string, timeout time.Duration) st
 	for {
 		c.mu.Lock()
 		rest := c.buf[c.cursor:]
-		if i := bytes.Index(rest, []byte(text)); i >= 0 {
+		if i := bytes.Index(rest, []byte(text)); i >= 0 && bytes.IndexByte(rest[i:], '\n') >= 0 {
 			start := bytes.LastIndexByte(rest[:i], '\n') + 1
-			end := i + bytes.IndexByte(append(rest[i:], '\n'), '\n')
+			end := i + bytes.IndexByte(rest[i:], '\n')
 			line := string(rest[start:end])
 			c.cursor += end
 			c.mu.Unlock()

@@ -454,6 +454,9 @@ func (c *converter) features(d *libvirtxml.Domain) {
 	}
 	if h := f.Hyperv; h != nil {
 		fl.HyperV = hyperv(h)
+		if h.VendorID != nil && len(h.VendorID.VendorID) > 12 {
+			c.invalid(path+".hyperv.vendorid.vendorid", "%q is longer than 12 characters", h.VendorID.VendorID)
+		}
 	}
 	d.Features = fl
 }

@@ -11,7 +11,9 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"os/user"
 	"path/filepath"
+	"strconv"
 	"sync"
 	"syscall"
 	"testing"
@@ -55,6 +57,9 @@ func answers(socket string) bool {
 }
 
 func ensure() error {
+	if err := KVMDeviceAccess(); err != nil {
+		return err
+	}
 	if answers(libvirtdSocket) && answers(virtlogdSocket) {
 		return nil
 	}
@@ -90,6 +95,36 @@ func ensure() error {
 			}
 			time.Sleep(50 * time.Millisecond)
 		}
+	}
+	return nil
+}
+
+// KVMDeviceAccess gives /dev/kvm the group and mode Debian's udev rule gives
+// it (root:kvm 0660) when no udev did. Without it libvirtd finds its cached
+// QEMU capabilities stale on every call (they were probed with KVM, which
+// the qemu user then cannot open) and re-probes QEMU for tens of seconds per
+// define or start. A missing /dev/kvm is fine.
+func KVMDeviceAccess() error {
+	st, err := os.Stat("/dev/kvm")
+	if err != nil {
+		return nil
+	}
+	if st.Mode().Perm()&0o060 == 0o060 {
+		return nil
+	}
+	grp, err := user.LookupGroup("kvm")
+	if err != nil {
+		return nil // no kvm group: nothing udev would have done either
+	}
+	gid, err := strconv.Atoi(grp.Gid)
+	if err != nil {
+		return fmt.Errorf("kvm group id %q: %w", grp.Gid, err)
+	}
+	if err := os.Chown("/dev/kvm", 0, gid); err != nil {
+		return fmt.Errorf("/dev/kvm: %w", err)
+	}
+	if err := os.Chmod("/dev/kvm", st.Mode().Perm()|0o060); err != nil {
+		return fmt.Errorf("/dev/kvm: %w", err)
 	}
 	return nil
 }
