@@ -1,0 +1,105 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
+
+	"github.com/nodevirt/nodevirt/test/guest"
+)
+
+// serveFile serves one file over HTTP on loopback until the test ends.
+func serveFile(t *testing.T, path string) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := filepath.Base(path)
+	mux := http.NewServeMux()
+	mux.HandleFunc("/"+name, func(w http.ResponseWriter, r *http.Request) { http.ServeFile(w, r, path) })
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	return fmt.Sprintf("http://%s/%s", ln.Addr(), name)
+}
+
+// TestDataVolumeImport: a VM whose root disk is a dataVolumeTemplate
+// imported over HTTP (a qcow2 image on a loopback server) onto the node's
+// hostpath-csi storage boots from that disk.
+func TestDataVolumeImport(t *testing.T) {
+	t.Parallel()
+	e := require(t)
+	n := e.namespace(t)
+	raw, err := bootDisk()
+	if err != nil {
+		t.Fatalf("guest image: %v", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	image, err := guest.QCOW2(ctx, raw)
+	if err != nil {
+		t.Fatalf("guest qcow2 image: %v", err)
+	}
+	url := serveFile(t, image)
+
+	rs := kubevirtv1.RunStrategyAlways
+	class := "hostpath-csi"
+	spec := vmiSpec("unused")
+	spec.Volumes[0].VolumeSource = kubevirtv1.VolumeSource{DataVolume: &kubevirtv1.DataVolumeSource{Name: "imported-root"}}
+	vm := &kubevirtv1.VirtualMachine{
+		ObjectMeta: metav1.ObjectMeta{Name: "imported", Namespace: n.name},
+		Spec: kubevirtv1.VirtualMachineSpec{
+			RunStrategy: &rs,
+			DataVolumeTemplates: []kubevirtv1.DataVolumeTemplateSpec{{
+				ObjectMeta: metav1.ObjectMeta{Name: "imported-root"},
+				Spec: cdiv1.DataVolumeSpec{
+					Source: &cdiv1.DataVolumeSource{HTTP: &cdiv1.DataVolumeSourceHTTP{URL: url}},
+					Storage: &cdiv1.StorageSpec{StorageClassName: &class,
+						Resources: corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{
+							corev1.ResourceStorage: resource.MustParse("128Mi")}}},
+				},
+			}},
+			Template: &kubevirtv1.VirtualMachineInstanceTemplateSpec{Spec: spec},
+		},
+	}
+	n.createVM(vm)
+	n.eventually(3*time.Minute, "datavolume imported-root Succeeded", func() (bool, string) {
+		dv, err := e.virt.DataVolumes.Get(context.Background(), n.name, "imported-root")
+		if err != nil {
+			return false, "datavolume: " + err.Error() + " (clusterbrain/vmcontroller creates it from dataVolumeTemplates); " + n.diagnoseVM("imported", nil)
+		}
+		var conds []string
+		for _, c := range dv.Status.Conditions {
+			conds = append(conds, fmt.Sprintf("%s=%s (%s: %s)", c.Type, c.Status, c.Reason, c.Message))
+		}
+		why := fmt.Sprintf("phase %q progress %q conditions [%s]", dv.Status.Phase, dv.Status.Progress, strings.Join(conds, ", "))
+		if dv.Status.Phase == cdiv1.Failed {
+			t.Fatalf("datavolume failed: %s", why)
+		}
+		return dv.Status.Phase == cdiv1.Succeeded, why
+	})
+	n.waitVMIOfVM("imported", 2*time.Minute)
+	dom, err := domainXML(n.name, "imported")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if src := diskSource(dom.Devices.Disks[0].Source); strings.HasPrefix(src, n.e.path("disks")) || src == "" {
+		t.Errorf("the domain's first disk is %q, not the imported volume", src)
+	}
+	s := n.waitBooted("imported")
+	if !s.contains(`NODEVIRT-DISK vda \d+`) {
+		t.Errorf("the guest booted from the imported disk but did not report vda")
+	}
+}

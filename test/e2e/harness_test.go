@@ -1,0 +1,402 @@
+package e2e
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/test/controlplane"
+)
+
+// suite is the product under test, shared by every test of the binary.
+var suite *env
+
+// env is one running nodevirt: control plane, brain, agent and what the
+// suite made on the host.
+type env struct {
+	run      string // run id, part of every name the suite makes
+	root     string // temporary directory holding everything
+	repo     string
+	bin      string
+	nodeName string
+
+	cp   *controlplane.ControlPlane
+	rest *rest.Config
+	kube kubernetes.Interface
+	virt *client.Set
+
+	brain *daemon
+	agent *daemon
+
+	// setupErr is why the product could not be started at all: every test
+	// fails with it.
+	setupErr error
+	// notReady is why the lab did not become ready (node Ready,
+	// HyperConverged Available); TestLabReady fails with it, the other
+	// tests run anyway and fail on their own symptoms.
+	notReady string
+
+	mu       sync.Mutex
+	bridges  []string
+	bridgeNo int
+}
+
+// TestMain brings nodevirt up once for the whole suite and tears it down.
+func TestMain(m *testing.M) {
+	os.Exit(runSuite(m))
+}
+
+func runSuite(m *testing.M) int {
+	flag.Parse()
+	// Most of a test's time is spent waiting for guests: let several wait
+	// at once unless -parallel was given.
+	explicit := false
+	flag.Visit(func(f *flag.Flag) { explicit = explicit || f.Name == "test.parallel" })
+	if !explicit {
+		_ = flag.Set("test.parallel", "6")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	suite = &env{run: runID()}
+	start := time.Now()
+	suite.setupErr = suite.setup(ctx)
+	if suite.setupErr != nil {
+		fmt.Fprintf(os.Stderr, "e2e: setup failed after %s: %v\n", time.Since(start).Round(time.Second), suite.setupErr)
+	} else {
+		fmt.Fprintf(os.Stderr, "e2e: nodevirt up in %s (run %s, node %s, dir %s)\n",
+			time.Since(start).Round(100*time.Millisecond), suite.run, suite.nodeName, suite.root)
+		if suite.notReady != "" {
+			fmt.Fprintf(os.Stderr, "e2e: lab NOT ready: %s\n", suite.notReady)
+		}
+	}
+	code := m.Run()
+	if code != 0 {
+		suite.dumpLogs(os.Stderr, 60)
+	}
+	if err := suite.teardown(); err != nil {
+		fmt.Fprintf(os.Stderr, "e2e: teardown: %v\n", err)
+		if code == 0 {
+			code = 1
+		}
+	}
+	return code
+}
+
+func runID() string {
+	const letters = "abcdefghijklmnopqrstuvwxyz0123456789"
+	b := make([]byte, 5)
+	for i := range b {
+		b[i] = letters[rand.IntN(len(letters))]
+	}
+	return string(b)
+}
+
+// require returns the suite's environment, failing t when the product could
+// not be started.
+func require(t *testing.T) *env {
+	t.Helper()
+	if suite == nil || suite.setupErr != nil {
+		t.Fatalf("nodevirt is not running: %v", suite.setupErr)
+	}
+	return suite
+}
+
+func (e *env) path(parts ...string) string {
+	return filepath.Join(append([]string{e.root}, parts...)...)
+}
+
+// setup builds the binaries, starts the control plane, libvirtd when none
+// runs, the brain and the agent, creates the HyperConverged and waits for
+// readiness.
+func (e *env) setup(ctx context.Context) error {
+	var err error
+	if e.repo, err = controlplane.RepoRoot(); err != nil {
+		return err
+	}
+	if e.root, err = os.MkdirTemp("", "nodevirt-e2e-"+e.run+"-"); err != nil {
+		return err
+	}
+	// QEMU runs as an unprivileged user and must reach the disks and the
+	// VM state under here.
+	if err := os.Chmod(e.root, 0o755); err != nil {
+		return err
+	}
+	e.nodeName = "e2e-" + e.run
+	e.bin = e.path("bin")
+	if err := e.build(ctx); err != nil {
+		return err
+	}
+	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	e.cp, err = controlplane.Start(ctx, controlplane.Config{Dir: e.path("controlplane"), ControllerManager: true, Log: quiet})
+	if err != nil {
+		return fmt.Errorf("control plane: %w", err)
+	}
+	e.rest = rest.CopyConfig(e.cp.RestConfig)
+	e.rest.QPS, e.rest.Burst = 100, 200
+	if e.kube, err = kubernetes.NewForConfig(e.rest); err != nil {
+		return err
+	}
+	if e.virt, err = client.NewSet(e.rest); err != nil {
+		return err
+	}
+	if err := ensureLibvirt(); err != nil {
+		return err
+	}
+	if err := e.startDaemons(); err != nil {
+		return err
+	}
+	if err := e.createHCO(ctx); err != nil {
+		return err
+	}
+	e.notReady = e.waitReady(ctx, 2*time.Minute)
+	return nil
+}
+
+// build compiles the daemons and the CNI plugin once for the run.
+func (e *env) build(ctx context.Context) error {
+	cmd := exec.CommandContext(ctx, "go", "build", "-o", e.bin+"/",
+		"./nodeagent/cmd/nodeagent", "./clusterbrain/cmd/clusterbrain", "./cni/cmd/cnv-bridge")
+	cmd.Dir = e.repo
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("build nodevirt binaries: %w\n%s", err, out)
+	}
+	return nil
+}
+
+// startDaemons starts the brain and the agent with their own kubeconfigs
+// and addresses, so the suite can run beside a lab.
+func (e *env) startDaemons() error {
+	brainKC, agentKC := e.path("clusterbrain.kubeconfig"), e.path("nodeagent.kubeconfig")
+	if err := e.cp.WriteKubeconfig(brainKC, "system:nodevirt:clusterbrain", "system:masters"); err != nil {
+		return err
+	}
+	if err := e.cp.WriteKubeconfig(agentKC, "system:node:"+e.nodeName, "system:nodes", "system:masters"); err != nil {
+		return err
+	}
+	brainArgs := []string{"--kubeconfig=" + brainKC, "--health-addr=" + freeAddr()}
+	// Listening addresses the brain may grow flags for: give each a free
+	// port so the suite never collides with a lab on the same host.
+	brainArgs = append(brainArgs, optionalAddrFlags(filepath.Join(e.bin, "clusterbrain"),
+		"webhook-addr", "admission-addr", "api-addr", "aggregated-addr", "subresources-addr", "upload-proxy-addr", "metrics-addr")...)
+	e.brain = newDaemon(e, "clusterbrain", brainArgs...)
+	agentDir := e.path("nodeagent")
+	agentArgs := []string{"--kubeconfig=" + agentKC, "--node-name=" + e.nodeName,
+		"--state-dir=" + agentDir, "--emulation=on", "--health-addr=" + freeAddr(),
+		"--csi-socket=" + filepath.Join(agentDir, "csi", "csi.sock"),
+		"--pools=local=" + e.path("pools", "local")}
+	agentArgs = append(agentArgs, optionalAddrFlags(filepath.Join(e.bin, "nodeagent"),
+		"console-addr", "upload-addr", "server-addr", "listen-addr", "metrics-addr")...)
+	e.agent = newDaemon(e, "nodeagent", agentArgs...)
+	if err := e.brain.start(); err != nil {
+		return err
+	}
+	return e.agent.start()
+}
+
+// optionalAddrFlags returns --name=127.0.0.1:<free port> for each flag the
+// binary declares.
+func optionalAddrFlags(bin string, names ...string) []string {
+	out, _ := exec.Command(bin, "-h").CombinedOutput()
+	var args []string
+	for _, n := range names {
+		if strings.Contains(string(out), "-"+n+" ") || strings.Contains(string(out), "-"+n+"\n") {
+			args = append(args, "--"+n+"="+freeAddr())
+		}
+	}
+	return args
+}
+
+func freeAddr() string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		panic(err) // loopback always has free ports
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+// ensureLibvirt starts virtlogd and libvirtd when their sockets do not
+// answer, as launcher/libvirttest does for every test binary: daemons it
+// starts are shared with the other test binaries of the run and stay up.
+func ensureLibvirt() error {
+	for _, d := range []struct{ bin, socket string }{
+		{"virtlogd", "/run/libvirt/virtlogd-sock"},
+		{"libvirtd", "/run/libvirt/libvirt-sock"},
+	} {
+		if answers(d.socket) {
+			continue
+		}
+		if out, err := exec.Command(d.bin, "-d").CombinedOutput(); err != nil {
+			return fmt.Errorf("start %s: %w: %s", d.bin, err, out)
+		}
+		deadline := time.Now().Add(30 * time.Second)
+		for !answers(d.socket) {
+			if time.Now().After(deadline) {
+				return fmt.Errorf("%s started but %s does not answer", d.bin, d.socket)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	return nil
+}
+
+func answers(socket string) bool {
+	c, err := net.DialTimeout("unix", socket, time.Second)
+	if err != nil {
+		return false
+	}
+	c.Close()
+	return true
+}
+
+// createHCO creates the HyperConverged with emulation, retrying while the
+// brain installs the CRDs.
+func (e *env) createHCO(ctx context.Context) error {
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: hcov1beta1.DefaultNamespace}}
+	if _, err := e.kube.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return err
+	}
+	hco := &hcov1beta1.HyperConverged{ObjectMeta: metav1.ObjectMeta{Name: hcov1beta1.Name, Namespace: hcov1beta1.DefaultNamespace,
+		Annotations: map[string]string{"nodevirt.io/use-emulation": "true"}}}
+	deadline := time.Now().Add(90 * time.Second)
+	for {
+		_, err := e.virt.HyperConvergeds.Create(ctx, hco)
+		if err == nil || apierrors.IsAlreadyExists(err) {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("create HyperConverged (clusterbrain did not install its CRD?): %w", err)
+		}
+		if !e.brain.alive() {
+			return fmt.Errorf("clusterbrain exited: %s", e.brain.tail(20))
+		}
+		time.Sleep(300 * time.Millisecond)
+	}
+}
+
+// waitReady waits for the node to be Ready and the HyperConverged to be
+// Available, and returns what is missing ("" when ready).
+func (e *env) waitReady(ctx context.Context, timeout time.Duration) string {
+	deadline := time.Now().Add(timeout)
+	for {
+		status := e.readiness(ctx)
+		if status == "" || time.Now().After(deadline) {
+			return status
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+}
+
+func (e *env) readiness(ctx context.Context) string {
+	for _, d := range []*daemon{e.brain, e.agent} {
+		if !d.alive() {
+			return d.name + " exited: " + d.tail(10)
+		}
+	}
+	node, err := e.kube.CoreV1().Nodes().Get(ctx, e.nodeName, metav1.GetOptions{})
+	if err != nil {
+		return "node " + e.nodeName + ": " + err.Error()
+	}
+	if !nodeReady(node) {
+		return "node " + e.nodeName + " not Ready"
+	}
+	hco, err := e.virt.HyperConvergeds.Get(ctx, hcov1beta1.DefaultNamespace, hcov1beta1.Name)
+	if err != nil {
+		return "HyperConverged: " + err.Error()
+	}
+	for _, c := range hco.Status.Conditions {
+		if c.Type == "Available" {
+			if c.Status == metav1.ConditionTrue {
+				return ""
+			}
+			return fmt.Sprintf("HyperConverged not Available: %s: %s", c.Reason, c.Message)
+		}
+	}
+	return "HyperConverged has no Available condition"
+}
+
+func nodeReady(n *corev1.Node) bool {
+	for _, c := range n.Status.Conditions {
+		if c.Type == corev1.NodeReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
+}
+
+// healthy tells whether a daemon's /readyz answers 200.
+func healthy(addr string) bool {
+	c := http.Client{Timeout: 2 * time.Second}
+	resp, err := c.Get("http://" + addr + "/readyz")
+	if err != nil {
+		return false
+	}
+	resp.Body.Close()
+	return resp.StatusCode == http.StatusOK
+}
+
+// teardown removes everything the run made: its objects (so the agent
+// stops the guests), then the daemons, leftover domains, mounts, loop
+// devices, bridges and taps, the control plane and the directory.
+func (e *env) teardown() error {
+	if e.root == "" {
+		return nil
+	}
+	var errs []error
+	if e.kube != nil && e.agent != nil && e.agent.alive() {
+		errs = append(errs, e.deleteRunNamespaces(60*time.Second))
+	}
+	for _, d := range []*daemon{e.agent, e.brain} {
+		if d != nil {
+			d.stop()
+		}
+	}
+	errs = append(errs, e.removeDomains(), e.removeMounts(), e.removeBridges())
+	if e.cp != nil {
+		e.cp.Stop()
+	}
+	if len(errs) > 0 && errors.Join(errs...) != nil {
+		fmt.Fprintf(os.Stderr, "e2e: keeping %s for inspection\n", e.root)
+		return errors.Join(errs...)
+	}
+	return os.RemoveAll(e.root)
+}
+
+// deleteRunNamespaces deletes the run's namespaces that tests left behind
+// and waits until their VMIs are gone.
+func (e *env) deleteRunNamespaces(timeout time.Duration) error {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	list, err := e.kube.CoreV1().Namespaces().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, ns := range list.Items {
+		if strings.HasPrefix(ns.Name, "e2e-"+e.run+"-") {
+			errs = append(errs, e.emptyNamespace(ctx, ns.Name))
+			_ = e.kube.CoreV1().Namespaces().Delete(ctx, ns.Name, metav1.DeleteOptions{})
+		}
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,176 @@
+package e2e
+
+import (
+	"context"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+)
+
+// TestVMStartStop: a VM started and stopped several times gets a new VMI
+// each time, always with the MAC the pool gave it at creation, which the
+// guest sees on its NIC.
+func TestVMStartStop(t *testing.T) {
+	t.Parallel()
+	e := require(t)
+	n := e.namespace(t)
+	nad, _ := n.bridgeNetwork("cycle-net")
+	vm := n.createVM(n.newVM("cycler", kubevirtv1.RunStrategyHalted, withBridge(nad), withGracePeriod(5)))
+	poolMAC := vm.Spec.Template.Spec.Domain.Devices.Interfaces[0].MacAddress
+	if poolMAC == "" {
+		t.Errorf("the VM got no MAC at admission (clusterbrain/macpool)")
+	}
+	var uids []types.UID
+	for i := 1; i <= 3; i++ {
+		n.setRunStrategy("cycler", kubevirtv1.RunStrategyAlways)
+		vmi := n.waitVMIOfVM("cycler", 2*time.Minute, uids...)
+		uids = append(uids, vmi.UID)
+		statusMAC, specMAC := interfaceMAC(vmi)
+		dom, err := domainXML(n.name, "cycler")
+		if err != nil {
+			t.Fatal(err)
+		}
+		domMAC := ""
+		if dom.Devices != nil && len(dom.Devices.Interfaces) > 0 && dom.Devices.Interfaces[0].MAC != nil {
+			domMAC = dom.Devices.Interfaces[0].MAC.Address
+		}
+		if poolMAC == "" {
+			poolMAC = specMAC
+		}
+		for what, mac := range map[string]string{"vmi spec": specMAC, "vmi status": statusMAC, "domain": domMAC} {
+			if !strings.EqualFold(mac, poolMAC) {
+				t.Errorf("start %d: %s MAC %q, want the VM's %q", i, what, mac, poolMAC)
+			}
+		}
+		if i != 2 {
+			s := n.waitBooted("cycler")
+			m := s.expect(`NODEVIRT-NIC eth0 (\S+)`, 5*time.Second)
+			if !strings.EqualFold(m[1], poolMAC) {
+				t.Errorf("start %d: the guest sees MAC %s, want %s", i, m[1], poolMAC)
+			}
+		}
+		n.setRunStrategy("cycler", kubevirtv1.RunStrategyHalted)
+		n.waitGone("cycler", 90*time.Second)
+		n.eventually(30*time.Second, "vm printableStatus Stopped", func() (bool, string) {
+			vm, err := n.getVM("cycler")
+			if err != nil {
+				return false, err.Error()
+			}
+			return vm.Status.PrintableStatus == kubevirtv1.VirtualMachineStatusStopped, n.diagnoseVM("cycler", nil)
+		})
+	}
+}
+
+// TestVMIRecreatedUnderRunningVM: deleting the VMI of a VM that should run
+// makes the VM controller start a new one.
+func TestVMIRecreatedUnderRunningVM(t *testing.T) {
+	t.Parallel()
+	e := require(t)
+	n := e.namespace(t)
+	n.createVM(n.newVM("phoenix", kubevirtv1.RunStrategyAlways, withGracePeriod(5)))
+	first := n.waitVMIOfVM("phoenix", 2*time.Minute)
+	n.deleteVMI("phoenix", nil)
+	second := n.waitVMIOfVM("phoenix", 2*time.Minute, first.UID)
+	if len(second.OwnerReferences) == 0 || second.OwnerReferences[0].Kind != "VirtualMachine" {
+		t.Errorf("the new VMI is not owned by its VM: %v", second.OwnerReferences)
+	}
+}
+
+// phaseRecorder watches a namespace's VMIs and records the phases each VMI
+// (by UID) went through.
+type phaseRecorder struct {
+	mu     sync.Mutex
+	phases map[types.UID][]kubevirtv1.VirtualMachineInstancePhase
+}
+
+func (n *testNS) recordPhases() *phaseRecorder {
+	n.t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	n.t.Cleanup(cancel)
+	w, err := n.e.virt.VMIs.Watch(ctx, n.name, metav1.ListOptions{})
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	r := &phaseRecorder{phases: map[types.UID][]kubevirtv1.VirtualMachineInstancePhase{}}
+	go func() {
+		defer w.Stop()
+		for ev := range w.ResultChan() {
+			vmi, ok := ev.Object.(*kubevirtv1.VirtualMachineInstance)
+			if !ok {
+				continue
+			}
+			r.mu.Lock()
+			p := r.phases[vmi.UID]
+			if len(p) == 0 || p[len(p)-1] != vmi.Status.Phase {
+				r.phases[vmi.UID] = append(p, vmi.Status.Phase)
+			}
+			r.mu.Unlock()
+		}
+	}()
+	return r
+}
+
+func (r *phaseRecorder) of(uid types.UID) []kubevirtv1.VirtualMachineInstancePhase {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]kubevirtv1.VirtualMachineInstancePhase(nil), r.phases[uid]...)
+}
+
+// TestGuestShutdown: a guest that powers itself off (poweroff typed on its
+// console) ends its VMI Succeeded; runStrategy Always starts a new VMI,
+// RerunOnFailure leaves the VM Stopped.
+func TestGuestShutdown(t *testing.T) {
+	t.Parallel()
+	e := require(t)
+	for _, rs := range []kubevirtv1.VirtualMachineRunStrategy{kubevirtv1.RunStrategyAlways, kubevirtv1.RunStrategyRerunOnFailure} {
+		t.Run(string(rs), func(t *testing.T) {
+			t.Parallel()
+			n := e.namespace(t)
+			rec := n.recordPhases()
+			n.createVM(n.newVM("halter", rs, withGracePeriod(5)))
+			first := n.waitVMIOfVM("halter", 2*time.Minute)
+			n.waitBooted("halter")
+			c := n.console("halter")
+			c.login()
+			c.send("poweroff\r")
+			n.eventually(60*time.Second, "the powered-off guest's VMI Succeeded", func() (bool, string) {
+				p := rec.of(first.UID)
+				return containsPhase(p, kubevirtv1.Succeeded), "phases seen: " + phasesString(p) + "; domain state " + domainState(n.name, "halter")
+			})
+			if rs == kubevirtv1.RunStrategyAlways {
+				n.waitVMIOfVM("halter", 2*time.Minute, first.UID)
+				return
+			}
+			n.eventually(60*time.Second, "vm printableStatus Stopped", func() (bool, string) {
+				vm, err := n.getVM("halter")
+				if err != nil {
+					return false, err.Error()
+				}
+				return vm.Status.PrintableStatus == kubevirtv1.VirtualMachineStatusStopped, n.diagnoseVM("halter", nil)
+			})
+			time.Sleep(10 * time.Second)
+			vmi, err := n.getVMI("halter")
+			switch {
+			case apierrors.IsNotFound(err):
+			case err != nil:
+				t.Fatal(err)
+			case vmi.UID != first.UID:
+				t.Errorf("RerunOnFailure restarted a guest that shut itself down (new VMI %s, phase %s)", vmi.UID, vmi.Status.Phase)
+			}
+		})
+	}
+}
+
+func phasesString(p []kubevirtv1.VirtualMachineInstancePhase) string {
+	var s []string
+	for _, q := range p {
+		s = append(s, string(q))
+	}
+	return "[" + strings.Join(s, " ") + "]"
+}
