@@ -1,0 +1,243 @@
+package subresources
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/gorilla/websocket"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
+)
+
+// The nodeagent side of the protocol, the same as virt-handler's console
+// server: HTTPS with mutual TLS on the node, paths
+// /v1/namespaces/{namespace}/virtualmachineinstances/{name}/{action}, with
+//
+//	PUT  pause | unpause | softreboot        → 2xx, empty body
+//	GET  guestosinfo | userlist | filesystemlist → 200, JSON
+//	GET  console | vnc (websocket, subprotocol plain.kubevirt.io, binary
+//	     frames carrying the raw serial or RFB bytes)
+//
+// An error answer carries a Kubernetes Status (its code and message are
+// passed to the caller) or plain text.
+const (
+	// NodeAddressAnnotation on a Node holds host:port of its nodeagent's
+	// console server; without it the Node's InternalIP and DefaultNodePort
+	// are used.
+	NodeAddressAnnotation = "nodevirt.io/console-server"
+	// DefaultNodePort is virt-handler's console server port.
+	DefaultNodePort = 8186
+	// PlainStreamProtocol is KubeVirt's websocket subprotocol for raw
+	// binary streams.
+	PlainStreamProtocol = "plain.kubevirt.io"
+	// NodeServerName is the DNS name the nodeagents' console server
+	// certificates carry and the brain verifies.
+	NodeServerName = "nodevirt-handler"
+	// ClientName is the common name of the brain's client certificate;
+	// nodeagents accept only it.
+	ClientName = "nodevirt-subresources"
+
+	wsBufferSize = 10240
+)
+
+// NodeClient reaches the nodeagent running a VMI (status.nodeName). Without
+// an answering agent every call fails, and the subresource answers 500 with
+// the reason.
+type NodeClient interface {
+	// Call sends method to the VMI's action path with body and returns the
+	// body of a 2xx answer; other answers become API status errors with the
+	// agent's code and message.
+	Call(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance, method, action string, body []byte) ([]byte, error)
+	// Stream opens the VMI's console or vnc stream.
+	Stream(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance, action string, query url.Values) (io.ReadWriteCloser, error)
+}
+
+// HTTPSNodeClient is the NodeClient speaking the protocol above.
+type HTTPSNodeClient struct {
+	kube kubernetes.Interface
+	tls  *tls.Config
+	http *http.Client
+}
+
+var _ NodeClient = (*HTTPSNodeClient)(nil)
+
+// NewHTTPSNodeClient finds agents through their Node objects and talks to
+// them with tlsConfig (client certificate and the CA of the agents).
+func NewHTTPSNodeClient(kube kubernetes.Interface, tlsConfig *tls.Config) *HTTPSNodeClient {
+	return &HTTPSNodeClient{kube: kube, tls: tlsConfig, http: &http.Client{
+		Timeout:   30 * time.Second,
+		Transport: &http.Transport{TLSClientConfig: tlsConfig, ForceAttemptHTTP2: false, MaxIdleConnsPerHost: 4},
+	}}
+}
+
+// NodeTLS builds the brain's mutual-TLS configuration towards nodeagents
+// from the CA the brain and the agents share (the upload CA): a client
+// certificate named ClientName, agents verified as NodeServerName.
+func NodeTLS(ca *uploadtls.CA) (*tls.Config, error) {
+	cert, err := ca.Issue(ClientName, nil, nil, true)
+	if err != nil {
+		return nil, fmt.Errorf("issue subresources client certificate: %w", err)
+	}
+	return &tls.Config{Certificates: []tls.Certificate{cert}, RootCAs: ca.Pool(), ServerName: NodeServerName,
+		MinVersion: tls.VersionTLS12}, nil
+}
+
+// address resolves the agent of node.
+func (c *HTTPSNodeClient) address(ctx context.Context, node string) (string, error) {
+	if node == "" {
+		return "", apierrors.NewBadRequest("VMI is not scheduled to a node")
+	}
+	n, err := c.kube.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
+	if err != nil {
+		return "", apierrors.NewBadRequest(fmt.Sprintf("unable to find the nodeagent of node %s: %v", node, err))
+	}
+	if a := n.Annotations[NodeAddressAnnotation]; a != "" {
+		return a, nil
+	}
+	for _, a := range n.Status.Addresses {
+		if a.Type == corev1.NodeInternalIP {
+			return net.JoinHostPort(a.Address, strconv.Itoa(DefaultNodePort)), nil
+		}
+	}
+	return "", apierrors.NewBadRequest(fmt.Sprintf("node %s publishes no address for its nodeagent", node))
+}
+
+func actionPath(vmi *kubevirtv1.VirtualMachineInstance, action string) string {
+	return fmt.Sprintf("/v1/namespaces/%s/virtualmachineinstances/%s/%s", url.PathEscape(vmi.Namespace), url.PathEscape(vmi.Name), action)
+}
+
+// Call implements NodeClient.
+func (c *HTTPSNodeClient) Call(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance, method, action string, body []byte) ([]byte, error) {
+	addr, err := c.address(ctx, vmi.Status.NodeName)
+	if err != nil {
+		return nil, err
+	}
+	req, err := http.NewRequestWithContext(ctx, method, "https://"+addr+actionPath(vmi, action), bytes.NewReader(body))
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := c.http.Do(req)
+	if err != nil {
+		return nil, apierrors.NewInternalError(fmt.Errorf("nodeagent on %s: %w", vmi.Status.NodeName, err))
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(io.LimitReader(resp.Body, 8<<20))
+	if err != nil {
+		return nil, apierrors.NewInternalError(fmt.Errorf("nodeagent on %s: %w", vmi.Status.NodeName, err))
+	}
+	if resp.StatusCode/100 != 2 {
+		return nil, nodeError(resp.StatusCode, data)
+	}
+	return data, nil
+}
+
+// nodeError turns an agent's error answer into an API status error.
+func nodeError(code int, body []byte) error {
+	var st metav1.Status
+	if json.Unmarshal(body, &st) == nil && st.Kind == "Status" && st.Message != "" {
+		if st.Code == 0 {
+			st.Code = int32(code)
+		}
+		return &apierrors.StatusError{ErrStatus: st}
+	}
+	msg := string(bytes.TrimSpace(body))
+	if msg == "" {
+		msg = http.StatusText(code)
+	}
+	return &apierrors.StatusError{ErrStatus: metav1.Status{Status: metav1.StatusFailure, Code: int32(code),
+		Reason: metav1.StatusReasonUnknown, Message: "nodeagent: " + msg}}
+}
+
+// Stream implements NodeClient.
+func (c *HTTPSNodeClient) Stream(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance, action string, query url.Values) (io.ReadWriteCloser, error) {
+	addr, err := c.address(ctx, vmi.Status.NodeName)
+	if err != nil {
+		return nil, err
+	}
+	u := url.URL{Scheme: "wss", Host: addr, Path: actionPath(vmi, action), RawQuery: query.Encode()}
+	d := websocket.Dialer{TLSClientConfig: c.tls, Subprotocols: []string{PlainStreamProtocol},
+		ReadBufferSize: wsBufferSize, WriteBufferSize: wsBufferSize, HandshakeTimeout: 10 * time.Second}
+	conn, resp, err := d.DialContext(ctx, u.String(), nil)
+	if err != nil {
+		if resp != nil {
+			data, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<16))
+			resp.Body.Close()
+			return nil, nodeError(resp.StatusCode, data)
+		}
+		return nil, apierrors.NewInternalError(fmt.Errorf("nodeagent on %s: %w", vmi.Status.NodeName, err))
+	}
+	return NewBinaryStream(conn), nil
+}
+
+// BinaryStream is a websocket read and written as a byte stream of binary
+// messages (KubeVirt's plain.kubevirt.io framing).
+type BinaryStream struct {
+	conn *websocket.Conn
+	r    io.Reader
+	wmu  sync.Mutex
+}
+
+// NewBinaryStream wraps conn.
+func NewBinaryStream(conn *websocket.Conn) *BinaryStream { return &BinaryStream{conn: conn} }
+
+// Read returns bytes of binary messages; a normal close is io.EOF.
+func (b *BinaryStream) Read(p []byte) (int, error) {
+	for {
+		if b.r == nil {
+			typ, r, err := b.conn.NextReader()
+			if err != nil {
+				var ce *websocket.CloseError
+				if errors.As(err, &ce) && ce.Code == websocket.CloseNormalClosure {
+					return 0, io.EOF
+				}
+				return 0, err
+			}
+			if typ != websocket.BinaryMessage && typ != websocket.TextMessage {
+				continue
+			}
+			b.r = r
+		}
+		n, err := b.r.Read(p)
+		if err == io.EOF {
+			b.r = nil
+			if n == 0 {
+				continue
+			}
+			err = nil
+		}
+		return n, err
+	}
+}
+
+// Write sends p as one binary message.
+func (b *BinaryStream) Write(p []byte) (int, error) {
+	b.wmu.Lock()
+	defer b.wmu.Unlock()
+	if err := b.conn.WriteMessage(websocket.BinaryMessage, p); err != nil {
+		return 0, err
+	}
+	return len(p), nil
+}
+
+// Close closes the connection.
+func (b *BinaryStream) Close() error { return b.conn.Close() }
+
+// Conn is the websocket underneath.
+func (b *BinaryStream) Conn() *websocket.Conn { return b.conn }

@@ -1,0 +1,247 @@
+// Package subresources serves subresources.kubevirt.io (v1 and v1alpha3) as
+// an aggregated API behind kube-apiserver, the virt-api role: VM start,
+// stop, restart, migrate and expand-spec act on the API objects; VMI pause,
+// unpause, softreboot, guest-agent reads and the console and VNC streams are
+// forwarded to the nodeagent running the VMI (see NodeClient). Every request
+// is authorized by a SubjectAccessReview on the subresource, as KubeVirt's
+// roles expect (see package rbac).
+package subresources
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"log/slog"
+	"net/http"
+	"strings"
+	"sync"
+
+	authv1 "k8s.io/api/authorization/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/aggregated"
+	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+)
+
+// Group is the API group served.
+const Group = kubevirtv1.SubresourceGroupName
+
+// Versions are served alike; v1 is preferred.
+var Versions = []string{"v1", "v1alpha3"}
+
+// ServiceName is the Service fronting the API (KubeVirt's is virt-api).
+const ServiceName = "nodevirt-subresources"
+
+// Config configures the subresource API server.
+type Config struct {
+	Kube    kubernetes.Interface
+	Dynamic dynamic.Interface
+	Virt    *client.Set
+	// Namespace holds the Service, EndpointSlice and serving certificate.
+	Namespace string
+	// Addr is the listen address (default ":8443"); kube-apiserver dials
+	// it, so it must not be loopback only.
+	Addr string
+	// Node reaches the nodeagents; nil builds an HTTPS client from NodeTLS.
+	Node NodeClient
+	// NodeTLS is the mutual-TLS configuration towards nodeagents, used when
+	// Node is nil.
+	NodeTLS *tls.Config
+	// Version is what /version reports.
+	Version Info
+	Log     *slog.Logger
+}
+
+// Server is the subresource API.
+type Server struct {
+	cfg      Config
+	agg      *aggregated.Server
+	sessions sessions
+}
+
+// New validates cfg.
+func New(cfg Config) (*Server, error) {
+	if cfg.Kube == nil || cfg.Dynamic == nil || cfg.Virt == nil || cfg.Namespace == "" {
+		return nil, errors.New("subresources: kube, dynamic and virt clients and a namespace are required")
+	}
+	if cfg.Addr == "" {
+		cfg.Addr = ":8443"
+	}
+	if cfg.Log == nil {
+		cfg.Log = slog.Default()
+	}
+	if cfg.Node == nil {
+		if cfg.NodeTLS == nil {
+			return nil, errors.New("subresources: a node client or its TLS configuration is required")
+		}
+		cfg.Node = NewHTTPSNodeClient(cfg.Kube, cfg.NodeTLS)
+	}
+	if cfg.Version.GitVersion == "" {
+		cfg.Version = DefaultInfo()
+	}
+	s := &Server{cfg: cfg, sessions: sessions{active: map[string]*session{}}}
+	agg, err := aggregated.NewServer(aggregated.Config{
+		Kube: cfg.Kube, Dynamic: cfg.Dynamic, Addr: cfg.Addr, Handler: s, Public: public, Log: cfg.Log,
+		Registration: aggregated.Registration{Group: Group, Versions: Versions, Namespace: cfg.Namespace, Service: ServiceName},
+	})
+	if err != nil {
+		return nil, err
+	}
+	s.agg = agg
+	return s, nil
+}
+
+// Name names the brain role.
+func (s *Server) Name() string { return "subresources" }
+
+// Run serves until ctx ends.
+func (s *Server) Run(ctx context.Context) error { return s.agg.Run(ctx) }
+
+// Ready is closed once the API is registered and served.
+func (s *Server) Ready() <-chan struct{} { return s.agg.Ready() }
+
+// Endpoint is the host:port kube-apiserver dials (valid after Ready).
+func (s *Server) Endpoint() string { return s.agg.Registration().Endpoint() }
+
+// public paths are served without a user, like virt-api's.
+func public(r *http.Request) bool {
+	p := strings.TrimSuffix(r.URL.Path, "/")
+	switch p {
+	case "", "/apis", "/healthz", "/openapi/v2", "/openapi/v3":
+		return true
+	}
+	for _, v := range Versions {
+		base := "/apis/" + Group + "/" + v
+		switch p {
+		case base, base + "/version", base + "/healthz", base + "/guestfs", "/openapi/v3/apis/" + Group + "/" + v:
+			return true
+		}
+	}
+	return false
+}
+
+// request is a parsed subresource path.
+type request struct {
+	version, namespace, resource, name, subresource string
+}
+
+// parse splits /apis/subresources.kubevirt.io/{v}/namespaces/{ns}/{resource}/{name}/{sub...}.
+func parse(path string) (request, bool) {
+	parts := strings.Split(strings.Trim(path, "/"), "/")
+	if len(parts) < 6 || parts[0] != "apis" || parts[1] != Group || parts[3] != "namespaces" {
+		return request{}, false
+	}
+	r := request{version: parts[2], namespace: parts[4], resource: parts[5]}
+	if len(parts) >= 7 {
+		r.name = parts[6]
+	}
+	if len(parts) >= 8 {
+		r.subresource = strings.Join(parts[7:], "/")
+	}
+	return r, true
+}
+
+// ServeHTTP routes discovery, health and subresource requests.
+func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if s.serveDiscovery(w, r) {
+		return
+	}
+	req, ok := parse(r.URL.Path)
+	if !ok || !validVersion(req.version) {
+		aggregated.WriteError(w, apierrors.NewNotFound(kubevirtv1.Resource("subresource"), r.URL.Path))
+		return
+	}
+	h, verb := s.route(req, r.Method)
+	if h == nil {
+		aggregated.WriteError(w, apierrors.NewNotFound(kubevirtv1.Resource(req.resource+"/"+req.subresource), req.name))
+		return
+	}
+	if !s.authorize(w, r, req, verb) {
+		return
+	}
+	log := s.cfg.Log.With("namespace", req.namespace, "name", req.name, "subresource", req.subresource)
+	log.Debug("subresource request", "method", r.Method)
+	h(w, r, req, log)
+}
+
+type handler func(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger)
+
+// route returns the handler and the RBAC verb of method on req.
+func (s *Server) route(req request, method string) (handler, string) {
+	type key struct{ resource, sub, method string }
+	routes := map[key]handler{
+		{"virtualmachines", "start", http.MethodPut}:                        s.startVM,
+		{"virtualmachines", "stop", http.MethodPut}:                         s.stopVM,
+		{"virtualmachines", "restart", http.MethodPut}:                      s.restartVM,
+		{"virtualmachines", "migrate", http.MethodPut}:                      s.migrateVM,
+		{"virtualmachines", "expand-spec", http.MethodGet}:                  s.expandVMSpec,
+		{"virtualmachineinstances", "pause", http.MethodPut}:                s.pauseVMI,
+		{"virtualmachineinstances", "unpause", http.MethodPut}:              s.unpauseVMI,
+		{"virtualmachineinstances", "softreboot", http.MethodPut}:           s.softRebootVMI,
+		{"virtualmachineinstances", "guestosinfo", http.MethodGet}:          s.guestAgentGet("guestosinfo"),
+		{"virtualmachineinstances", "userlist", http.MethodGet}:             s.guestAgentGet("userlist"),
+		{"virtualmachineinstances", "filesystemlist", http.MethodGet}:       s.guestAgentGet("filesystemlist"),
+		{"virtualmachineinstances", "console", http.MethodGet}:              s.stream("console"),
+		{"virtualmachineinstances", "vnc", http.MethodGet}:                  s.stream("vnc"),
+		{"expand-vm-spec", "", http.MethodPut}:                              s.expandSpecBody,
+	}
+	h := routes[key{req.resource, req.subresource, method}]
+	if h == nil {
+		return nil, ""
+	}
+	switch method {
+	case http.MethodGet:
+		return h, "get"
+	default:
+		return h, "update"
+	}
+}
+
+// authorize runs the SubjectAccessReview virt-api runs: the verb of the
+// HTTP method on resource/subresource in the subresource group.
+func (s *Server) authorize(w http.ResponseWriter, r *http.Request, req request, verb string) bool {
+	u, ok := aggregated.UserFrom(r.Context())
+	if !ok {
+		aggregated.WriteError(w, apierrors.NewUnauthorized("request not authenticated by the aggregator"))
+		return false
+	}
+	attrs := authv1.ResourceAttributes{Namespace: req.namespace, Verb: verb, Group: Group, Version: req.version,
+		Resource: req.resource, Subresource: req.subresource, Name: req.name}
+	allowed, reason, err := aggregated.Authorize(r.Context(), s.cfg.Kube, u, attrs)
+	if err != nil {
+		aggregated.WriteError(w, apierrors.NewInternalError(err))
+		return false
+	}
+	if !allowed {
+		s.cfg.Log.Info("subresource refused", "user", u.Name, "namespace", req.namespace, "name", req.name,
+			"resource", req.resource, "subresource", req.subresource, "verb", verb)
+		aggregated.WriteError(w, aggregated.Forbidden(u, attrs, reason))
+		return false
+	}
+	return true
+}
+
+func validVersion(v string) bool {
+	for _, x := range Versions {
+		if v == x {
+			return true
+		}
+	}
+	return false
+}
+
+// sessions tracks the open console and VNC streams, one per VMI and kind:
+// a new connection replaces the old one, as in KubeVirt.
+type sessions struct {
+	mu     sync.Mutex
+	active map[string]*session
+}
+
+type session struct {
+	close func()
+	done  chan struct{}
+}
+
