@@ -65,9 +65,9 @@ var resources = []string{
 
 func apiGroup() metav1.APIGroup {
 	g := metav1.APIGroup{
-		TypeMeta: metav1.TypeMeta{Kind: "APIGroup", APIVersion: "v1"},
-		Name:     Group,
-		PreferredVersion: metav1.GroupVersionForDiscovery{GroupVersion: Group + "/" + Versions[0], Version: Versions[0]},
+		TypeMeta:                   metav1.TypeMeta{Kind: "APIGroup", APIVersion: "v1"},
+		Name:                       Group,
+		PreferredVersion:           metav1.GroupVersionForDiscovery{GroupVersion: Group + "/" + Versions[0], Version: Versions[0]},
 		ServerAddressByClientCIDRs: []metav1.ServerAddressByClientCIDR{{ClientCIDR: "0.0.0.0/0"}},
 	}
 	for _, v := range Versions {

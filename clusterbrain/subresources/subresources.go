@@ -173,20 +173,20 @@ type handler func(w http.ResponseWriter, r *http.Request, req request, log *slog
 func (s *Server) route(req request, method string) (handler, string) {
 	type key struct{ resource, sub, method string }
 	routes := map[key]handler{
-		{"virtualmachines", "start", http.MethodPut}:                        s.startVM,
-		{"virtualmachines", "stop", http.MethodPut}:                         s.stopVM,
-		{"virtualmachines", "restart", http.MethodPut}:                      s.restartVM,
-		{"virtualmachines", "migrate", http.MethodPut}:                      s.migrateVM,
-		{"virtualmachines", "expand-spec", http.MethodGet}:                  s.expandVMSpec,
-		{"virtualmachineinstances", "pause", http.MethodPut}:                s.pauseVMI,
-		{"virtualmachineinstances", "unpause", http.MethodPut}:              s.unpauseVMI,
-		{"virtualmachineinstances", "softreboot", http.MethodPut}:           s.softRebootVMI,
-		{"virtualmachineinstances", "guestosinfo", http.MethodGet}:          s.guestAgentGet("guestosinfo"),
-		{"virtualmachineinstances", "userlist", http.MethodGet}:             s.guestAgentGet("userlist"),
-		{"virtualmachineinstances", "filesystemlist", http.MethodGet}:       s.guestAgentGet("filesystemlist"),
-		{"virtualmachineinstances", "console", http.MethodGet}:              s.stream("console"),
-		{"virtualmachineinstances", "vnc", http.MethodGet}:                  s.stream("vnc"),
-		{"expand-vm-spec", "", http.MethodPut}:                              s.expandSpecBody,
+		{"virtualmachines", "start", http.MethodPut}:                  s.startVM,
+		{"virtualmachines", "stop", http.MethodPut}:                   s.stopVM,
+		{"virtualmachines", "restart", http.MethodPut}:                s.restartVM,
+		{"virtualmachines", "migrate", http.MethodPut}:                s.migrateVM,
+		{"virtualmachines", "expand-spec", http.MethodGet}:            s.expandVMSpec,
+		{"virtualmachineinstances", "pause", http.MethodPut}:          s.pauseVMI,
+		{"virtualmachineinstances", "unpause", http.MethodPut}:        s.unpauseVMI,
+		{"virtualmachineinstances", "softreboot", http.MethodPut}:     s.softRebootVMI,
+		{"virtualmachineinstances", "guestosinfo", http.MethodGet}:    s.guestAgentGet("guestosinfo"),
+		{"virtualmachineinstances", "userlist", http.MethodGet}:       s.guestAgentGet("userlist"),
+		{"virtualmachineinstances", "filesystemlist", http.MethodGet}: s.guestAgentGet("filesystemlist"),
+		{"virtualmachineinstances", "console", http.MethodGet}:        s.stream("console"),
+		{"virtualmachineinstances", "vnc", http.MethodGet}:            s.stream("vnc"),
+		{"expand-vm-spec", "", http.MethodPut}:                        s.expandSpecBody,
 	}
 	h := routes[key{req.resource, req.subresource, method}]
 	if h == nil {
@@ -244,4 +244,3 @@ type session struct {
 	close func()
 	done  chan struct{}
 }
-
