@@ -1,14 +1,22 @@
 package brain
 
 import (
+	"cmp"
+	"os"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/clidownload"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume"
 	"github.com/nodevirt/nodevirt/clusterbrain/hco"
+	"github.com/nodevirt/nodevirt/clusterbrain/instancetypes"
 	"github.com/nodevirt/nodevirt/clusterbrain/upload"
 )
 
 // everyBrainRoles run on every brain replica: they serve requests
 // (admission webhooks, aggregated APIs, downloads) and hold no exclusive state.
 var everyBrainRoles = []RoleFactory{
+	func(d *Deps) (Role, error) {
+		return clidownload.New(clidownload.Config{Dir: cmp.Or(os.Getenv("NODEVIRT_VIRTCTL_DIR"), clidownload.DefaultDir), Addr: os.Getenv("NODEVIRT_CLI_DOWNLOAD_ADDR"), Log: d.Log.With("role", "cli-download")})
+	},
 	func(d *Deps) (Role, error) {
 		return upload.New(upload.Config{Kube: d.Kube, Namespace: d.Config.Namespace, Log: d.Log})
 	},
@@ -21,5 +29,8 @@ var leaderRoles = []RoleFactory{
 	},
 	func(d *Deps) (Role, error) {
 		return hco.New(hco.Config{Namespace: d.Config.Namespace, Kube: d.Kube, Virt: d.Virt, Log: d.Log.With("role", "hco"), BrainHealth: d.Health.Ready})
+	},
+	func(d *Deps) (Role, error) {
+		return instancetypes.New(instancetypes.Config{Virt: d.Virt, Namespace: d.Config.Namespace, Log: d.Log.With("role", "common-instancetypes")})
 	},
 }

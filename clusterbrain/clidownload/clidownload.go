@@ -66,6 +66,9 @@ var Platforms = []Platform{
 	{Arch: "amd64", OSDir: "windows", GOOS: "windows", Archive: "virtctl.zip", Text: "Download virtctl for Windows for x86_64"},
 }
 
+// DefaultDir is where an installed nodevirt keeps the virtctl builds.
+const DefaultDir = "/usr/local/share/nodevirt/virtctl"
+
 // Config configures the download server.
 type Config struct {
 	// Dir holds the builds (required).
