@@ -1,0 +1,479 @@
+// Package scheduler is the brain's placement role: it puts every pending
+// VirtualMachineInstance on a registered node that satisfies it (resources,
+// node selection, VMI (anti-)affinity, taints, bridge resources of its
+// networks, volume locality, KVM) and binds it by writing status.nodeName,
+// which the node's agent watches. Decisions are taken one at a time against
+// an assume cache, so bursts never double-book a node; bindings run in
+// parallel.
+package scheduler
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"sync"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
+	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
+	corelisters "k8s.io/client-go/listers/core/v1"
+	storagelisters "k8s.io/client-go/listers/storage/v1"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/record"
+	"k8s.io/client-go/util/workqueue"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	nadv1 "github.com/k8snetworkplumbingwg/network-attachment-definition-client/pkg/apis/k8s.cni.cncf.io/v1"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+)
+
+// Config configures the scheduler.
+type Config struct {
+	Kube kubernetes.Interface
+	Virt *client.Set
+	Log  *slog.Logger
+	// Binders is how many bindings run at once (default 16).
+	Binders int
+	// Retry is how often an unschedulable VMI is tried again without any
+	// change in the cluster (default 15s).
+	Retry time.Duration
+}
+
+// Scheduler places VMIs.
+type Scheduler struct {
+	cfg      Config
+	factory  informers.SharedInformerFactory
+	nodes    cache.SharedIndexInformer
+	vmis     cache.SharedIndexInformer
+	nads     cache.SharedIndexInformer
+	kvs      cache.SharedIndexInformer
+	pvcs     corelisters.PersistentVolumeClaimLister
+	pvs      corelisters.PersistentVolumeLister
+	scs      storagelisters.StorageClassLister
+	queue    workqueue.TypedRateLimitingInterface[string]
+	recorder record.EventRecorder
+	events   record.EventBroadcaster
+	sem      chan struct{}
+
+	mu      sync.Mutex
+	assumed map[types.UID]assumption
+	waiting map[string]bool // unschedulable VMIs, retried on cluster changes
+}
+
+type assumption struct {
+	node string
+	p    placed
+}
+
+const nodeIndex = "node"
+
+// New builds the scheduler.
+func New(cfg Config) (*Scheduler, error) {
+	if cfg.Kube == nil || cfg.Virt == nil {
+		return nil, errors.New("scheduler: clients are required")
+	}
+	if cfg.Log == nil {
+		cfg.Log = slog.Default()
+	}
+	if cfg.Binders == 0 {
+		cfg.Binders = 16
+	}
+	if cfg.Retry == 0 {
+		cfg.Retry = 15 * time.Second
+	}
+	f := informers.NewSharedInformerFactory(cfg.Kube, 0)
+	s := &Scheduler{
+		cfg: cfg, factory: f,
+		nodes: f.Core().V1().Nodes().Informer(),
+		vmis:  cfg.Virt.VMIs.Informer("", 0, nil),
+		nads:  cfg.Virt.NADs.Informer("", 0, nil),
+		kvs:   cfg.Virt.KubeVirts.Informer("", 0, nil),
+		pvcs:  f.Core().V1().PersistentVolumeClaims().Lister(),
+		pvs:   f.Core().V1().PersistentVolumes().Lister(),
+		scs:   f.Storage().V1().StorageClasses().Lister(),
+		queue: workqueue.NewTypedRateLimitingQueueWithConfig(
+			workqueue.NewTypedItemExponentialFailureRateLimiter[string](50*time.Millisecond, 30*time.Second),
+			workqueue.TypedRateLimitingQueueConfig[string]{Name: "scheduler"}),
+		sem:     make(chan struct{}, cfg.Binders),
+		assumed: map[types.UID]assumption{},
+		waiting: map[string]bool{},
+	}
+	// Register the listers' informers with the factory.
+	f.Core().V1().PersistentVolumeClaims().Informer()
+	f.Core().V1().PersistentVolumes().Informer()
+	f.Storage().V1().StorageClasses().Informer()
+
+	s.events = record.NewBroadcaster()
+	s.recorder = s.events.NewRecorder(client.NewScheme(), corev1.EventSource{Component: "nodevirt-scheduler"})
+
+	if err := s.vmis.AddIndexers(cache.Indexers{nodeIndex: func(obj any) ([]string, error) {
+		vmi := obj.(*kubevirtv1.VirtualMachineInstance)
+		if vmi.Status.NodeName == "" || vmi.IsFinal() {
+			return nil, nil
+		}
+		return []string{vmi.Status.NodeName}, nil
+	}}); err != nil {
+		return nil, err
+	}
+	_, _ = s.vmis.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { s.vmiChanged(nil, obj.(*kubevirtv1.VirtualMachineInstance)) },
+		UpdateFunc: func(o, n any) { s.vmiChanged(o.(*kubevirtv1.VirtualMachineInstance), n.(*kubevirtv1.VirtualMachineInstance)) },
+		DeleteFunc: func(obj any) {
+			if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+				obj = d.Obj
+			}
+			if vmi, ok := obj.(*kubevirtv1.VirtualMachineInstance); ok {
+				s.mu.Lock()
+				delete(s.assumed, vmi.UID)
+				s.mu.Unlock()
+				s.retryWaiting()
+			}
+		},
+	})
+	retry := cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(any) { s.retryWaiting() },
+		UpdateFunc: func(any, any) { s.retryWaiting() },
+	}
+	_, _ = s.nodes.AddEventHandler(retry)
+	_, _ = s.nads.AddEventHandler(retry)
+	_, _ = f.Core().V1().PersistentVolumeClaims().Informer().AddEventHandler(retry)
+	_, _ = f.Core().V1().PersistentVolumes().Informer().AddEventHandler(retry)
+	return s, nil
+}
+
+// pending reports whether vmi waits for a node.
+func pending(vmi *kubevirtv1.VirtualMachineInstance) bool {
+	return vmi.Status.NodeName == "" && vmi.DeletionTimestamp == nil &&
+		(vmi.Status.Phase == "" || vmi.Status.Phase == kubevirtv1.Pending)
+}
+
+func (s *Scheduler) vmiChanged(old, vmi *kubevirtv1.VirtualMachineInstance) {
+	if vmi.Status.NodeName != "" {
+		s.mu.Lock()
+		delete(s.assumed, vmi.UID)
+		s.mu.Unlock()
+	}
+	if old != nil && !old.IsFinal() && vmi.IsFinal() {
+		s.retryWaiting()
+	}
+	if pending(vmi) {
+		key, _ := cache.MetaNamespaceKeyFunc(vmi)
+		s.queue.Add(key)
+	}
+}
+
+func (s *Scheduler) retryWaiting() {
+	s.mu.Lock()
+	keys := make([]string, 0, len(s.waiting))
+	for k := range s.waiting {
+		keys = append(keys, k)
+	}
+	s.mu.Unlock()
+	for _, k := range keys {
+		s.queue.Add(k)
+	}
+}
+
+// Name implements the brain's Role.
+func (s *Scheduler) Name() string { return "scheduler" }
+
+// Run schedules until ctx ends.
+func (s *Scheduler) Run(ctx context.Context) error {
+	defer utilruntime.HandleCrash()
+	go func() { <-ctx.Done(); s.queue.ShutDown() }()
+	s.events.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: s.cfg.Kube.CoreV1().Events("")})
+	defer s.events.Shutdown()
+	s.factory.Start(ctx.Done())
+	go s.vmis.RunWithContext(ctx)
+	go s.nads.RunWithContext(ctx)
+	go s.kvs.RunWithContext(ctx)
+	for _, ok := range s.factory.WaitForCacheSync(ctx.Done()) {
+		if !ok {
+			return ctx.Err()
+		}
+	}
+	if !cache.WaitForCacheSync(ctx.Done(), s.nodes.HasSynced, s.vmis.HasSynced, s.nads.HasSynced, s.kvs.HasSynced) {
+		return ctx.Err()
+	}
+	s.cfg.Log.Info("scheduler started")
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	for {
+		key, quit := s.queue.Get()
+		if quit {
+			return nil
+		}
+		if err := s.Sync(ctx, key, &wg); err != nil {
+			s.cfg.Log.Warn("schedule", "vmi", key, "err", err)
+			s.queue.AddRateLimited(key)
+		} else {
+			s.queue.Forget(key)
+		}
+		s.queue.Done(key)
+		if ctx.Err() != nil {
+			return nil
+		}
+	}
+}
+
+// Sync takes the placement decision for the VMI named key and starts its
+// binding (tracked by wg).
+func (s *Scheduler) Sync(ctx context.Context, key string, wg *sync.WaitGroup) error {
+	obj, ok, err := s.vmis.GetStore().GetByKey(key)
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	if !ok {
+		delete(s.waiting, key)
+	}
+	s.mu.Unlock()
+	if !ok {
+		return nil
+	}
+	vmi := obj.(*kubevirtv1.VirtualMachineInstance)
+	if !pending(vmi) {
+		s.mu.Lock()
+		delete(s.waiting, key)
+		s.mu.Unlock()
+		return nil
+	}
+	s.mu.Lock()
+	_, binding := s.assumed[vmi.UID]
+	s.mu.Unlock()
+	if binding {
+		return nil
+	}
+	node, wffc, p, err := s.decide(vmi)
+	var fe *FitError
+	if errors.As(err, &fe) {
+		s.mu.Lock()
+		s.waiting[key] = true
+		s.mu.Unlock()
+		s.queue.AddAfter(key, s.cfg.Retry)
+		return s.markUnschedulable(ctx, vmi, fe.Error())
+	}
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	delete(s.waiting, key)
+	s.assumed[vmi.UID] = assumption{node: node, p: p}
+	s.mu.Unlock()
+	s.sem <- struct{}{}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		defer func() { <-s.sem }()
+		if err := s.bind(ctx, vmi, node, wffc); err != nil {
+			s.mu.Lock()
+			delete(s.assumed, vmi.UID)
+			s.mu.Unlock()
+			s.cfg.Log.Warn("bind", "namespace", vmi.Namespace, "name", vmi.Name, "node", node, "err", err)
+			s.queue.AddRateLimited(key)
+		}
+	}()
+	return nil
+}
+
+// FitError says why no node can take a VMI.
+type FitError struct{ msg string }
+
+func (e *FitError) Error() string { return e.msg }
+
+// Decide returns the node vmi should go to, or a *FitError.
+func (s *Scheduler) Decide(vmi *kubevirtv1.VirtualMachineInstance) (string, error) {
+	node, _, _, err := s.decide(vmi)
+	return node, err
+}
+
+func (s *Scheduler) decide(vmi *kubevirtv1.VirtualMachineInstance) (string, []*corev1.PersistentVolumeClaim, placed, error) {
+	states := s.snapshot()
+	fail := func(prefix string, reasons map[string]int) (string, []*corev1.PersistentVolumeClaim, placed, error) {
+		return "", nil, placed{}, &FitError{msg: fitMessage(len(states), reasons, prefix)}
+	}
+	d, err := demandOf(vmi, s.nadResource)
+	if err != nil {
+		return fail(err.Error(), nil)
+	}
+	req := &request{vmi: vmi, demand: d, allowEmul: s.allowEmulation()}
+	wffc, err := s.volumeConstraints(vmi, req)
+	if err != nil {
+		return fail(err.Error(), nil)
+	}
+	reasons := map[string]int{}
+	best, bestScore, bestCount := -1, math.Inf(-1), 0
+	for i, st := range states {
+		if why := filter(req, st, states); len(why) > 0 {
+			for _, w := range why {
+				reasons[w]++
+			}
+			continue
+		}
+		sc := score(req, st, states)
+		// Ties go to the node with fewer VMIs, then by name.
+		if sc > bestScore || (sc == bestScore && (len(st.placed) < bestCount ||
+			(len(st.placed) == bestCount && st.node.Name < states[best].node.Name))) {
+			best, bestScore, bestCount = i, sc, len(st.placed)
+		}
+	}
+	if best < 0 {
+		return fail("", reasons)
+	}
+	p := placed{uid: vmi.UID, ns: vmi.Namespace, labels: labels.Set(vmi.Labels), demand: d}
+	if a := vmi.Spec.Affinity; a != nil && a.PodAntiAffinity != nil {
+		p.anti = a.PodAntiAffinity.RequiredDuringSchedulingIgnoredDuringExecution
+	}
+	return states[best].node.Name, wffc, p, nil
+}
+
+// snapshot is every node with the VMIs bound to it and those assumed.
+func (s *Scheduler) snapshot() []*nodeState {
+	s.mu.Lock()
+	assumed := make(map[types.UID]assumption, len(s.assumed))
+	for k, v := range s.assumed {
+		assumed[k] = v
+	}
+	s.mu.Unlock()
+	nodes := s.nodes.GetStore().List()
+	states := make([]*nodeState, 0, len(nodes))
+	byName := map[string]*nodeState{}
+	for _, obj := range nodes {
+		st := newNodeState(obj.(*corev1.Node))
+		states = append(states, st)
+		byName[st.node.Name] = st
+		objs, _ := s.vmis.GetIndexer().ByIndex(nodeIndex, st.node.Name)
+		for _, o := range objs {
+			vmi := o.(*kubevirtv1.VirtualMachineInstance)
+			if _, ok := assumed[vmi.UID]; ok {
+				continue
+			}
+			d, _ := demandOf(vmi, s.nadResource)
+			p := placed{uid: vmi.UID, ns: vmi.Namespace, labels: labels.Set(vmi.Labels), demand: d}
+			if a := vmi.Spec.Affinity; a != nil && a.PodAntiAffinity != nil {
+				p.anti = a.PodAntiAffinity.RequiredDuringSchedulingIgnoredDuringExecution
+			}
+			st.add(p)
+		}
+	}
+	for _, a := range assumed {
+		if st, ok := byName[a.node]; ok {
+			st.add(a.p)
+		}
+	}
+	return states
+}
+
+// nadResource returns the resourceName annotation of a NAD.
+func (s *Scheduler) nadResource(ns, name string) (string, error) {
+	obj, ok, err := s.nads.GetStore().GetByKey(ns + "/" + name)
+	if err != nil {
+		return "", err
+	}
+	if !ok {
+		return "", fmt.Errorf("network-attachment-definition %s/%s not found", ns, name)
+	}
+	return obj.(*nadv1.NetworkAttachmentDefinition).Annotations[NADResourceName], nil
+}
+
+// allowEmulation is true unless a KubeVirt CR exists and none of them
+// allows software emulation.
+func (s *Scheduler) allowEmulation() bool {
+	kvs := s.kvs.GetStore().List()
+	if len(kvs) == 0 {
+		return true
+	}
+	for _, o := range kvs {
+		kv := o.(*kubevirtv1.KubeVirt)
+		if c := kv.Spec.Configuration.DeveloperConfiguration; c != nil && c.UseEmulation {
+			return true
+		}
+	}
+	return false
+}
+
+func podScheduled(status corev1.ConditionStatus, reason, msg string) kubevirtv1.VirtualMachineInstanceCondition {
+	now := metav1.Now()
+	return kubevirtv1.VirtualMachineInstanceCondition{Type: kubevirtv1.VirtualMachineInstanceConditionType(corev1.PodScheduled),
+		Status: status, Reason: reason, Message: msg, LastTransitionTime: now, LastProbeTime: now}
+}
+
+func setCondition(vmi *kubevirtv1.VirtualMachineInstance, c kubevirtv1.VirtualMachineInstanceCondition) {
+	for i := range vmi.Status.Conditions {
+		if vmi.Status.Conditions[i].Type == c.Type {
+			vmi.Status.Conditions[i] = c
+			return
+		}
+	}
+	vmi.Status.Conditions = append(vmi.Status.Conditions, c)
+}
+
+func (s *Scheduler) markUnschedulable(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance, msg string) error {
+	for _, c := range vmi.Status.Conditions {
+		if c.Type == kubevirtv1.VirtualMachineInstanceConditionType(corev1.PodScheduled) && c.Reason == corev1.PodReasonUnschedulable && c.Message == msg {
+			return nil
+		}
+	}
+	upd := vmi.DeepCopy()
+	if upd.Status.Phase == "" {
+		upd.Status.Phase = kubevirtv1.Pending
+	}
+	setCondition(upd, podScheduled(corev1.ConditionFalse, corev1.PodReasonUnschedulable, msg))
+	if _, err := s.cfg.Virt.VMIs.UpdateStatus(ctx, upd); err != nil {
+		if apierrors.IsConflict(err) || apierrors.IsNotFound(err) {
+			return nil // a newer version is on its way through the informer
+		}
+		return fmt.Errorf("mark %s/%s unschedulable: %w", vmi.Namespace, vmi.Name, err)
+	}
+	s.recorder.Event(vmi, corev1.EventTypeWarning, "FailedScheduling", msg)
+	s.cfg.Log.Info("unschedulable", "namespace", vmi.Namespace, "name", vmi.Name, "reason", msg)
+	return nil
+}
+
+// bind writes the decision: selected-node on waiting claims, then
+// status.nodeName and phase Scheduled, then the nodeName label.
+func (s *Scheduler) bind(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance, node string, wffc []*corev1.PersistentVolumeClaim) error {
+	for _, pvc := range wffc {
+		patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": map[string]string{SelectedNodeAnno: node}}})
+		if _, err := s.cfg.Kube.CoreV1().PersistentVolumeClaims(pvc.Namespace).Patch(ctx, pvc.Name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+			return fmt.Errorf("select node for claim %s: %w", pvc.Name, err)
+		}
+	}
+	upd := vmi.DeepCopy()
+	for attempt := 0; ; attempt++ {
+		upd.Status.NodeName = node
+		upd.Status.Phase = kubevirtv1.Scheduled
+		setCondition(upd, podScheduled(corev1.ConditionTrue, "", ""))
+		_, err := s.cfg.Virt.VMIs.UpdateStatus(ctx, upd)
+		if err == nil {
+			break
+		}
+		if !apierrors.IsConflict(err) || attempt > 3 {
+			return fmt.Errorf("bind: %w", err)
+		}
+		if upd, err = s.cfg.Virt.VMIs.Get(ctx, vmi.Namespace, vmi.Name); err != nil {
+			return err
+		}
+		if upd.UID != vmi.UID || !pending(upd) {
+			return nil
+		}
+	}
+	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"labels": map[string]string{kubevirtv1.NodeNameLabel: node}}})
+	if _, err := s.cfg.Virt.VMIs.Patch(ctx, vmi.Namespace, vmi.Name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil && !apierrors.IsNotFound(err) {
+		s.cfg.Log.Warn("label vmi", "namespace", vmi.Namespace, "name", vmi.Name, "err", err)
+	}
+	s.recorder.Eventf(vmi, corev1.EventTypeNormal, "Scheduled", "Successfully assigned %s/%s to %s", vmi.Namespace, vmi.Name, node)
+	s.cfg.Log.Debug("bound", "namespace", vmi.Namespace, "name", vmi.Name, "node", node)
+	return nil
+}

@@ -1,0 +1,94 @@
+package scheduler
+
+import (
+	"fmt"
+
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/labels"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+)
+
+// volumeConstraints adds to req what the VMI's claims require: bound
+// claims pin it to their PV's node affinity; unbound claims of a
+// WaitForFirstConsumer class are returned so the decision can be written
+// into them (and respect the class's allowed topologies). A claim that is
+// missing or waits for immediate binding returns an error saying so.
+func (s *Scheduler) volumeConstraints(vmi *kubevirtv1.VirtualMachineInstance, req *request) ([]*corev1.PersistentVolumeClaim, error) {
+	var wffc []*corev1.PersistentVolumeClaim
+	for _, v := range vmi.Spec.Volumes {
+		var claim, what string
+		switch {
+		case v.PersistentVolumeClaim != nil:
+			claim, what = v.PersistentVolumeClaim.ClaimName, "persistentvolumeclaim"
+		case v.DataVolume != nil:
+			claim, what = v.DataVolume.Name, "datavolume"
+		default:
+			continue
+		}
+		pvc, err := s.pvcs.PersistentVolumeClaims(vmi.Namespace).Get(claim)
+		if apierrors.IsNotFound(err) {
+			return nil, fmt.Errorf("%s %s has no persistentvolumeclaim yet", what, claim)
+		}
+		if err != nil {
+			return nil, err
+		}
+		if pvc.Spec.VolumeName != "" {
+			pv, err := s.pvs.Get(pvc.Spec.VolumeName)
+			if err != nil {
+				return nil, fmt.Errorf("persistentvolume %s of claim %s: %w", pvc.Spec.VolumeName, claim, err)
+			}
+			if na := pv.Spec.NodeAffinity; na != nil && na.Required != nil {
+				req.volumes = append(req.volumes, na.Required)
+			}
+			continue
+		}
+		sc := s.classOf(pvc)
+		if sc == nil || sc.VolumeBindingMode == nil || *sc.VolumeBindingMode != storagev1.VolumeBindingWaitForFirstConsumer {
+			return nil, fmt.Errorf("persistentvolumeclaim %s is not bound yet", claim)
+		}
+		if node := pvc.Annotations[SelectedNodeAnno]; node != "" {
+			if req.pinned != "" && req.pinned != node {
+				return nil, fmt.Errorf("claims were given to different nodes (%s, %s)", req.pinned, node)
+			}
+			req.pinned = node
+		} else {
+			wffc = append(wffc, pvc)
+		}
+		if len(sc.AllowedTopologies) > 0 {
+			sel := &corev1.NodeSelector{}
+			for _, t := range sc.AllowedTopologies {
+				term := corev1.NodeSelectorTerm{}
+				for _, e := range t.MatchLabelExpressions {
+					term.MatchExpressions = append(term.MatchExpressions, corev1.NodeSelectorRequirement{
+						Key: e.Key, Operator: corev1.NodeSelectorOpIn, Values: e.Values})
+				}
+				sel.NodeSelectorTerms = append(sel.NodeSelectorTerms, term)
+			}
+			req.volumes = append(req.volumes, sel)
+		}
+	}
+	return wffc, nil
+}
+
+// classOf returns the claim's storage class, or the default class.
+func (s *Scheduler) classOf(pvc *corev1.PersistentVolumeClaim) *storagev1.StorageClass {
+	if n := pvc.Spec.StorageClassName; n != nil {
+		if *n == "" {
+			return nil
+		}
+		sc, err := s.scs.Get(*n)
+		if err != nil {
+			return nil
+		}
+		return sc
+	}
+	all, _ := s.scs.List(labels.Everything())
+	for _, sc := range all {
+		if sc.Annotations["storageclass.kubernetes.io/is-default-class"] == "true" {
+			return sc
+		}
+	}
+	return nil
+}
