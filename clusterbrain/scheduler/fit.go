@@ -364,4 +364,3 @@ func fitMessage(nodes int, reasons map[string]int, prefix string) string {
 	}
 	return msg + "."
 }
-

@@ -127,8 +127,10 @@ func New(cfg Config) (*Scheduler, error) {
 		return nil, err
 	}
 	_, _ = s.vmis.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    func(obj any) { s.vmiChanged(nil, obj.(*kubevirtv1.VirtualMachineInstance)) },
-		UpdateFunc: func(o, n any) { s.vmiChanged(o.(*kubevirtv1.VirtualMachineInstance), n.(*kubevirtv1.VirtualMachineInstance)) },
+		AddFunc: func(obj any) { s.vmiChanged(nil, obj.(*kubevirtv1.VirtualMachineInstance)) },
+		UpdateFunc: func(o, n any) {
+			s.vmiChanged(o.(*kubevirtv1.VirtualMachineInstance), n.(*kubevirtv1.VirtualMachineInstance))
+		},
 		DeleteFunc: func(obj any) {
 			if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
 				obj = d.Obj

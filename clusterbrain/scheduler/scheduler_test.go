@@ -200,7 +200,10 @@ func TestResourcesSelectorsTaints(t *testing.T) {
 	e.wantUnschedulable("big", "0/3 nodes are available: 1 insufficient memory, 1 not schedulable, 1 untolerated taint {dedicated: db}.")
 	e.vmi("big-tolerating", "6Gi", tolerate)
 	e.wantNode("big-tolerating", "rst-2")
-	e.vmi("zone-b", "1Gi", func(v *kubevirtv1.VirtualMachineInstance) { tolerate(v); v.Spec.NodeSelector = map[string]string{"zone": "b"} })
+	e.vmi("zone-b", "1Gi", func(v *kubevirtv1.VirtualMachineInstance) {
+		tolerate(v)
+		v.Spec.NodeSelector = map[string]string{"zone": "b"}
+	})
 	e.wantNode("zone-b", "rst-2")
 	e.vmi("zone-a", "1Gi", func(v *kubevirtv1.VirtualMachineInstance) {
 		tolerate(v)
@@ -322,8 +325,8 @@ func TestVolumeLocality(t *testing.T) {
 	e.node("vol-x", nodeSpec{cpu: "4", mem: "4Gi"})
 	e.node("vol-y", nodeSpec{cpu: "4", mem: "4Gi"})
 	pv := &corev1.PersistentVolume{ObjectMeta: metav1.ObjectMeta{Name: e.ns + "-pv"}, Spec: corev1.PersistentVolumeSpec{
-		Capacity:    corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
-		AccessModes: []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+		Capacity:               corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
+		AccessModes:            []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
 		PersistentVolumeSource: corev1.PersistentVolumeSource{Local: &corev1.LocalVolumeSource{Path: "/var/lib/x"}},
 		NodeAffinity: &corev1.VolumeNodeAffinity{Required: &corev1.NodeSelector{NodeSelectorTerms: []corev1.NodeSelectorTerm{{
 			MatchExpressions: []corev1.NodeSelectorRequirement{{Key: "kubernetes.io/hostname", Operator: corev1.NodeSelectorOpIn, Values: []string{"vol-y"}}}}}}},
