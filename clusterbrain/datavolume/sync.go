@@ -122,14 +122,12 @@ func (c *Controller) writeStatus(ctx context.Context, dv *cdiv1.DataVolume, st c
 	upd := dv.DeepCopy()
 	upd.Status = st
 	if _, err := c.virt.DataVolumes.UpdateStatus(ctx, upd); err != nil {
-		if apierrors.IsConflict(err) || apierrors.IsNotFound(err) {
-			return nil // a newer version is on its way through the informer
+		if apierrors.IsNotFound(err) {
+			return nil
 		}
+		// A conflict means the cache is behind: try again.
 		return fmt.Errorf("update datavolume status: %w", err)
 	}
-	// Keep the cache ahead of the watch so the next sync compares against
-	// what was written.
-	_ = c.dvInformer.GetIndexer().Update(upd)
 	c.emitEvents(upd, dv.Status, st)
 	return nil
 }

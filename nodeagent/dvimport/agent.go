@@ -58,6 +58,11 @@ type Config struct {
 	// RetryDelay is the wait before the first retry, doubled each time
 	// (default 2s).
 	RetryDelay time.Duration
+	// HTTPRetries and HTTPRetryDelay tune the importer's own retries of a
+	// failing HTTP source within one attempt (0: the importer's defaults,
+	// negative retries: none).
+	HTTPRetries    int
+	HTTPRetryDelay time.Duration
 	// ProgressInterval is the shortest time between progress reports
 	// (default 1s).
 	ProgressInterval time.Duration

@@ -231,7 +231,8 @@ func (a *Agent) request(ctx context.Context, t *target) (importer.Request, error
 		if h.InsecureSkipVerify != nil && *h.InsecureSkipVerify {
 			return req, invalid("insecureSkipVerify is not supported: give the server's CA in certConfigMap")
 		}
-		hs := &importer.HTTPSource{URL: h.URL, ExtraHeaders: h.ExtraHeaders, Checksum: h.Checksum}
+		hs := &importer.HTTPSource{URL: h.URL, ExtraHeaders: h.ExtraHeaders, Checksum: h.Checksum,
+			Retries: a.cfg.HTTPRetries, RetryDelay: a.cfg.HTTPRetryDelay}
 		var err error
 		if hs.CACertPEM, err = a.configMapPEM(ctx, ns, h.CertConfigMap); err != nil {
 			return req, err
