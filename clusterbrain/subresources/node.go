@@ -5,14 +5,12 @@ import (
 	"context"
 	"crypto/tls"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"net/url"
 	"strconv"
-	"sync"
 	"time"
 
 	"github.com/gorilla/websocket"
@@ -22,6 +20,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/subresources/plainstream"
 	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
 )
 
@@ -45,7 +44,7 @@ const (
 	DefaultNodePort = 8186
 	// PlainStreamProtocol is KubeVirt's websocket subprotocol for raw
 	// binary streams.
-	PlainStreamProtocol = "plain.kubevirt.io"
+	PlainStreamProtocol = plainstream.Protocol
 	// NodeServerName is the DNS name the nodeagents' console server
 	// certificates carry and the brain verifies.
 	NodeServerName = "nodevirt-handler"
@@ -53,7 +52,7 @@ const (
 	// nodeagents accept only it.
 	ClientName = "nodevirt-subresources"
 
-	wsBufferSize = 10240
+	wsBufferSize = plainstream.BufferSize
 )
 
 // NodeClient reaches the nodeagent running a VMI (status.nodeName). Without
@@ -183,61 +182,5 @@ func (c *HTTPSNodeClient) Stream(ctx context.Context, vmi *kubevirtv1.VirtualMac
 		}
 		return nil, apierrors.NewInternalError(fmt.Errorf("nodeagent on %s: %w", vmi.Status.NodeName, err))
 	}
-	return NewBinaryStream(conn), nil
+	return plainstream.New(conn), nil
 }
-
-// BinaryStream is a websocket read and written as a byte stream of binary
-// messages (KubeVirt's plain.kubevirt.io framing).
-type BinaryStream struct {
-	conn *websocket.Conn
-	r    io.Reader
-	wmu  sync.Mutex
-}
-
-// NewBinaryStream wraps conn.
-func NewBinaryStream(conn *websocket.Conn) *BinaryStream { return &BinaryStream{conn: conn} }
-
-// Read returns bytes of binary messages; a normal close is io.EOF.
-func (b *BinaryStream) Read(p []byte) (int, error) {
-	for {
-		if b.r == nil {
-			typ, r, err := b.conn.NextReader()
-			if err != nil {
-				var ce *websocket.CloseError
-				if errors.As(err, &ce) && ce.Code == websocket.CloseNormalClosure {
-					return 0, io.EOF
-				}
-				return 0, err
-			}
-			if typ != websocket.BinaryMessage && typ != websocket.TextMessage {
-				continue
-			}
-			b.r = r
-		}
-		n, err := b.r.Read(p)
-		if err == io.EOF {
-			b.r = nil
-			if n == 0 {
-				continue
-			}
-			err = nil
-		}
-		return n, err
-	}
-}
-
-// Write sends p as one binary message.
-func (b *BinaryStream) Write(p []byte) (int, error) {
-	b.wmu.Lock()
-	defer b.wmu.Unlock()
-	if err := b.conn.WriteMessage(websocket.BinaryMessage, p); err != nil {
-		return 0, err
-	}
-	return len(p), nil
-}
-
-// Close closes the connection.
-func (b *BinaryStream) Close() error { return b.conn.Close() }
-
-// Conn is the websocket underneath.
-func (b *BinaryStream) Conn() *websocket.Conn { return b.conn }

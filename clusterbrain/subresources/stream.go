@@ -13,6 +13,7 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/aggregated"
+	"github.com/nodevirt/nodevirt/clusterbrain/subresources/plainstream"
 )
 
 const (
@@ -77,7 +78,7 @@ func (s *Server) stream(action string) handler {
 			log.Info("websocket upgrade", "err", err) // the upgrader answered the client
 			return
 		}
-		client := NewBinaryStream(conn)
+		client := plainstream.New(conn)
 		sess := s.sessions.add(key, func() { client.Close(); node.Close() })
 		defer s.sessions.remove(key, sess)
 		log.Info("stream opened", "kind", action, "node", vmi.Status.NodeName)
