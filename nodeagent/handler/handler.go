@@ -301,6 +301,11 @@ func (h *Handler) watchDomains(ctx context.Context, lv *launcher.Manager) {
 				}
 				continue
 			}
+			if e.Type == launcher.EventDefined || e.Type == launcher.EventUndefined {
+				// The handler's own doing; state changes come as other
+				// events. (A failed start re-defines: no hot retry loop.)
+				continue
+			}
 			if ns, name, ok := domain.SplitName(e.Domain); ok {
 				h.log.Debug("domain event", "vmi", ns+"/"+name, "event", e.String())
 				h.queue.Add(ns + "/" + name)

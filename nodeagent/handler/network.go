@@ -40,7 +40,7 @@ func (h *Handler) plannedTaps(ctx context.Context, vmi *v1.VirtualMachineInstanc
 		path := fmt.Sprintf("spec.domain.devices.interfaces[%d]", i)
 		n, ok := networks[iface.Name]
 		if !ok {
-			return nil, fmt.Errorf("%s: no network named %q in spec.networks", path, iface.Name)
+			return nil, fmt.Errorf("%w: %s: no network named %q in spec.networks", errSpec, path, iface.Name)
 		}
 		if iface.State == v1.InterfaceStateAbsent {
 			continue
@@ -49,10 +49,10 @@ func (h *Handler) plannedTaps(ctx context.Context, vmi *v1.VirtualMachineInstanc
 			return nil, fmt.Errorf("%s (%s): %w", path, iface.Name, errPodNetwork)
 		}
 		if n.Multus == nil {
-			return nil, fmt.Errorf("%s (%s): the network has no source (pod or multus)", path, iface.Name)
+			return nil, fmt.Errorf("%w: %s (%s): the network has no source (pod or multus)", errSpec, path, iface.Name)
 		}
 		if iface.Bridge == nil {
-			return nil, fmt.Errorf("%s (%s): only the bridge binding can connect to a Multus network", path, iface.Name)
+			return nil, fmt.Errorf("%w: %s (%s): only the bridge binding can connect to a Multus network", errSpec, path, iface.Name)
 		}
 		conf, err := h.networkConfig(ctx, vmi.Namespace, n.Multus.NetworkName)
 		if err != nil {

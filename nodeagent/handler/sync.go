@@ -22,7 +22,7 @@ var errSpec = errors.New("invalid spec")
 // permanent reports whether a start error will not go away by retrying.
 func permanent(err error) bool {
 	var fe *domain.FieldError
-	return errors.As(err, &fe) || errors.Is(err, errSpec) || errors.Is(err, errPodNetwork)
+	return errors.As(err, &fe) || errors.Is(err, domain.ErrNotSupported) || errors.Is(err, errSpec) || errors.Is(err, errPodNetwork)
 }
 
 // lookup describes the domain, found false when it does not exist.

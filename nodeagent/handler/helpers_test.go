@@ -1,0 +1,415 @@
+package handler
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	csipb "github.com/container-storage-interface/spec/lib/go/csi"
+	nadv1 "github.com/k8snetworkplumbingwg/network-attachment-definition-client/pkg/apis/k8s.cni.cncf.io/v1"
+	k8sv1 "k8s.io/api/core/v1"
+	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	v1 "kubevirt.io/api/core/v1"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/crds"
+	"github.com/nodevirt/nodevirt/csi"
+	"github.com/nodevirt/nodevirt/launcher"
+	"github.com/nodevirt/nodevirt/launcher/libvirttest"
+	"github.com/nodevirt/nodevirt/nodeagent/console"
+	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/guest"
+)
+
+func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
+
+var crdsOnce sync.Once
+
+// node is one test's node: a control plane namespace, a private node name,
+// a state directory QEMU can reach, a CSI driver, an mTLS PKI and a bridge
+// name of its own.
+type node struct {
+	t        *testing.T
+	name     string
+	ns       string
+	kube     kubernetes.Interface
+	virt     *client.Set
+	uri      string
+	stateDir string
+	netState string
+	bridge   string
+	pki      *console.PKI
+	csi      *csi.Driver
+	csiRoot  string
+	lv       *launcher.Manager
+}
+
+// reachableDir makes a directory the qemu user can traverse, removed at the
+// end of the test.
+func reachableDir(t *testing.T, prefix string) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", prefix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
+
+func newNode(t *testing.T) *node {
+	t.Helper()
+	cp := controlplane.Shared(t)
+	crdsOnce.Do(func() {
+		if err := crds.Install(context.Background(), apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.Catalog()); err != nil {
+			t.Fatalf("install crds: %v", err)
+		}
+	})
+	virt, err := client.NewSet(cp.RestConfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := &node{
+		t:      t,
+		name:   fmt.Sprintf("node-%05d", rand.IntN(100000)),
+		ns:     cp.Namespace(t),
+		kube:   cp.Clientset(t),
+		virt:   virt,
+		uri:    libvirttest.Ensure(t),
+		bridge: fmt.Sprintf("nvhb%05d", rand.IntN(100000)),
+	}
+	n.stateDir = reachableDir(t, "nodevirt-handler-")
+	n.netState = t.TempDir()
+	t.Cleanup(func() { exec.Command("ip", "link", "del", n.bridge).Run() })
+	if n.pki, err = console.MintPKI(t.TempDir(), "127.0.0.1"); err != nil {
+		t.Fatal(err)
+	}
+	n.csiRoot = reachableDir(t, "nodevirt-handler-csi-")
+	n.csi, err = csi.New(csi.Config{NodeID: n.name, StateRoot: n.csiRoot, Endpoint: n.csiRoot + "/csi.sock",
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n.lv, err = launcher.Open(launcher.Config{URI: n.uri}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { n.lv.Close() })
+	return n
+}
+
+// handler runs a handler for the node until stop is called or the test
+// ends.
+func (n *node) handler(emulation bool) (h *Handler, stop func()) {
+	t := n.t
+	t.Helper()
+	h, err := New(Config{
+		NodeName: n.name, StateDir: n.stateDir, LibvirtURI: n.uri, Emulation: emulation,
+		Kube: n.kube, Virt: n.virt, Volumes: n.csi, NetStateDir: n.netState, ShutdownRetry: 2 * time.Second,
+		Console: n.pki.ServerConfig("127.0.0.1:0"),
+		Log:     slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelInfo})).With("node", n.name),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- h.Run(ctx) }()
+	select {
+	case <-h.Ready():
+	case err := <-done:
+		t.Fatalf("handler stopped: %v", err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("handler not ready within 30s")
+	}
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("handler run: %v", err)
+			}
+		})
+	}
+	t.Cleanup(stop)
+	return h, stop
+}
+
+type testWriter struct{ t *testing.T }
+
+func (w testWriter) Write(b []byte) (int, error) {
+	w.t.Log(strings.TrimRight(string(b), "\n"))
+	return len(b), nil
+}
+
+func (n *node) consoleClient(h *Handler) *console.Client {
+	n.t.Helper()
+	tc, err := n.pki.ClientTLS()
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	return &console.Client{Addr: h.ConsoleAddr(), TLS: tc}
+}
+
+// bootVolume makes a CSI volume holding a copy of the test guest's boot
+// disk, and a PV and a bound PVC named claim for it.
+func (n *node) bootVolume(ctx context.Context, claim string) {
+	t := n.t
+	t.Helper()
+	boot, err := guest.BootDisk(ctx, guest.DiskSpec{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	size := int64(128 << 20)
+	resp, err := n.csi.CreateVolume(ctx, &csipb.CreateVolumeRequest{
+		Name:          n.ns + "-" + claim,
+		CapacityRange: &csipb.CapacityRange{RequiredBytes: size},
+		VolumeCapabilities: []*csipb.VolumeCapability{{
+			AccessType: &csipb.VolumeCapability_Mount{Mount: &csipb.VolumeCapability_MountVolume{}},
+			AccessMode: &csipb.VolumeCapability_AccessMode{Mode: csipb.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+		}},
+	})
+	if err != nil {
+		t.Fatalf("create csi volume: %v", err)
+	}
+	id := resp.GetVolume().GetVolumeId()
+	t.Cleanup(func() { n.csi.DeleteVolume(context.Background(), &csipb.DeleteVolumeRequest{VolumeId: id}) })
+	disk, _, err := n.csi.VolumeDisk(id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The CSI driver makes its directories 0750; QEMU (another user) must
+	// traverse them to reach disk.img. Reported to the csi owner; opened
+	// up here until the driver does it.
+	for dir := filepath.Dir(disk); strings.HasPrefix(dir, n.csiRoot+"/"); dir = filepath.Dir(dir) {
+		if err := os.Chmod(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if out, err := exec.CommandContext(ctx, "cp", "--sparse=always", boot, disk).CombinedOutput(); err != nil {
+		t.Fatalf("copy boot disk: %v: %s", err, out)
+	}
+	pvName := "pv-" + n.ns + "-" + claim
+	pv := &k8sv1.PersistentVolume{
+		ObjectMeta: metav1.ObjectMeta{Name: pvName},
+		Spec: k8sv1.PersistentVolumeSpec{
+			Capacity:    k8sv1.ResourceList{k8sv1.ResourceStorage: *resource.NewQuantity(size, resource.BinarySI)},
+			AccessModes: []k8sv1.PersistentVolumeAccessMode{k8sv1.ReadWriteOnce},
+			PersistentVolumeSource: k8sv1.PersistentVolumeSource{CSI: &k8sv1.CSIPersistentVolumeSource{
+				Driver: csi.DriverName, VolumeHandle: id,
+			}},
+			ClaimRef: &k8sv1.ObjectReference{Namespace: n.ns, Name: claim},
+		},
+	}
+	if _, err := n.kube.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		n.kube.CoreV1().PersistentVolumes().Delete(context.Background(), pvName, metav1.DeleteOptions{})
+	})
+	empty := ""
+	pvc := &k8sv1.PersistentVolumeClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: claim, Namespace: n.ns},
+		Spec: k8sv1.PersistentVolumeClaimSpec{
+			AccessModes:      []k8sv1.PersistentVolumeAccessMode{k8sv1.ReadWriteOnce},
+			Resources:        k8sv1.VolumeResourceRequirements{Requests: k8sv1.ResourceList{k8sv1.ResourceStorage: *resource.NewQuantity(size, resource.BinarySI)}},
+			StorageClassName: &empty,
+			VolumeName:       pvName,
+		},
+	}
+	if _, err := n.kube.CoreV1().PersistentVolumeClaims(n.ns).Create(ctx, pvc, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// bridgeNetwork creates the NetworkAttachmentDefinition name on the node's
+// bridge.
+func (n *node) bridgeNetwork(ctx context.Context, name string) {
+	n.t.Helper()
+	conf, _ := json.Marshal(map[string]any{"cniVersion": "0.3.1", "name": name, "type": "cnv-bridge", "bridge": n.bridge})
+	nad := &nadv1.NetworkAttachmentDefinition{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: n.ns,
+			Annotations: map[string]string{"k8s.v1.cni.cncf.io/resourceName": "bridge.network.kubevirt.io/" + n.bridge}},
+		Spec: nadv1.NetworkAttachmentDefinitionSpec{Config: string(conf)},
+	}
+	if _, err := n.virt.NADs.Create(ctx, nad); err != nil {
+		n.t.Fatal(err)
+	}
+}
+
+// schedule creates vmi on the node as the scheduler would leave it: label,
+// status.nodeName, phase Scheduled.
+func (n *node) schedule(ctx context.Context, vmi *v1.VirtualMachineInstance) *v1.VirtualMachineInstance {
+	t := n.t
+	t.Helper()
+	vmi.Namespace = n.ns
+	if vmi.Labels == nil {
+		vmi.Labels = map[string]string{}
+	}
+	vmi.Labels[v1.NodeNameLabel] = n.name
+	got, err := n.virt.VMIs.Create(ctx, vmi)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got.Status.NodeName = n.name
+	got.Status.Phase = v1.Scheduled
+	if got, err = n.virt.VMIs.UpdateStatus(ctx, got); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		// Leave nothing behind when a test fails midway.
+		c := context.Background()
+		if cur, err := n.virt.VMIs.Get(c, n.ns, vmi.Name); err == nil && len(cur.Finalizers) > 0 {
+			cur.Finalizers = nil
+			n.virt.VMIs.Update(c, cur)
+		}
+		n.lv.Undefine(c, n.ns+"_"+vmi.Name)
+	})
+	return got
+}
+
+// waitVMI polls the VMI until ok says so; it fails the test after timeout
+// and shows the last state.
+func (n *node) waitVMI(ctx context.Context, name string, timeout time.Duration, what string, ok func(*v1.VirtualMachineInstance) bool) *v1.VirtualMachineInstance {
+	t := n.t
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	var last *v1.VirtualMachineInstance
+	for {
+		vmi, err := n.virt.VMIs.Get(ctx, n.ns, name)
+		if err != nil && !apierrors.IsNotFound(err) {
+			t.Fatal(err)
+		}
+		if err != nil {
+			vmi = nil
+		}
+		if ok(vmi) {
+			return vmi
+		}
+		last = vmi
+		if time.Now().After(deadline) {
+			b, _ := json.MarshalIndent(last, "", "  ")
+			t.Fatalf("vmi %s: not %s within %s; last:\n%s", name, what, timeout, b)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+func condition(vmi *v1.VirtualMachineInstance, typ v1.VirtualMachineInstanceConditionType) *v1.VirtualMachineInstanceCondition {
+	if vmi == nil {
+		return nil
+	}
+	return conditionOf(vmi, typ)
+}
+
+func isTrue(vmi *v1.VirtualMachineInstance, typ v1.VirtualMachineInstanceConditionType) bool {
+	c := condition(vmi, typ)
+	return c != nil && c.Status == k8sv1.ConditionTrue
+}
+
+// consoleLog collects a console stream; Expect waits for text after what
+// earlier calls consumed.
+type consoleLog struct {
+	mu      sync.Mutex
+	buf     []byte
+	cursor  int
+	changed chan struct{}
+	err     error
+}
+
+func readConsole(r io.Reader) *consoleLog {
+	c := &consoleLog{changed: make(chan struct{})}
+	go func() {
+		p := make([]byte, 4096)
+		for {
+			n, err := r.Read(p)
+			c.mu.Lock()
+			c.buf = append(c.buf, bytes.ReplaceAll(p[:n], []byte("\r"), nil)...)
+			if err != nil {
+				c.err = err
+			}
+			close(c.changed)
+			c.changed = make(chan struct{})
+			c.mu.Unlock()
+			if err != nil {
+				return
+			}
+		}
+	}()
+	return c
+}
+
+// expectLine waits for a whole line that contains text (exact: equals it)
+// and returns it.
+func (c *consoleLog) expectLine(t *testing.T, text string, exact bool, timeout time.Duration) string {
+	t.Helper()
+	deadline := time.After(timeout)
+	for {
+		c.mu.Lock()
+		rest := c.buf[c.cursor:]
+		off := 0
+		for {
+			nl := bytes.IndexByte(rest[off:], '\n')
+			if nl < 0 {
+				break
+			}
+			line := string(rest[off : off+nl])
+			if (exact && line == text) || (!exact && strings.Contains(line, text)) {
+				c.cursor += off + nl + 1
+				c.mu.Unlock()
+				return line
+			}
+			off += nl + 1
+		}
+		ch, err := c.changed, c.err
+		c.mu.Unlock()
+		if err != nil {
+			t.Fatalf("console ended (%v) before %q; got:\n%s", err, text, c.String())
+		}
+		select {
+		case <-ch:
+		case <-deadline:
+			t.Fatalf("no %q on the console within %s; got:\n%s", text, timeout, c.String())
+		}
+	}
+}
+
+// ended waits for the stream to end.
+func (c *consoleLog) ended(timeout time.Duration) bool {
+	deadline := time.After(timeout)
+	for {
+		c.mu.Lock()
+		ch, err := c.changed, c.err
+		c.mu.Unlock()
+		if err != nil {
+			return true
+		}
+		select {
+		case <-ch:
+		case <-deadline:
+			return false
+		}
+	}
+}
+
+func (c *consoleLog) String() string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return string(c.buf)
+}
