@@ -8,6 +8,8 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume"
 	"github.com/nodevirt/nodevirt/clusterbrain/hco"
 	"github.com/nodevirt/nodevirt/clusterbrain/instancetypes"
+	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
+	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
 	"github.com/nodevirt/nodevirt/clusterbrain/upload"
 )
 
@@ -19,6 +21,12 @@ var everyBrainRoles = []RoleFactory{
 	},
 	func(d *Deps) (Role, error) {
 		return upload.New(upload.Config{Kube: d.Kube, Namespace: d.Config.Namespace, Log: d.Log})
+	},
+	func(d *Deps) (Role, error) {
+		return subresources.ForBrain(d.RestConfig, d.Kube, d.Virt, d.Config.Namespace, cmp.Or(os.Getenv("NODEVIRT_SUBRESOURCES_ADDR"), ":8443"), d.Log.With("role", "subresources"))
+	},
+	func(d *Deps) (Role, error) {
+		return metrics.NewBrainServer(cmp.Or(os.Getenv("NODEVIRT_METRICS_ADDR"), ":8484"), d.Virt, d.Log.With("role", "metrics")), nil
 	},
 }
 
