@@ -1,0 +1,284 @@
+// Package vmcontroller is the virt-controller role of the brain: it turns
+// each VirtualMachine into its VirtualMachineInstance according to the
+// run strategy and the state-change requests the start/stop/restart
+// subresources write, creates the VM's DataVolumes, freezes instance types
+// and preferences into ControllerRevisions and applies them, restarts
+// failed VMIs with back-off, and reports printableStatus, ready and
+// conditions.
+package vmcontroller
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes"
+	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/record"
+	"k8s.io/client-go/util/workqueue"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+)
+
+// Config configures the controller.
+type Config struct {
+	Kube kubernetes.Interface
+	Virt *client.Set
+	Log  *slog.Logger
+	// Workers is the number of VMs synced at once (default 8).
+	Workers int
+	// BackoffBase and BackoffMax bound the delay before a failed VMI is
+	// started again: base·2^(failures-1), at most max (default 10s, 5m,
+	// like KubeVirt).
+	BackoffBase, BackoffMax time.Duration
+}
+
+// Controller reconciles VirtualMachines.
+type Controller struct {
+	cfg      Config
+	vms      cache.SharedIndexInformer
+	vmis     cache.SharedIndexInformer
+	dvs      cache.SharedIndexInformer
+	queue    workqueue.TypedRateLimitingInterface[string]
+	events   record.EventBroadcaster
+	recorder record.EventRecorder
+	now      func() time.Time
+}
+
+// New builds the controller.
+func New(cfg Config) (*Controller, error) {
+	if cfg.Kube == nil || cfg.Virt == nil {
+		return nil, errors.New("vmcontroller: clients are required")
+	}
+	if cfg.Log == nil {
+		cfg.Log = slog.Default()
+	}
+	if cfg.Workers == 0 {
+		cfg.Workers = 8
+	}
+	if cfg.BackoffBase == 0 {
+		cfg.BackoffBase = 10 * time.Second
+	}
+	if cfg.BackoffMax == 0 {
+		cfg.BackoffMax = 5 * time.Minute
+	}
+	c := &Controller{
+		cfg:  cfg,
+		vms:  cfg.Virt.VMs.Informer("", 0, nil),
+		vmis: cfg.Virt.VMIs.Informer("", 0, nil),
+		dvs:  cfg.Virt.DataVolumes.Informer("", 0, nil),
+		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[string](),
+			workqueue.TypedRateLimitingQueueConfig[string]{Name: "virtualmachines"}),
+		now: time.Now,
+	}
+	c.events = record.NewBroadcaster()
+	c.recorder = c.events.NewRecorder(client.NewScheme(), corev1.EventSource{Component: "nodevirt-vm-controller"})
+	enqueue := func(obj any) {
+		if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
+			c.queue.Add(key)
+		}
+	}
+	_, _ = c.vms.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc: enqueue, UpdateFunc: func(_, n any) { enqueue(n) }, DeleteFunc: enqueue,
+	})
+	owner := func(obj any) {
+		if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+			obj = d.Obj
+		}
+		m, ok := obj.(metav1.Object)
+		if !ok {
+			return
+		}
+		if ref := metav1.GetControllerOf(m); ref != nil && ref.Kind == "VirtualMachine" {
+			c.queue.Add(m.GetNamespace() + "/" + ref.Name)
+		}
+	}
+	for _, inf := range []cache.SharedIndexInformer{c.vmis, c.dvs} {
+		_, _ = inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
+			AddFunc: owner, UpdateFunc: func(_, n any) { owner(n) }, DeleteFunc: owner,
+		})
+	}
+	return c, nil
+}
+
+// Name implements the brain's Role.
+func (c *Controller) Name() string { return "vm-controller" }
+
+// Run reconciles until ctx ends.
+func (c *Controller) Run(ctx context.Context) error {
+	defer utilruntime.HandleCrash()
+	go func() { <-ctx.Done(); c.queue.ShutDown() }()
+	c.events.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: c.cfg.Kube.CoreV1().Events("")})
+	defer c.events.Shutdown()
+	go c.vms.RunWithContext(ctx)
+	go c.vmis.RunWithContext(ctx)
+	go c.dvs.RunWithContext(ctx)
+	if !cache.WaitForCacheSync(ctx.Done(), c.vms.HasSynced, c.vmis.HasSynced, c.dvs.HasSynced) {
+		return ctx.Err()
+	}
+	c.cfg.Log.Info("vm controller started")
+	var wg sync.WaitGroup
+	for i := 0; i < c.cfg.Workers; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			wait.UntilWithContext(ctx, func(ctx context.Context) {
+				for c.processNext(ctx) {
+				}
+			}, time.Second)
+		}()
+	}
+	wg.Wait()
+	return nil
+}
+
+func (c *Controller) processNext(ctx context.Context) bool {
+	key, quit := c.queue.Get()
+	if quit {
+		return false
+	}
+	defer c.queue.Done(key)
+	after, err := c.Sync(ctx, key)
+	switch {
+	case err != nil:
+		c.cfg.Log.Warn("sync vm", "vm", key, "err", err)
+		c.queue.AddRateLimited(key)
+	default:
+		c.queue.Forget(key)
+		if after > 0 {
+			c.queue.AddAfter(key, after)
+		}
+	}
+	return true
+}
+
+// Sync reconciles the VM named key ("namespace/name") and returns when it
+// wants to be looked at again (0: on the next change).
+func (c *Controller) Sync(ctx context.Context, key string) (time.Duration, error) {
+	ns, name, err := cache.SplitMetaNamespaceKey(key)
+	if err != nil {
+		return 0, nil
+	}
+	obj, ok, err := c.vms.GetStore().GetByKey(key)
+	if err != nil || !ok {
+		return 0, err // gone: the garbage collector removes what it owned
+	}
+	vm := obj.(*kubevirtv1.VirtualMachine).DeepCopy()
+	log := c.cfg.Log.With("namespace", ns, "name", name)
+
+	var vmi *kubevirtv1.VirtualMachineInstance
+	if o, ok, _ := c.vmis.GetStore().GetByKey(key); ok {
+		vmi = o.(*kubevirtv1.VirtualMachineInstance)
+		if ref := metav1.GetControllerOf(vmi); ref == nil || ref.UID != vm.UID {
+			if ref != nil || vm.DeletionTimestamp != nil {
+				vmi = nil // someone else's, or an orphan of an earlier VM of that name
+			}
+		}
+	}
+	st := &state{vm: vm, vmi: vmi, rs: runStrategy(vm)}
+
+	if vm.DeletionTimestamp != nil {
+		if vmi != nil && vmi.DeletionTimestamp == nil {
+			c.deleteVMI(ctx, vm, vmi, "the virtual machine is being deleted")
+		}
+		return 0, c.writeStatus(ctx, st)
+	}
+	if vm.Spec.Template == nil {
+		return 0, nil
+	}
+	if changed, err := c.ensureRevisions(ctx, vm); err != nil {
+		st.failure = fmt.Errorf("failed to store instance type or preference: %w", err)
+		return 0, errors.Join(err, c.writeStatus(ctx, st))
+	} else if changed {
+		return 0, nil // the update brings us back
+	}
+	if err := c.ensureDataVolumes(ctx, st); err != nil {
+		st.failure = err
+		return 0, errors.Join(err, c.writeStatus(ctx, st))
+	}
+	after, err := c.runStrategy(ctx, st, log)
+	if err != nil {
+		st.failure = err
+	}
+	var perm permanent
+	if errors.As(err, &perm) {
+		err = nil
+	}
+	return after, errors.Join(err, c.writeStatus(ctx, st))
+}
+
+// state is what one sync learns and decides about a VM.
+type state struct {
+	vm       *kubevirtv1.VirtualMachine
+	vmi      *kubevirtv1.VirtualMachineInstance
+	rs       kubevirtv1.VirtualMachineRunStrategy
+	dvsReady bool   // every DataVolume is usable (or waits for its first consumer)
+	dvFailed string // a DataVolume failed
+	// wantsStart: the VM should run but has no VMI yet (waiting for volumes
+	// or back-off).
+	wantsStart bool
+	backoff    bool
+	created    bool // a VMI was created in this sync
+	deleted    bool // the VMI was deleted in this sync
+	failure    error
+	popped     int // state-change requests handled
+}
+
+func runStrategy(vm *kubevirtv1.VirtualMachine) kubevirtv1.VirtualMachineRunStrategy {
+	if vm.Spec.RunStrategy != nil {
+		return *vm.Spec.RunStrategy
+	}
+	if vm.Spec.Running != nil && *vm.Spec.Running {
+		return kubevirtv1.RunStrategyAlways
+	}
+	return kubevirtv1.RunStrategyHalted
+}
+
+// ensureDataVolumes creates the VM's dataVolumeTemplates as DataVolumes
+// it controls and records whether they are ready.
+func (c *Controller) ensureDataVolumes(ctx context.Context, st *state) error {
+	vm := st.vm
+	st.dvsReady = true
+	for _, t := range vm.Spec.DataVolumeTemplates {
+		key := vm.Namespace + "/" + t.Name
+		obj, ok, _ := c.dvs.GetStore().GetByKey(key)
+		if !ok {
+			dv := &cdiv1.DataVolume{
+				ObjectMeta: metav1.ObjectMeta{Name: t.Name, Namespace: vm.Namespace, Labels: t.Labels, Annotations: t.Annotations,
+					OwnerReferences: []metav1.OwnerReference{*metav1.NewControllerRef(vm, kubevirtv1.VirtualMachineGroupVersionKind)}},
+				Spec: *t.Spec.DeepCopy(),
+			}
+			if _, err := c.cfg.Virt.DataVolumes.Create(ctx, dv); err != nil && !apierrors.IsAlreadyExists(err) {
+				c.recorder.Eventf(vm, corev1.EventTypeWarning, "FailedDataVolumeCreate", "Error creating DataVolume %s: %v", t.Name, err)
+				return fmt.Errorf("create datavolume %s: %w", t.Name, err)
+			}
+			c.recorder.Eventf(vm, corev1.EventTypeNormal, "SuccessfulDataVolumeCreate", "Created DataVolume %s", t.Name)
+			st.dvsReady = false
+			continue
+		}
+		dv := obj.(*cdiv1.DataVolume)
+		if ref := metav1.GetControllerOf(dv); ref == nil || ref.UID != vm.UID {
+			return fmt.Errorf("datavolume %s exists and is not controlled by this virtual machine", t.Name)
+		}
+		switch dv.Status.Phase {
+		case cdiv1.Succeeded, cdiv1.WaitForFirstConsumer, cdiv1.PendingPopulation:
+		case cdiv1.Failed:
+			st.dvFailed = fmt.Sprintf("datavolume %s failed", t.Name)
+			st.dvsReady = false
+		default:
+			st.dvsReady = false
+		}
+	}
+	return nil
+}
