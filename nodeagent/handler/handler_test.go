@@ -83,10 +83,10 @@ func qemuPID(t *testing.T, vmi *v1.VirtualMachineInstance) int {
 // restart around the running guest, a second console, graceful delete.
 func TestGuestLifecycle(t *testing.T) {
 	t.Parallel()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
 	defer cancel()
 	n := newNode(t)
-	n.bootVolume(ctx, "boot")
+	diskSize := n.bootVolume(ctx, "boot")
 	n.bridgeNetwork(ctx, "br")
 	if _, err := n.kube.CoreV1().Secrets(n.ns).Create(ctx, &k8sv1.Secret{
 		ObjectMeta: metav1.ObjectMeta{Name: "seed", Namespace: n.ns},
@@ -155,10 +155,10 @@ func TestGuestLifecycle(t *testing.T) {
 	})
 	log.expectLine(t, "NODEVIRT-GUEST-BOOTED", true, bootTimeout)
 	t.Logf("create → guest booted in %v", time.Since(start).Round(time.Millisecond))
-	log.expectLine(t, "NODEVIRT-NIC eth0 "+testMAC, true, 10*time.Second)
-	log.expectLine(t, fmt.Sprintf("NODEVIRT-DISK vda %d", 128<<20), true, 10*time.Second)
-	log.expectLine(t, "from-secret-42", true, 30*time.Second)
-	log.expectLine(t, "NODEVIRT-GUEST-READY", true, 30*time.Second)
+	log.expectLine(t, "NODEVIRT-NIC eth0 "+testMAC, true, 60*time.Second)
+	log.expectLine(t, fmt.Sprintf("NODEVIRT-DISK vda %d", diskSize), true, 60*time.Second)
+	log.expectLine(t, "from-secret-42", true, 60*time.Second)
+	log.expectLine(t, "NODEVIRT-GUEST-READY", true, 60*time.Second)
 	if _, err := conn.Write([]byte("echo hello\n")); err != nil {
 		t.Fatal(err)
 	}

@@ -168,8 +168,9 @@ func (n *node) consoleClient(h *Handler) *console.Client {
 }
 
 // bootVolume makes a CSI volume holding a copy of the test guest's boot
-// disk, and a PV and a bound PVC named claim for it.
-func (n *node) bootVolume(ctx context.Context, claim string) {
+// disk, and a PV and a bound PVC named claim for it. It returns the disk's
+// size.
+func (n *node) bootVolume(ctx context.Context, claim string) int64 {
 	t := n.t
 	t.Helper()
 	boot, err := guest.BootDisk(ctx, guest.DiskSpec{})
@@ -236,6 +237,11 @@ func (n *node) bootVolume(ctx context.Context, claim string) {
 	if _, err := n.kube.CoreV1().PersistentVolumeClaims(n.ns).Create(ctx, pvc, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
+	st, err := os.Stat(disk)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st.Size()
 }
 
 // bridgeNetwork creates the NetworkAttachmentDefinition name on the node's
