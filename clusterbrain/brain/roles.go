@@ -4,13 +4,17 @@ import (
 	"cmp"
 	"os"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/admission"
 	"github.com/nodevirt/nodevirt/clusterbrain/clidownload"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume"
 	"github.com/nodevirt/nodevirt/clusterbrain/hco"
 	"github.com/nodevirt/nodevirt/clusterbrain/instancetypes"
+	"github.com/nodevirt/nodevirt/clusterbrain/macpool"
 	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
+	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
 	"github.com/nodevirt/nodevirt/clusterbrain/upload"
+	"github.com/nodevirt/nodevirt/clusterbrain/vmcontroller"
 )
 
 // everyBrainRoles run on every brain replica: they serve requests
@@ -28,6 +32,9 @@ var everyBrainRoles = []RoleFactory{
 	func(d *Deps) (Role, error) {
 		return metrics.NewBrainServer(cmp.Or(os.Getenv("NODEVIRT_METRICS_ADDR"), ":8484"), d.Virt, d.Log.With("role", "metrics")), nil
 	},
+	func(d *Deps) (Role, error) {
+		return admission.NewRole(admission.Config{Addr: cmp.Or(os.Getenv("NODEVIRT_WEBHOOK_ADDR"), "127.0.0.1:8444"), Namespace: d.Config.Namespace}, admission.Deps{Kube: d.Kube, Virt: d.Virt, Log: d.Log}, macpool.Register(macpool.Config{RestConfig: d.RestConfig, Namespace: d.Config.Namespace}))
+	},
 }
 
 // leaderRoles run only on the elected brain: controllers that write.
@@ -40,5 +47,14 @@ var leaderRoles = []RoleFactory{
 	},
 	func(d *Deps) (Role, error) {
 		return instancetypes.New(instancetypes.Config{Virt: d.Virt, Namespace: d.Config.Namespace, Log: d.Log.With("role", "common-instancetypes")})
+	},
+	func(d *Deps) (Role, error) {
+		return vmcontroller.New(vmcontroller.Config{Kube: d.Kube, Virt: d.Virt, Log: d.Log.With("role", "vm-controller")})
+	},
+	func(d *Deps) (Role, error) {
+		return scheduler.New(scheduler.Config{Kube: d.Kube, Virt: d.Virt, Log: d.Log.With("role", "scheduler")})
+	},
+	func(d *Deps) (Role, error) {
+		return macpool.NewReconciler(macpool.Config{RestConfig: d.RestConfig, Virt: d.Virt, Namespace: d.Config.Namespace, Log: d.Log.With("role", "macpool")})
 	},
 }
