@@ -4,8 +4,11 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
+	"net"
 	"net/http"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -524,5 +527,134 @@ func TestRBAC(t *testing.T) {
 	resp.Body.Close()
 	if resp.StatusCode != http.StatusUnauthorized {
 		t.Fatalf("direct call with forged headers: %d %s", resp.StatusCode, st.Message)
+	}
+}
+
+// syncBuffer is a bytes.Buffer safe for a writer and a polling reader.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestCLI drives nodevirt's virtctl verbs with a kubeconfig file, as a user
+// would.
+func TestCLI(t *testing.T) {
+	setup(t)
+	ctx := context.Background()
+	cp := controlplane.Shared(t)
+	ns := cp.Namespace(t)
+	newVM(t, ns, "cli", kubevirtv1.RunStrategyHalted)
+	virtctlRun := func(stdin io.Reader, args ...string) (string, string, int) {
+		var out, errb syncBuffer
+		if stdin == nil {
+			stdin = strings.NewReader("")
+		}
+		code := virtctl.Run(ctx, append([]string{"--kubeconfig", cp.Kubeconfig}, args...), virtctl.IO{In: stdin, Out: &out, Err: &errb})
+		return out.String(), errb.String(), code
+	}
+	if out, errs, code := virtctlRun(nil, "start", "cli", "-n", ns); code != 0 || !strings.Contains(out, "VM cli was scheduled to start") {
+		t.Fatalf("start: %d %q %q", code, out, errs)
+	}
+	newVMI(t, ns, "cli", kubevirtv1.Running, kubevirtv1.VirtualMachineInstanceAgentConnected)
+	if _, errs, code := virtctlRun(nil, "start", "cli", "-n", ns); code != 1 || !strings.Contains(errs, "VM is already running") {
+		t.Fatalf("second start: %d %q", code, errs)
+	}
+	if out, errs, code := virtctlRun(nil, "-n", ns, "pause", "vmi", "cli"); code != 0 || !strings.Contains(out, "VMI cli was scheduled to pause") {
+		t.Fatalf("pause: %d %q %q", code, out, errs)
+	}
+	if out, errs, code := virtctlRun(nil, "guestosinfo", "--namespace="+ns, "cli"); code != 0 || !strings.Contains(out, `"hostname": "cli.standin"`) {
+		t.Fatalf("guestosinfo: %d %q %q", code, out, errs)
+	}
+	if out, errs, code := virtctlRun(nil, "version"); code != 0 || !strings.Contains(out, "Server Version: {") {
+		t.Fatalf("version: %d %q %q", code, out, errs)
+	}
+	if out, errs, code := virtctlRun(nil, "stop", "cli", "-n", ns, "--force", "--grace-period", "0"); code != 0 || !strings.Contains(out, "scheduled to stop") {
+		t.Fatalf("stop --force: %d %q %q", code, out, errs)
+	}
+	vmi, _ := env.virt.VMIs.Get(ctx, ns, "cli")
+	if *vmi.Spec.TerminationGracePeriodSeconds != 0 {
+		t.Fatalf("stop --force --grace-period 0 left grace %d", *vmi.Spec.TerminationGracePeriodSeconds)
+	}
+
+	// console: type a command, read its output, leave with Ctrl+].
+	inR, inW := io.Pipe()
+	var out, errb syncBuffer
+	code := make(chan int, 1)
+	go func() {
+		code <- virtctl.Run(ctx, []string{"--kubeconfig", cp.Kubeconfig, "-n", ns, "console", "cli"}, virtctl.IO{In: inR, Out: &out, Err: &errb})
+	}()
+	waitFor(t, "console banner", func() bool { return strings.Contains(out.String(), "standin console ready") })
+	if !strings.Contains(errb.String(), "Successfully connected to cli console") {
+		t.Fatalf("console banner: %q", errb.String())
+	}
+	_, _ = inW.Write([]byte("echo cli-$((2+3))\n"))
+	waitFor(t, "command output", func() bool { return strings.Contains(out.String(), "cli-5") })
+	_, _ = inW.Write([]byte{29})
+	select {
+	case c := <-code:
+		if c != 0 {
+			t.Fatalf("console exit %d: %s", c, errb.String())
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("console did not end on Ctrl+]")
+	}
+}
+
+// TestCLIVNCProxyOnly runs "virtctl vnc --proxy-only" and speaks through the
+// printed port.
+func TestCLIVNCProxyOnly(t *testing.T) {
+	setup(t)
+	cp := controlplane.Shared(t)
+	ns := cp.Namespace(t)
+	newVMI(t, ns, "v", kubevirtv1.Running)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var out, errb syncBuffer
+	code := make(chan int, 1)
+	go func() {
+		code <- virtctl.Run(ctx, []string{"--kubeconfig", cp.Kubeconfig, "-n", ns, "vnc", "v", "--proxy-only"}, virtctl.IO{In: strings.NewReader(""), Out: &out, Err: &errb})
+	}()
+	waitFor(t, "proxy port", func() bool { return strings.Contains(out.String(), `{"port":`) })
+	var p struct{ Port int }
+	if err := json.Unmarshal([]byte(strings.TrimSpace(out.String())), &p); err != nil || p.Port == 0 {
+		t.Fatalf("proxy-only output %q: %v", out.String(), err)
+	}
+	conn, err := net.Dial("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(p.Port)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	readUntil(t, conn, "RFB 003.008", 10*time.Second)
+	cancel()
+	select {
+	case c := <-code:
+		if c != 0 {
+			t.Fatalf("vnc exit %d: %s", c, errb.String())
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("vnc proxy did not stop")
 	}
 }
