@@ -24,6 +24,11 @@ type StartOptions struct {
 // replaces its definition; a running domain picks the new one up at its next
 // start.
 func (m *Manager) Define(ctx context.Context, dom *libvirtxml.Domain) error {
+	return m.define(dom, func(*libvirt.Domain) error { return nil })
+}
+
+// define defines dom and runs then on it, over the same connection.
+func (m *Manager) define(dom *libvirtxml.Domain, then func(*libvirt.Domain) error) error {
 	doc, err := dom.Marshal()
 	if err != nil {
 		return fmt.Errorf("define %s: %w", dom.Name, err)
@@ -37,67 +42,80 @@ func (m *Manager) Define(ctx context.Context, dom *libvirtxml.Domain) error {
 	if err != nil {
 		return fmt.Errorf("define %s: %w", dom.Name, err)
 	}
-	return d.Free()
+	defer d.Free()
+	return then(d)
 }
 
 // Start starts a defined domain. Starting an active domain succeeds.
 func (m *Manager) Start(ctx context.Context, name string, opts StartOptions) error {
-	return m.withDomain(name, func(d *libvirt.Domain) error {
-		state, _, err := d.GetState()
-		if err != nil {
-			return wrapErr(name, err)
-		}
-		if State(state).Active() {
-			return nil
-		}
-		flags := libvirt.DOMAIN_NONE
-		if opts.Paused {
-			flags = libvirt.DOMAIN_START_PAUSED
-		}
-		if err := d.CreateWithFlags(flags); err != nil {
-			if libvirtCode(err) == libvirt.ERR_OPERATION_INVALID {
-				// Raced with another start: fine if it is up now.
-				if s, _, serr := d.GetState(); serr == nil && State(s).Active() {
-					return nil
-				}
-			}
-			return fmt.Errorf("start %s: %w", name, err)
-		}
-		if err := applyMemoryLimit(d); err != nil {
-			d.DestroyFlags(libvirt.DOMAIN_DESTROY_DEFAULT)
-			return fmt.Errorf("start %s: %w", name, err)
-		}
+	return m.withDomain(name, func(d *libvirt.Domain) error { return start(d, name, opts, nil) })
+}
+
+// Create defines dom and starts it.
+func (m *Manager) Create(ctx context.Context, dom *libvirtxml.Domain, opts StartOptions) error {
+	md, _, err := domain.MetadataOf(dom)
+	if err != nil {
+		return fmt.Errorf("create %s: %w", dom.Name, err)
+	}
+	return m.define(dom, func(d *libvirt.Domain) error { return start(d, dom.Name, opts, &md) })
+}
+
+// start starts d unless it is active; md is its nodevirt metadata when the
+// caller has it at hand (else it is read from the domain).
+func start(d *libvirt.Domain, name string, opts StartOptions, md *domain.Metadata) error {
+	state, _, err := d.GetState()
+	if err != nil {
+		return wrapErr(name, err)
+	}
+	if State(state).Active() {
 		return nil
-	})
+	}
+	flags := libvirt.DOMAIN_NONE
+	if opts.Paused {
+		flags = libvirt.DOMAIN_START_PAUSED
+	}
+	if err := d.CreateWithFlags(flags); err != nil {
+		if libvirtCode(err) == libvirt.ERR_OPERATION_INVALID {
+			// Raced with another start: fine if it is up now.
+			if s, _, serr := d.GetState(); serr == nil && State(s).Active() {
+				return nil
+			}
+		}
+		return fmt.Errorf("start %s: %w", name, err)
+	}
+	if err := applyMemoryLimit(d, md); err != nil {
+		d.DestroyFlags(libvirt.DOMAIN_DESTROY_DEFAULT)
+		return fmt.Errorf("start %s: %w", name, err)
+	}
+	return nil
 }
 
 // applyMemoryLimit sets the memory hard limit from nodevirt's metadata on
-// the running domain's cgroup (see domain.Metadata.MemoryHardLimitKiB).
-func applyMemoryLimit(d *libvirt.Domain) error {
-	doc, err := d.GetMetadata(libvirt.DOMAIN_METADATA_ELEMENT, domain.MetadataNamespace, libvirt.DOMAIN_AFFECT_LIVE)
-	if libvirtCode(err) == libvirt.ERR_NO_DOMAIN_METADATA {
+// the running domain's cgroup (see domain.Metadata.MemoryHardLimitKiB). md
+// is read from the domain when nil.
+func applyMemoryLimit(d *libvirt.Domain, md *domain.Metadata) error {
+	if md == nil {
+		doc, err := d.GetMetadata(libvirt.DOMAIN_METADATA_ELEMENT, domain.MetadataNamespace, libvirt.DOMAIN_AFFECT_LIVE)
+		if libvirtCode(err) == libvirt.ERR_NO_DOMAIN_METADATA {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("read metadata: %w", err)
+		}
+		parsed, _, err := domain.ParseMetadata(doc)
+		if err != nil {
+			return err
+		}
+		md = &parsed
+	}
+	if md.MemoryHardLimitKiB == 0 {
 		return nil
-	}
-	if err != nil {
-		return fmt.Errorf("read metadata: %w", err)
-	}
-	md, ok, err := domain.ParseMetadata(doc)
-	if err != nil || !ok || md.MemoryHardLimitKiB == 0 {
-		return err
 	}
 	params := &libvirt.DomainMemoryParameters{HardLimitSet: true, HardLimit: md.MemoryHardLimitKiB}
 	if err := d.SetMemoryParameters(params, libvirt.DOMAIN_AFFECT_LIVE); err != nil {
 		return fmt.Errorf("set memory hard limit %d KiB: %w", md.MemoryHardLimitKiB, err)
 	}
 	return nil
-}
-
-// Create defines dom and starts it.
-func (m *Manager) Create(ctx context.Context, dom *libvirtxml.Domain, opts StartOptions) error {
-	if err := m.Define(ctx, dom); err != nil {
-		return err
-	}
-	return m.Start(ctx, dom.Name, opts)
 }
 
 // Shutdown stops a domain gracefully: it presses the ACPI power button, again

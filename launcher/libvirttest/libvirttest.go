@@ -40,11 +40,17 @@ var (
 // daemon can be had.
 func Ensure(t testing.TB) string {
 	t.Helper()
-	once.Do(func() { onceErr = ensure() })
-	if onceErr != nil {
-		t.Fatalf("libvirtd: %v", onceErr)
+	if err := Start(); err != nil {
+		t.Fatalf("libvirtd: %v", err)
 	}
 	return URI
+}
+
+// Start is Ensure for programs (benchmarks): it makes sure libvirtd and
+// virtlogd run, starting them when needed, and returns why not.
+func Start() error {
+	once.Do(func() { onceErr = ensure() })
+	return onceErr
 }
 
 func answers(socket string) bool {
