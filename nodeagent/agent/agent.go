@@ -20,6 +20,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/daemon"
 	"github.com/nodevirt/nodevirt/csi"
+	"github.com/nodevirt/nodevirt/nodeagent/console"
 	"github.com/nodevirt/nodevirt/nodeagent/kvm"
 	"github.com/nodevirt/nodevirt/nodeagent/node"
 )
@@ -48,7 +49,10 @@ type Config struct {
 	CSISocket string
 	// Pools maps storage pool names to directories.
 	Pools map[string]string
-	Log   *slog.Logger
+	// Console is the mTLS console/VNC/control server the brain calls;
+	// none when Console.Addr is empty.
+	Console console.Config
+	Log     *slog.Logger
 }
 
 func (c *Config) defaults() {

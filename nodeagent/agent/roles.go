@@ -1,8 +1,13 @@
 package agent
 
+import "github.com/nodevirt/nodevirt/nodeagent/handler"
+
 // nodeRoles are the node agent's jobs, each in its own package.
 var nodeRoles = []RoleFactory{
 	newCSIRole,
 	newProvisionerRole,
 	newBridgeMarkerRole,
+	func(d *Deps) (Role, error) {
+		return handler.New(handler.Config{NodeName: d.Config.NodeName, StateDir: d.Config.StateDir + "/vms", LibvirtURI: d.Config.LibvirtURI, Emulation: d.Emulation, Kube: d.Kube, Virt: d.Virt, Volumes: d.Volumes, Console: d.Config.Console, Log: d.Log})
+	},
 }

@@ -14,7 +14,7 @@ import (
 
 func main() {
 	var cfg agent.Config
-	var pools string
+	var pools, consoleClients string
 	flag.StringVar(&cfg.Kubeconfig, "kubeconfig", os.Getenv("KUBECONFIG"), "kubeconfig path")
 	flag.StringVar(&cfg.NodeName, "node-name", "", "node name (default: host name)")
 	flag.StringVar(&cfg.StateDir, "state-dir", "/var/lib/nodevirt", "state directory")
@@ -23,7 +23,15 @@ func main() {
 	flag.StringVar(&cfg.LibvirtURI, "libvirt-uri", "qemu:///system", "libvirt connection URI")
 	flag.StringVar(&cfg.CSISocket, "csi-socket", "/var/lib/kubelet/plugins/kubevirt.io.hostpath-provisioner/csi.sock", "CSI driver socket")
 	flag.StringVar(&pools, "pools", "", "storage pools as name=path,name=path (default: local=<state-dir>/pools/local)")
+	flag.StringVar(&cfg.Console.Addr, "console-addr", "", "listen address of the mTLS console/VNC/control server for the brain (empty: none)")
+	flag.StringVar(&cfg.Console.CertFile, "console-cert", "", "console server certificate (PEM)")
+	flag.StringVar(&cfg.Console.KeyFile, "console-key", "", "console server key (PEM)")
+	flag.StringVar(&cfg.Console.ClientCAFile, "console-client-ca", "", "CA bundle that client (brain) certificates must chain to")
+	flag.StringVar(&consoleClients, "console-allowed-clients", "", "comma-separated client certificate names allowed (empty: any the CA signed)")
 	flag.Parse()
+	if consoleClients != "" {
+		cfg.Console.AllowedClients = strings.Split(consoleClients, ",")
+	}
 	cfg.Log = slog.New(slog.NewTextHandler(os.Stderr, nil))
 	if pools != "" {
 		cfg.Pools = map[string]string{}
