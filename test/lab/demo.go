@@ -4,12 +4,14 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"time"
 
 	nadv1 "github.com/k8snetworkplumbingwg/network-attachment-definition-client/pkg/apis/k8s.cni.cncf.io/v1"
@@ -17,12 +19,14 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 	"sigs.k8s.io/yaml"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/virtctl"
 	"github.com/nodevirt/nodevirt/test/guest"
 )
 
@@ -107,7 +111,7 @@ func Demo(ctx context.Context, cfg Config) error {
 	fmt.Fprintf(cfg.Out, "    running on node %s, NIC MAC %s\n", vmi.Status.NodeName, mac)
 
 	step(cfg.Out, "console of "+demoVM)
-	if err := showConsole(ctx, cfg, mac); err != nil {
+	if err := showConsole(ctx, cfg, rc, mac); err != nil {
 		return fmt.Errorf("step console: %w", err)
 	}
 	fmt.Fprintf(cfg.Out, "\nThe demo VM runs. Go further:\n"+
@@ -327,8 +331,119 @@ func vmiReason(vmi *kubevirtv1.VirtualMachineInstance) string {
 }
 
 // showConsole types commands on the VM's serial console through the
-// subresource API, as `virtctl console` does, and shows the answers: the boot
-// marker, the NIC's MAC and the disk.
-func showConsole(ctx context.Context, cfg Config, mac string) error {
-	return fmt.Errorf("console streaming is not wired into the demo yet; use %s/virtctl console %s -n %s", cfg.BinDir, demoVM, demoNamespace)
+// subresource API, exactly as `virtctl console` reaches it (kube-apiserver →
+// brain → node agent), and shows the answers: the kernel that booted, the
+// NIC with its pooled MAC and the imported disk.
+func showConsole(ctx context.Context, cfg Config, rc *rest.Config, mac string) error {
+	c, err := virtctl.NewClient(rc, demoNamespace)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	defer cancel()
+	stream, err := c.Stream(ctx, demoVM, "console", nil)
+	if err != nil {
+		return fmt.Errorf("open console of %s/%s: %w", demoNamespace, demoVM, err)
+	}
+	defer stream.Close()
+	con := newConsoleReader(stream)
+	// The guest may still be booting: poke until its shell prompt answers.
+	for !con.waitFor(ctx, guestPrompt, 3*time.Second) {
+		if ctx.Err() != nil {
+			return fmt.Errorf("no shell prompt on the console of %s/%s: %q", demoNamespace, demoVM, con.tail())
+		}
+		if _, err := stream.Write([]byte("\n")); err != nil {
+			return err
+		}
+	}
+	for _, cmd := range []string{
+		"echo booted: $(uname -sr), up $(cut -d' ' -f1 /proc/uptime)s",
+		"echo nic: eth0 $(cat /sys/class/net/eth0/address)",
+		"echo disk: vda $(( $(cat /sys/block/vda/size) * 512 )) bytes",
+	} {
+		mark := con.len()
+		if _, err := stream.Write([]byte(cmd + "\n")); err != nil {
+			return err
+		}
+		if !con.waitFor(ctx, guestPrompt, 20*time.Second) {
+			return fmt.Errorf("console of %s/%s did not answer %q", demoNamespace, demoVM, cmd)
+		}
+		for _, line := range con.linesSince(mark) {
+			if strings.HasPrefix(line, "booted:") || strings.HasPrefix(line, "nic:") || strings.HasPrefix(line, "disk:") {
+				fmt.Fprintf(cfg.Out, "    console| %s\n", line)
+				if strings.HasPrefix(line, "nic:") && mac != "" && !strings.Contains(line, strings.ToLower(mac)) {
+					return fmt.Errorf("guest NIC shows %q, the VMI says %s", line, mac)
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// guestPrompt is the test guest's shell prompt (see test/guest).
+const guestPrompt = "nodevirt# "
+
+// consoleReader collects a console stream's output for line-based waits.
+type consoleReader struct {
+	mu  sync.Mutex
+	buf strings.Builder
+}
+
+func newConsoleReader(r io.Reader) *consoleReader {
+	c := &consoleReader{}
+	go func() {
+		b := make([]byte, 4096)
+		for {
+			n, err := r.Read(b)
+			c.mu.Lock()
+			c.buf.Write(b[:n])
+			c.mu.Unlock()
+			if err != nil {
+				return
+			}
+		}
+	}()
+	return c
+}
+
+func (c *consoleReader) len() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.buf.Len()
+}
+
+func (c *consoleReader) since(mark int) string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.buf.String()[mark:]
+}
+
+func (c *consoleReader) linesSince(mark int) []string {
+	var out []string
+	for _, l := range strings.Split(c.since(mark), "\n") {
+		out = append(out, strings.TrimSpace(strings.TrimPrefix(strings.TrimSpace(l), guestPrompt)))
+	}
+	return out
+}
+
+func (c *consoleReader) tail() string {
+	s := c.since(0)
+	if len(s) > 300 {
+		s = s[len(s)-300:]
+	}
+	return s
+}
+
+// waitFor reports whether text appears in output arriving from now on
+// within d.
+func (c *consoleReader) waitFor(ctx context.Context, text string, d time.Duration) bool {
+	mark := c.len()
+	deadline := time.Now().Add(d)
+	for time.Now().Before(deadline) && ctx.Err() == nil {
+		if strings.Contains(c.since(mark), text) {
+			return true
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	return false
 }
