@@ -3,7 +3,6 @@ package dvimport_test
 import (
 	"context"
 	"fmt"
-	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
@@ -17,7 +16,6 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -188,6 +186,7 @@ func serveImages(t *testing.T) *images {
 }
 
 func TestHTTPImportFillsVolumeWithTheImage(t *testing.T) {
+	t.Parallel()
 	e := setup(t)
 	im := serveImages(t)
 	sum := dvimporttest.SHA256(t, im.raw)
@@ -246,6 +245,7 @@ func waitEvent(t *testing.T, e env, name, reason string) {
 }
 
 func TestWaitForFirstConsumerUntilANodeIsSelected(t *testing.T) {
+	t.Parallel()
 	e := setup(t)
 	im := serveImages(t)
 	e.create(t, newDV(e.ns, "wffc", "64Mi", cdiv1.DataVolumeSource{HTTP: &cdiv1.DataVolumeSourceHTTP{URL: im.srv.URL + "/disk.qcow2"}}, false))
@@ -267,10 +267,10 @@ func TestWaitForFirstConsumerUntilANodeIsSelected(t *testing.T) {
 }
 
 func TestBadSourcesFailWithReasons(t *testing.T) {
+	t.Parallel()
 	e := setup(t)
 	im := serveImages(t)
-	big := dvimporttest.MakeImage(t, im.dir, "big.raw", 40<<20, 3)
-	_ = big
+	dvimporttest.MakeImage(t, im.dir, "big.raw", 40<<20, 3)
 	garbage := filepath.Join(im.dir, "garbage.qcow2")
 	data, _ := os.ReadFile(im.qcow2)
 	if err := os.WriteFile(garbage, data[:len(data)/2], 0o644); err != nil {
@@ -310,6 +310,7 @@ func TestBadSourcesFailWithReasons(t *testing.T) {
 }
 
 func TestTransientFailuresRestartAndCount(t *testing.T) {
+	t.Parallel()
 	e := setup(t)
 	im := serveImages(t)
 	var calls atomic.Int32
@@ -344,6 +345,7 @@ func TestTransientFailuresRestartAndCount(t *testing.T) {
 var progressRE = regexp.MustCompile(`^\d{1,3}\.\d{2}%$`)
 
 func TestProgressAndDeletionCancelsImport(t *testing.T) {
+	t.Parallel()
 	e := setup(t)
 	im := serveImages(t)
 	image, err := os.ReadFile(im.raw)
@@ -401,6 +403,7 @@ func TestProgressAndDeletionCancelsImport(t *testing.T) {
 }
 
 func TestBlankAndSameNodeClone(t *testing.T) {
+	t.Parallel()
 	e := setup(t)
 	im := serveImages(t)
 	e.create(t, newDV(e.ns, "blank", "16Mi", cdiv1.DataVolumeSource{Blank: &cdiv1.DataVolumeBlankImage{}}, true))
@@ -448,9 +451,15 @@ func allZero(b []byte) bool {
 
 // The node side ignores claims of other nodes.
 func TestOtherNodesVolumesAreLeftAlone(t *testing.T) {
+	t.Parallel()
 	e := setup(t)
 	im := serveImages(t)
-	dvimporttest.CreateNode(t, e.kube, "node-b")
+	// node-b takes no placements of the brain, so that the parallel tests
+	// keep landing on node-a.
+	nb := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-b"}, Spec: corev1.NodeSpec{Unschedulable: true}}
+	if _, err := e.kube.CoreV1().Nodes().Create(context.Background(), nb, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
 	e.create(t, newDV(e.ns, "elsewhere", "64Mi", cdiv1.DataVolumeSource{HTTP: &cdiv1.DataVolumeSourceHTTP{URL: im.srv.URL + "/disk.raw"}}, false))
 	e.waitPhase(t, "elsewhere", cdiv1.WaitForFirstConsumer, 20*time.Second)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -473,6 +482,3 @@ func TestOtherNodesVolumesAreLeftAlone(t *testing.T) {
 		t.Errorf("node-a wrote node-b's volume: %v", err)
 	}
 }
-
-var _ = apierrors.IsNotFound
-var _ = io.EOF

@@ -10,6 +10,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"fmt"
 	"io"
 	"math/rand"
 	"os"
@@ -20,6 +21,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
@@ -76,7 +78,12 @@ func Provision(ctx context.Context, t testing.TB, kube kubernetes.Interface, nam
 				pv := PV(&pvc, node)
 				if _, err := kube.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) && ctx.Err() == nil {
 					t.Logf("provision %s/%s: %v", pvc.Namespace, pvc.Name, err)
+					continue
 				}
+				// Naming the volume on the claim makes the controller-manager
+				// bind at once instead of at its next periodic claim sync.
+				patch := fmt.Sprintf(`{"spec":{"volumeName":%q}}`, pv.Name)
+				_, _ = kube.CoreV1().PersistentVolumeClaims(pvc.Namespace).Patch(ctx, pvc.Name, types.MergePatchType, []byte(patch), metav1.PatchOptions{})
 			}
 		}
 	}()
