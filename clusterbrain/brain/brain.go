@@ -37,6 +37,21 @@ type Config struct {
 	Identity string
 	// HealthAddr serves /healthz and /readyz.
 	HealthAddr string
+	// WebhookAddr serves the admission webhooks (the API server calls it by
+	// URL, so loopback suffices on a single machine).
+	WebhookAddr string
+	// SubresourcesAddr serves subresources.kubevirt.io to the aggregator;
+	// it must be reachable on a non-loopback address of this host.
+	SubresourcesAddr string
+	// UploadAPIAddr serves upload.cdi.kubevirt.io to the aggregator.
+	UploadAPIAddr string
+	// UploadProxyAddr is the upload proxy virtctl image-upload talks to.
+	UploadProxyAddr string
+	// MetricsAddr serves /metrics.
+	MetricsAddr string
+	// CLIDownloadAddr serves the virtctl downloads from VirtctlDir.
+	CLIDownloadAddr string
+	VirtctlDir      string
 	// LeaseDuration bounds how long a dead leader holds the lease.
 	LeaseDuration time.Duration
 	// Log receives structured logs.
@@ -51,8 +66,17 @@ func (c *Config) defaults() {
 		host, _ := os.Hostname()
 		c.Identity = fmt.Sprintf("%s-%d", host, os.Getpid())
 	}
-	if c.HealthAddr == "" {
-		c.HealthAddr = "127.0.0.1:8480"
+	for _, d := range []struct {
+		addr *string
+		def  string
+	}{
+		{&c.HealthAddr, "127.0.0.1:8480"}, {&c.WebhookAddr, "127.0.0.1:8443"}, {&c.SubresourcesAddr, ":8444"},
+		{&c.UploadAPIAddr, ":8445"}, {&c.UploadProxyAddr, ":8446"}, {&c.MetricsAddr, ":8484"},
+		{&c.CLIDownloadAddr, ":8482"}, {&c.VirtctlDir, "/usr/local/share/nodevirt/virtctl"},
+	} {
+		if *d.addr == "" {
+			*d.addr = d.def
+		}
 	}
 	if c.LeaseDuration == 0 {
 		c.LeaseDuration = 10 * time.Second

@@ -28,7 +28,9 @@ func TestKilledLeaderHandsOver(t *testing.T) {
 	}
 	ns := cp.Namespace(t)
 	start := func(id string) *exec.Cmd {
-		cmd := exec.Command(bin, "--kubeconfig="+cp.Kubeconfig, "--namespace="+ns, "--identity="+id, "--health-addr=127.0.0.1:0")
+		cmd := exec.Command(bin, "--kubeconfig="+cp.Kubeconfig, "--namespace="+ns, "--identity="+id,
+			"--health-addr=127.0.0.1:0", "--webhook-addr=127.0.0.1:0", "--subresources-addr=:0", "--upload-api-addr=:0",
+			"--uploadproxy-addr=:0", "--metrics-addr=127.0.0.1:0", "--cli-download-addr=127.0.0.1:0")
 		logf, err := os.Create(filepath.Join(dir, id+".log"))
 		if err != nil {
 			t.Fatal(err)

@@ -1,9 +1,6 @@
 package brain
 
 import (
-	"cmp"
-	"os"
-
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
 	"github.com/nodevirt/nodevirt/clusterbrain/clidownload"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume"
@@ -21,19 +18,19 @@ import (
 // (admission webhooks, aggregated APIs, downloads) and hold no exclusive state.
 var everyBrainRoles = []RoleFactory{
 	func(d *Deps) (Role, error) {
-		return clidownload.New(clidownload.Config{Dir: cmp.Or(os.Getenv("NODEVIRT_VIRTCTL_DIR"), clidownload.DefaultDir), Addr: os.Getenv("NODEVIRT_CLI_DOWNLOAD_ADDR"), Log: d.Log.With("role", "cli-download")})
+		return clidownload.New(clidownload.Config{Dir: d.Config.VirtctlDir, Addr: d.Config.CLIDownloadAddr, Log: d.Log.With("role", "cli-download")})
 	},
 	func(d *Deps) (Role, error) {
-		return upload.New(upload.Config{Kube: d.Kube, Namespace: d.Config.Namespace, Log: d.Log})
+		return upload.New(upload.Config{Kube: d.Kube, Namespace: d.Config.Namespace, APIAddr: d.Config.UploadAPIAddr, ProxyAddr: d.Config.UploadProxyAddr, Log: d.Log})
 	},
 	func(d *Deps) (Role, error) {
-		return subresources.ForBrain(d.RestConfig, d.Kube, d.Virt, d.Config.Namespace, cmp.Or(os.Getenv("NODEVIRT_SUBRESOURCES_ADDR"), ":8443"), d.Log.With("role", "subresources"))
+		return subresources.ForBrain(d.RestConfig, d.Kube, d.Virt, d.Config.Namespace, d.Config.SubresourcesAddr, d.Log.With("role", "subresources"))
 	},
 	func(d *Deps) (Role, error) {
-		return metrics.NewBrainServer(cmp.Or(os.Getenv("NODEVIRT_METRICS_ADDR"), ":8484"), d.Virt, d.Log.With("role", "metrics")), nil
+		return metrics.NewBrainServer(d.Config.MetricsAddr, d.Virt, d.Log.With("role", "metrics")), nil
 	},
 	func(d *Deps) (Role, error) {
-		return admission.NewRole(admission.Config{Addr: cmp.Or(os.Getenv("NODEVIRT_WEBHOOK_ADDR"), "127.0.0.1:8444"), Namespace: d.Config.Namespace}, admission.Deps{Kube: d.Kube, Virt: d.Virt, Log: d.Log}, macpool.Register(macpool.Config{RestConfig: d.RestConfig, Namespace: d.Config.Namespace}))
+		return admission.NewRole(admission.Config{Addr: d.Config.WebhookAddr, Namespace: d.Config.Namespace}, admission.Deps{Kube: d.Kube, Virt: d.Virt, Log: d.Log}, macpool.Register(macpool.Config{RestConfig: d.RestConfig, Namespace: d.Config.Namespace}))
 	},
 }
 
