@@ -86,6 +86,24 @@ func (c *consoleLog) Expect(t *testing.T, text string, timeout time.Duration) st
 	}
 }
 
+// waitEnded waits until the stream ended and returns how.
+func (c *consoleLog) waitEnded(timeout time.Duration) error {
+	deadline := time.After(timeout)
+	for {
+		c.mu.Lock()
+		ch, err := c.changed, c.err
+		c.mu.Unlock()
+		if err != nil {
+			return err
+		}
+		select {
+		case <-ch:
+		case <-deadline:
+			return nil
+		}
+	}
+}
+
 func (c *consoleLog) String() string {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -229,6 +247,18 @@ func TestBootRealGuest(t *testing.T) {
 		t.Fatal(err)
 	}
 	log.Expect(t, "console-42-works", 20*time.Second)
+
+	// A second session takes the console over; the first one ends.
+	cons2, err := m.Console(ctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cons2.Close()
+	if err := log.waitEnded(10 * time.Second); err == nil {
+		t.Error("first console session ended without an error or EOF")
+	}
+	cons.Close()
+	log = readConsole(cons2)
 
 	// The domain outlives the Manager that made it: a new one adopts it.
 	pid := m.mustLookup(t, name).PID
