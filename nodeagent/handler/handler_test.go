@@ -286,20 +286,7 @@ func TestKilledQEMUFails(t *testing.T) {
 	n := newNode(t)
 	n.bootVolume(ctx, "base")
 	h, _ := n.handler(true)
-	vmi := &v1.VirtualMachineInstance{
-		ObjectMeta: metav1.ObjectMeta{Name: "victim"},
-		Spec: v1.VirtualMachineInstanceSpec{
-			Domain: v1.DomainSpec{
-				Resources: v1.ResourceRequirements{Requests: k8sv1.ResourceList{k8sv1.ResourceMemory: resource.MustParse("64Mi")}},
-				Devices: v1.Devices{
-					AutoattachGraphicsDevice: new(bool),
-					Disks: []v1.Disk{{Name: "root", DiskDevice: v1.DiskDevice{Disk: &v1.DiskTarget{Bus: v1.DiskBusVirtio}}}},
-				},
-			},
-			Volumes: []v1.Volume{{Name: "root", VolumeSource: v1.VolumeSource{Ephemeral: &v1.EphemeralVolumeSource{
-				PersistentVolumeClaim: &k8sv1.PersistentVolumeClaimVolumeSource{ClaimName: "base"}}}}},
-		},
-	}
+	vmi := ephemeralVMI("victim")
 	n.schedule(ctx, vmi)
 	running := n.waitVMI(ctx, "victim", startTimeout, "Running", func(v *v1.VirtualMachineInstance) bool {
 		return v.Status.Phase == v1.Running && v.Annotations[AnnotationQEMUPID] != ""
@@ -390,5 +377,82 @@ func TestRefusedSpecs(t *testing.T) {
 	}
 	if err := cc.Do(ctx, n.ns, "nothere", "pause"); !errors.Is(err, console.ErrNotFound) {
 		t.Errorf("pause of an unknown vmi: %v", err)
+	}
+}
+
+// ephemeralVMI boots an ephemeral overlay of the PVC base, without graphics.
+func ephemeralVMI(name string) *v1.VirtualMachineInstance {
+	return &v1.VirtualMachineInstance{
+		ObjectMeta: metav1.ObjectMeta{Name: name},
+		Spec: v1.VirtualMachineInstanceSpec{
+			Domain: v1.DomainSpec{
+				Resources: v1.ResourceRequirements{Requests: k8sv1.ResourceList{k8sv1.ResourceMemory: resource.MustParse("64Mi")}},
+				Devices: v1.Devices{
+					AutoattachGraphicsDevice: new(bool),
+					Disks:                    []v1.Disk{{Name: "root", DiskDevice: v1.DiskDevice{Disk: &v1.DiskTarget{Bus: v1.DiskBusVirtio}}}},
+				},
+			},
+			Volumes: []v1.Volume{{Name: "root", VolumeSource: v1.VolumeSource{Ephemeral: &v1.EphemeralVolumeSource{
+				PersistentVolumeClaim: &k8sv1.PersistentVolumeClaimVolumeSource{ClaimName: "base"}}}}},
+		},
+	}
+}
+
+// TestOrphanCleanedAfterRestart: a VMI removed (finalizer and all) while
+// the agent was down leaves a running domain; the restarted agent finds it
+// by its state and removes it. A domain the agent did not make is left
+// alone.
+func TestOrphanCleanedAfterRestart(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	n := newNode(t)
+	n.bootVolume(ctx, "base")
+	h, stop := n.handler(true)
+	n.schedule(ctx, ephemeralVMI("orphan"))
+	running := n.waitVMI(ctx, "orphan", startTimeout, "Running", func(v *v1.VirtualMachineInstance) bool {
+		return v.Status.Phase == v1.Running && v.Annotations[AnnotationQEMUPID] != ""
+	})
+	pid := qemuPID(t, running)
+	stop()
+
+	running.Finalizers = nil
+	if _, err := n.virt.VMIs.Update(ctx, running); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.virt.VMIs.Delete(ctx, n.ns, "orphan", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	n.waitVMI(ctx, "orphan", 30*time.Second, "gone", func(v *v1.VirtualMachineInstance) bool { return v == nil })
+	if err := syscall.Kill(pid, 0); err != nil {
+		t.Fatalf("qemu died while the agent was down: %v", err)
+	}
+
+	// Another node agent on the same libvirtd (no state for this domain)
+	// must not touch it.
+	other := *n
+	other.stateDir = reachableDir(t, "nodevirt-handler-other-")
+	other.name = n.name + "-other"
+	_, stopOther := other.handler(true)
+	time.Sleep(2 * time.Second)
+	stopOther()
+	if err := syscall.Kill(pid, 0); err != nil {
+		t.Fatalf("an agent without state for the domain killed it: %v", err)
+	}
+
+	n.handler(true)
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		_, err := n.lv.Lookup(ctx, n.ns+"_orphan")
+		if errors.Is(err, launcher.ErrNotFound) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("orphan domain still there after 60s: %v", err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	if _, err := os.Stat(h.vmDir(running.UID)); !os.IsNotExist(err) {
+		t.Errorf("state of the orphan: %v", err)
 	}
 }

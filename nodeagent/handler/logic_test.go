@@ -1,0 +1,140 @@
+package handler
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	k8sv1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	v1 "kubevirt.io/api/core/v1"
+
+	"github.com/nodevirt/nodevirt/launcher"
+	"github.com/nodevirt/nodevirt/launcher/domain"
+)
+
+func TestStoppedPhase(t *testing.T) {
+	h := &Handler{stopping: map[types.UID]bool{}}
+	running := &v1.VirtualMachineInstance{ObjectMeta: metav1.ObjectMeta{UID: "u1"}}
+	deleting := running.DeepCopy()
+	deleting.DeletionTimestamp = &metav1.Time{Time: time.Now()}
+	off := func(state launcher.State, reason string) launcher.DomainInfo {
+		return launcher.DomainInfo{State: state, Reason: reason}
+	}
+	for _, c := range []struct {
+		name   string
+		vmi    *v1.VirtualMachineInstance
+		info   launcher.DomainInfo
+		found  bool
+		phase  v1.VirtualMachineInstancePhase
+		reason string
+	}{
+		{"guest powered off", running, off(launcher.StateShutoff, "shutdown"), true, v1.Succeeded, ""},
+		{"qemu killed", running, off(launcher.StateShutoff, "crashed"), true, v1.Failed, ReasonQEMUCrashed},
+		{"qemu failed", running, off(launcher.StateShutoff, "failed"), true, v1.Failed, ReasonQEMUCrashed},
+		{"guest panic", running, off(launcher.StateCrashed, "panicked"), true, v1.Failed, ReasonGuestPanic},
+		{"virsh destroy", running, off(launcher.StateShutoff, "destroyed"), true, v1.Failed, ReasonDestroyed},
+		{"destroyed after grace", deleting, off(launcher.StateShutoff, "destroyed"), true, v1.Succeeded, ""},
+		{"domain gone", running, launcher.DomainInfo{}, false, v1.Failed, ReasonDomainLost},
+		{"domain gone while deleting", deleting, launcher.DomainInfo{}, false, v1.Succeeded, ""},
+		{"libvirtd lost the reason", running, off(launcher.StateShutoff, "unknown"), true, v1.Failed, ReasonStopped},
+	} {
+		phase, reason, msg := h.stoppedPhase(c.vmi, c.info, c.found)
+		if phase != c.phase || reason != c.reason || msg == "" {
+			t.Errorf("%s: %s %q %q, want %s %q", c.name, phase, reason, msg, c.phase, c.reason)
+		}
+	}
+	h.stopping["u1"] = true
+	if phase, _, _ := h.stoppedPhase(running, off(launcher.StateShutoff, "destroyed"), true); phase != v1.Succeeded {
+		t.Errorf("destroyed after a requested shutdown: %s", phase)
+	}
+}
+
+func TestRemainingGrace(t *testing.T) {
+	now := time.Now()
+	vmi := &v1.VirtualMachineInstance{}
+	if g := remainingGrace(vmi, now); g != DefaultGracePeriod {
+		t.Errorf("default grace %v", g)
+	}
+	vmi.Spec.TerminationGracePeriodSeconds = int64p(20)
+	vmi.DeletionTimestamp = &metav1.Time{Time: now.Add(-5 * time.Second)}
+	if g := remainingGrace(vmi, now); g != 15*time.Second {
+		t.Errorf("grace 20s deleted 5s ago: %v", g)
+	}
+	vmi.DeletionTimestamp = &metav1.Time{Time: now.Add(-time.Minute)}
+	if g := remainingGrace(vmi, now); g != 0 {
+		t.Errorf("grace long over: %v", g)
+	}
+}
+
+func TestTapName(t *testing.T) {
+	a, b := tapName("uid-1", "lan"), tapName("uid-1", "lan")
+	if a != b || len(a) > 15 {
+		t.Errorf("tap names %q %q (max 15 bytes, stable)", a, b)
+	}
+	if tapName("uid-1", "wan") == a || tapName("uid-2", "lan") == a {
+		t.Error("tap names collide")
+	}
+}
+
+func TestSetConditionKeepsTransitionTime(t *testing.T) {
+	vmi := &v1.VirtualMachineInstance{}
+	setCondition(vmi, v1.VirtualMachineInstanceReady, true, "", "")
+	first := conditionOf(vmi, v1.VirtualMachineInstanceReady).LastTransitionTime
+	first.Time = first.Add(-time.Hour)
+	conditionOf(vmi, v1.VirtualMachineInstanceReady).LastTransitionTime = first
+	setCondition(vmi, v1.VirtualMachineInstanceReady, true, "", "still")
+	if c := conditionOf(vmi, v1.VirtualMachineInstanceReady); !c.LastTransitionTime.Equal(&first) || c.Message != "still" {
+		t.Errorf("unchanged status moved the transition time: %+v", c)
+	}
+	setCondition(vmi, v1.VirtualMachineInstanceReady, false, "Paused", "")
+	if c := conditionOf(vmi, v1.VirtualMachineInstanceReady); c.LastTransitionTime.Equal(&first) || c.Status != k8sv1.ConditionFalse {
+		t.Errorf("status change kept the transition time: %+v", c)
+	}
+	setPhase(vmi, v1.Running)
+	setPhase(vmi, v1.Running)
+	if len(vmi.Status.PhaseTransitionTimestamps) != 1 {
+		t.Errorf("phase transitions %v", vmi.Status.PhaseTransitionTimestamps)
+	}
+}
+
+func TestPermanent(t *testing.T) {
+	for _, c := range []struct {
+		err  error
+		want bool
+	}{
+		{fmt.Errorf("convert: %w", &domain.FieldError{Path: "spec.x", Reason: "bad"}), true},
+		{fmt.Errorf("convert: %w", fmt.Errorf("gpus: %w", domain.ErrNotSupported)), true},
+		{fmt.Errorf("iface: %w", errPodNetwork), true},
+		{fmt.Errorf("%w: claim not bound", errWaiting), false},
+		{launcher.ErrDisconnected, false},
+	} {
+		if got := permanent(c.err); got != c.want {
+			t.Errorf("permanent(%v) = %v", c.err, got)
+		}
+	}
+}
+
+func TestHostDiskAndFormat(t *testing.T) {
+	dir := t.TempDir()
+	if p, block, err := hostDisk(dir); err != nil || block || p != filepath.Join(dir, DiskImageName) {
+		t.Errorf("directory volume: %q %v %v", p, block, err)
+	}
+	raw := filepath.Join(dir, "raw.img")
+	qcow := filepath.Join(dir, "q.img")
+	os.WriteFile(raw, make([]byte, 512), 0o644)
+	os.WriteFile(qcow, append([]byte{'Q', 'F', 'I', 0xfb}, make([]byte, 508)...), 0o644)
+	if f, err := imageFormat(raw); err != nil || f != domain.FormatRaw {
+		t.Errorf("raw: %s %v", f, err)
+	}
+	if f, err := imageFormat(qcow); err != nil || f != domain.FormatQcow2 {
+		t.Errorf("qcow2: %s %v", f, err)
+	}
+	if p, block, err := hostDisk("/dev/null"); err != nil || block || p != "/dev/null" {
+		// a character device is not a block disk
+		t.Errorf("/dev/null: %q %v %v", p, block, err)
+	}
+}
