@@ -1,0 +1,243 @@
+package podnet
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+
+	"github.com/vishvananda/netlink"
+
+	"github.com/nodevirt/nodevirt/cni/bridge"
+)
+
+// Ensure makes the node's pod network exist: the bridge up with the gateway
+// address, IPv4 forwarding, and the nftables table `inet nodevirt_podnet`
+// (masquerade of the subnet's traffic leaving the subnet, forward accept for
+// it). It is idempotent and repairs what has drifted. It refuses a subnet
+// that overlaps an address or route the node already has elsewhere.
+func (n *Network) Ensure(ctx context.Context) error {
+	if err := n.checkOverlap(); err != nil {
+		return err
+	}
+	br, err := n.ensureBridge()
+	if err != nil {
+		return err
+	}
+	if err := n.ensureForwarding(br.Attrs().Name); err != nil {
+		return err
+	}
+	if err := runNFT(ctx, n.nftScript()); err != nil {
+		return fmt.Errorf("podnet nftables table: %w", err)
+	}
+	n.log.Info("pod network ready", "gateway", n.gateway)
+	return nil
+}
+
+// checkOverlap refuses a subnet that collides with another link's address
+// or with a route through another link (a cluster's own pod network, a
+// VirtualBox NAT, ...): guests would shadow those hosts.
+func (n *Network) checkOverlap() error {
+	overlaps := func(o *net.IPNet) bool { return o.Contains(n.subnet.IP) || n.subnet.Contains(o.IP) }
+	own := 0
+	if l, err := netlink.LinkByName(n.bridge); err == nil {
+		own = l.Attrs().Index
+	}
+	addrs, err := netlink.AddrList(nil, netlink.FAMILY_V4)
+	if err != nil {
+		return fmt.Errorf("list addresses: %w", err)
+	}
+	for _, a := range addrs {
+		if a.LinkIndex != own && !a.IP.IsLoopback() && overlaps(a.IPNet) {
+			return fmt.Errorf("podnet cidr %s overlaps address %s on link %d: choose another subnet", n.subnet, a.IPNet, a.LinkIndex)
+		}
+	}
+	routes, err := netlink.RouteList(nil, netlink.FAMILY_V4)
+	if err != nil {
+		return fmt.Errorf("list routes: %w", err)
+	}
+	for _, r := range routes {
+		if r.Dst == nil || r.LinkIndex == own {
+			continue
+		}
+		if ones, _ := r.Dst.Mask.Size(); ones == 0 {
+			continue
+		}
+		if overlaps(r.Dst) {
+			return fmt.Errorf("podnet cidr %s overlaps route %s on link %d: choose another subnet", n.subnet, r.Dst, r.LinkIndex)
+		}
+	}
+	return nil
+}
+
+// ensureBridge creates the bridge when missing (with a fixed random MAC so
+// its address does not follow its ports), brings it up and gives it the
+// gateway address.
+func (n *Network) ensureBridge() (*netlink.Bridge, error) {
+	l, err := netlink.LinkByName(n.bridge)
+	var notFound netlink.LinkNotFoundError
+	switch {
+	case errors.As(err, &notFound):
+		mac := make(net.HardwareAddr, 6)
+		if _, err := rand.Read(mac); err != nil {
+			return nil, fmt.Errorf("bridge MAC: %w", err)
+		}
+		mac[0] = (mac[0] | 0x02) &^ 0x01
+		attrs := netlink.LinkAttrs{Name: n.bridge, MTU: n.mtu, TxQLen: -1, HardwareAddr: mac}
+		if err := netlink.LinkAdd(&netlink.Bridge{LinkAttrs: attrs}); err != nil && !errors.Is(err, syscall.EEXIST) {
+			return nil, fmt.Errorf("create bridge %s: %w", n.bridge, err)
+		}
+		if l, err = netlink.LinkByName(n.bridge); err != nil {
+			return nil, fmt.Errorf("look up bridge %s: %w", n.bridge, err)
+		}
+		n.log.Info("created pod network bridge")
+	case err != nil:
+		return nil, fmt.Errorf("look up bridge %s: %w", n.bridge, err)
+	}
+	br, ok := l.(*netlink.Bridge)
+	if !ok {
+		return nil, fmt.Errorf("podnet bridge %s exists and is a %s, not a bridge", n.bridge, l.Type())
+	}
+	if n.mtu != 0 && br.Attrs().MTU != n.mtu {
+		if err := netlink.LinkSetMTU(br, n.mtu); err != nil {
+			return nil, fmt.Errorf("set MTU %d on %s: %w", n.mtu, n.bridge, err)
+		}
+	}
+	gw := &netlink.Addr{IPNet: &net.IPNet{IP: n.gateway, Mask: n.subnet.Mask}}
+	if err := netlink.AddrReplace(br, gw); err != nil {
+		return nil, fmt.Errorf("address %s on %s: %w", gw.IPNet, n.bridge, err)
+	}
+	if br.Attrs().Flags&net.FlagUp == 0 {
+		if err := netlink.LinkSetUp(br); err != nil {
+			return nil, fmt.Errorf("set %s up: %w", n.bridge, err)
+		}
+	}
+	return br, nil
+}
+
+// ensureForwarding switches on IPv4 forwarding. The replies to masqueraded
+// traffic come in on the uplink, so forwarding is needed node-wide
+// (net.ipv4.ip_forward), not only on the bridge. When Ensure is the one that
+// switched it on it leaves a mark, so Teardown can switch it off again.
+func (n *Network) ensureForwarding(bridge string) error {
+	cur, err := os.ReadFile("/proc/sys/net/ipv4/ip_forward")
+	if err != nil {
+		return fmt.Errorf("read net.ipv4.ip_forward: %w", err)
+	}
+	if strings.TrimSpace(string(cur)) != "1" {
+		if err := os.MkdirAll(n.stateDir, 0o700); err != nil {
+			return fmt.Errorf("podnet state dir: %w", err)
+		}
+		if err := os.WriteFile(n.fwdPath(), []byte("net.ipv4.ip_forward was 0 before podnet\n"), 0o600); err != nil {
+			return fmt.Errorf("record ip_forward: %w", err)
+		}
+		if err := writeSysctl("net/ipv4/ip_forward", "1"); err != nil {
+			return err
+		}
+		n.log.Info("enabled net.ipv4.ip_forward")
+	}
+	return writeSysctl("net/ipv4/conf/"+bridge+"/forwarding", "1")
+}
+
+// nftScript replaces the table atomically: creating it first makes the
+// delete succeed on a fresh node, and the whole file is one transaction.
+func (n *Network) nftScript() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "add table inet %s\n", nftTable)
+	fmt.Fprintf(&b, "delete table inet %s\n", nftTable)
+	fmt.Fprintf(&b, "table inet %s {\n", nftTable)
+	fmt.Fprintf(&b, "\tchain postrouting {\n\t\ttype nat hook postrouting priority srcnat; policy accept;\n")
+	fmt.Fprintf(&b, "\t\tip saddr %s ip daddr != %s masquerade comment \"nodevirt pod network\"\n", n.subnet, n.subnet)
+	fmt.Fprintf(&b, "\t}\n")
+	fmt.Fprintf(&b, "\tchain forward {\n\t\ttype filter hook forward priority filter; policy accept;\n")
+	fmt.Fprintf(&b, "\t\tiifname %q ip saddr %s accept\n", n.bridge, n.subnet)
+	fmt.Fprintf(&b, "\t\toifname %q ip daddr %s ct state established,related accept\n", n.bridge, n.subnet)
+	fmt.Fprintf(&b, "\t}\n}\n")
+	return b.String()
+}
+
+// Teardown removes what Ensure and Attach made: the taps still attached,
+// the bridge, the nftables table, IPv4 forwarding if Ensure switched it on,
+// and the state files. It is for uninstalling (`make lab-down`), not for
+// agent shutdown: running guests lose their network. What is already gone
+// is success.
+func (n *Network) Teardown(ctx context.Context) error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	var errs []error
+	taps := map[string]bool{}
+	for _, e := range n.allocs.all() {
+		taps[e.Tap] = true
+	}
+	recorded, err := bridge.Taps(n.tapDir())
+	if err != nil {
+		errs = append(errs, err)
+	}
+	for _, t := range recorded {
+		taps[t] = true
+	}
+	for t := range taps {
+		if err := bridge.DetachTap(ctx, n.tapConf(), t); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if l, err := netlink.LinkByName(n.bridge); err == nil {
+		if err := netlink.LinkDel(l); err != nil {
+			errs = append(errs, fmt.Errorf("delete bridge %s: %w", n.bridge, err))
+		}
+	}
+	if err := runNFT(ctx, fmt.Sprintf("add table inet %s\ndelete table inet %s\n", nftTable, nftTable)); err != nil {
+		errs = append(errs, fmt.Errorf("delete nftables table: %w", err))
+	}
+	if _, err := os.Stat(n.fwdPath()); err == nil {
+		if err := writeSysctl("net/ipv4/ip_forward", "0"); err != nil {
+			errs = append(errs, err)
+		} else {
+			n.log.Info("restored net.ipv4.ip_forward=0")
+		}
+	}
+	if len(errs) > 0 {
+		return fmt.Errorf("podnet teardown: %w", errors.Join(errs...))
+	}
+	if err := os.RemoveAll(n.stateDir); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("remove podnet state: %w", err)
+	}
+	n.allocs, _ = loadAllocations(n.allocPath(), n.subnet, n.log)
+	n.log.Info("pod network removed")
+	return nil
+}
+
+// runNFT applies script as one nft transaction.
+func runNFT(ctx context.Context, script string) error {
+	p, err := exec.LookPath("nft")
+	if err != nil {
+		p = "/usr/sbin/nft"
+		if _, serr := os.Stat(p); serr != nil {
+			return errors.New("nft binary not found (install nftables)")
+		}
+	}
+	cmd := exec.CommandContext(ctx, p, "-f", "-")
+	cmd.Stdin = strings.NewReader(script)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Run(); err != nil {
+		return fmt.Errorf("nft: %w: %s", err, strings.TrimSpace(out.String()))
+	}
+	return nil
+}
+
+// writeSysctl writes /proc/sys/<key> (key with '/' separators).
+func writeSysctl(key, value string) error {
+	if err := os.WriteFile(filepath.Join("/proc/sys", key), []byte(value), 0o644); err != nil {
+		return fmt.Errorf("sysctl %s=%s: %w", strings.ReplaceAll(key, "/", "."), value, err)
+	}
+	return nil
+}
