@@ -16,6 +16,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	"k8s.io/apimachinery/pkg/util/wait"
@@ -180,7 +181,11 @@ func (c *Controller) worker(ctx context.Context) {
 		after, err := c.sync(ctx, key)
 		switch {
 		case err != nil:
-			c.log.Warn("sync failed", "datavolume", key, "err", err)
+			level := slog.LevelWarn
+			if apierrors.IsConflict(err) {
+				level = slog.LevelDebug // the cache was behind; the retry sees the new version
+			}
+			c.log.Log(ctx, level, "sync failed", "datavolume", key, "err", err)
 			c.queue.AddRateLimited(key)
 		case after > 0:
 			c.queue.Forget(key)

@@ -228,7 +228,7 @@ func (s *Server) register(ctx context.Context) error {
 	slice := map[string]any{
 		"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
 		"metadata": map[string]any{"name": apiService, "namespace": ns, "labels": map[string]string{
-			"kubernetes.io/service-name": apiService, "endpointslice.kubernetes.io/managed-by": "nodevirt.io/clusterbrain",
+			"kubernetes.io/service-name": apiService, "endpointslice.kubernetes.io/managed-by": "nodevirt.io-clusterbrain",
 			"app.kubernetes.io/managed-by": "nodevirt"}},
 		"addressType": "IPv4",
 		"endpoints":   []any{map[string]any{"addresses": []string{ip.String()}, "conditions": map[string]any{"ready": true}}},

@@ -76,13 +76,13 @@ func loadSigningKey(ctx context.Context, kube kubernetes.Interface, namespace st
 	secrets := kube.CoreV1().Secrets(namespace)
 	s, err := secrets.Get(ctx, TokenKeySecret, metav1.GetOptions{})
 	if apierrors.IsNotFound(err) {
-		_, key, err := ed25519.GenerateKey(rand.Reader)
-		if err != nil {
-			return nil, err
+		_, key, genErr := ed25519.GenerateKey(rand.Reader)
+		if genErr != nil {
+			return nil, genErr
 		}
-		der, err := x509.MarshalPKCS8PrivateKey(key)
-		if err != nil {
-			return nil, err
+		der, mErr := x509.MarshalPKCS8PrivateKey(key)
+		if mErr != nil {
+			return nil, mErr
 		}
 		s = &corev1.Secret{
 			ObjectMeta: metav1.ObjectMeta{Name: TokenKeySecret, Namespace: namespace,

@@ -23,6 +23,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
+	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
 )
@@ -173,4 +174,39 @@ func SameDisk(t testing.TB, disk, image string) {
 	if !bytes.Equal(got[len(want):], make([]byte, len(got)-len(want))) {
 		t.Fatalf("disk %s has data past the image", disk)
 	}
+}
+
+// DataVolumeGetter reads DataVolumes (client.Set.DataVolumes).
+type DataVolumeGetter interface {
+	Get(ctx context.Context, ns, name string) (*cdiv1.DataVolume, error)
+}
+
+// WaitDV polls a DataVolume until ok holds, failing t after timeout.
+func WaitDV(t testing.TB, dvs DataVolumeGetter, ns, name string, timeout time.Duration, what string, ok func(*cdiv1.DataVolume) bool) *cdiv1.DataVolume {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	var dv *cdiv1.DataVolume
+	var err error
+	for time.Now().Before(deadline) {
+		if dv, err = dvs.Get(context.Background(), ns, name); err == nil && ok(dv) {
+			return dv
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if dv != nil {
+		t.Fatalf("datavolume %s: %s not reached in %s: phase %s progress %s restarts %d conditions %+v",
+			name, what, timeout, dv.Status.Phase, dv.Status.Progress, dv.Status.RestartCount, dv.Status.Conditions)
+	}
+	t.Fatalf("datavolume %s: %v", name, err)
+	return nil
+}
+
+// Condition returns the DataVolume's condition of type typ (zero if none).
+func Condition(dv *cdiv1.DataVolume, typ cdiv1.DataVolumeConditionType) cdiv1.DataVolumeCondition {
+	for _, c := range dv.Status.Conditions {
+		if c.Type == typ {
+			return c
+		}
+	}
+	return cdiv1.DataVolumeCondition{}
 }
