@@ -168,7 +168,7 @@ func (e *env) setup(ctx context.Context) error {
 	if err := e.createHCO(ctx); err != nil {
 		return err
 	}
-	e.notReady = e.waitReady(ctx, 2*time.Minute)
+	e.notReady = e.waitReady(ctx, 90*time.Second)
 	return nil
 }
 
@@ -324,15 +324,16 @@ func (e *env) readiness(ctx context.Context) string {
 	if err != nil {
 		return "HyperConverged: " + err.Error()
 	}
+	var all []string
+	available := false
 	for _, c := range hco.Status.Conditions {
-		if c.Type == "Available" {
-			if c.Status == metav1.ConditionTrue {
-				return ""
-			}
-			return fmt.Sprintf("HyperConverged not Available: %s: %s", c.Reason, c.Message)
-		}
+		available = available || (c.Type == "Available" && c.Status == metav1.ConditionTrue)
+		all = append(all, fmt.Sprintf("%s=%s (%s: %s)", c.Type, c.Status, c.Reason, c.Message))
 	}
-	return "HyperConverged has no Available condition"
+	if available {
+		return ""
+	}
+	return "HyperConverged not Available: " + strings.Join(all, "; ")
 }
 
 func nodeReady(n *corev1.Node) bool {

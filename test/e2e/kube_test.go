@@ -64,8 +64,11 @@ func (n *testNS) cleanup() {
 		}
 	}
 	if n.t.Failed() {
-		n.t.Logf("nodeagent log lines about %s:\n%s", n.name, tailFile(n.e.agent.logPath, 25, n.name))
-		n.t.Logf("clusterbrain log lines about %s:\n%s", n.name, tailFile(n.e.brain.logPath, 15, n.name))
+		for _, d := range []*daemon{n.e.agent, n.e.brain} {
+			if lines := tailFile(d.logPath, 25, n.name); lines != "" {
+				n.t.Logf("%s log lines about %s:\n%s", d.name, n.name, lines)
+			}
+		}
 	}
 }
 
@@ -227,8 +230,13 @@ func (n *testNS) waitVMI(name string, timeout time.Duration, what string, ok fun
 	return last
 }
 
+// waitRunning waits until the VMI is placed on a node (a quick step: it
+// fails fast when nothing places it), then until it runs.
 func (n *testNS) waitRunning(name string) *kubevirtv1.VirtualMachineInstance {
 	n.t.Helper()
+	n.waitVMI(name, 45*time.Second, "placed on a node", func(v *kubevirtv1.VirtualMachineInstance) bool {
+		return v.Status.NodeName != ""
+	})
 	return n.waitVMI(name, 2*time.Minute, "Running", func(v *kubevirtv1.VirtualMachineInstance) bool {
 		return v.Status.Phase == kubevirtv1.Running
 	})
@@ -309,6 +317,17 @@ func hasCondition(vmi *kubevirtv1.VirtualMachineInstance, typ kubevirtv1.Virtual
 func (n *testNS) waitVMIOfVM(vm string, timeout time.Duration, notUIDs ...types.UID) *kubevirtv1.VirtualMachineInstance {
 	n.t.Helper()
 	var out *kubevirtv1.VirtualMachineInstance
+	n.eventually(time.Minute, fmt.Sprintf("vm %s/%s has a new vmi", n.name, vm), func() (bool, string) {
+		vmi, err := n.getVMI(vm)
+		if err != nil {
+			return false, n.diagnoseVM(vm, err)
+		}
+		if slices.Contains(notUIDs, vmi.UID) {
+			return false, fmt.Sprintf("the VMI is still the old one (uid %s, phase %s): clusterbrain/vmcontroller did not replace it; %s",
+				vmi.UID, vmi.Status.Phase, n.diagnoseVM(vm, nil))
+		}
+		return true, ""
+	})
 	n.eventually(timeout, fmt.Sprintf("vm %s/%s running a new vmi", n.name, vm), func() (bool, string) {
 		vmi, err := n.getVMI(vm)
 		if err != nil {

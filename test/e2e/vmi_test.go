@@ -19,7 +19,7 @@ import (
 func TestLabReady(t *testing.T) {
 	e := require(t)
 	if e.notReady != "" {
-		t.Fatalf("lab not ready after 2m: %s", e.notReady)
+		t.Fatalf("lab not ready after 90s: %s", e.notReady)
 	}
 	node, err := e.kube.CoreV1().Nodes().Get(context.Background(), e.nodeName, metav1.GetOptions{})
 	if err != nil {
