@@ -194,18 +194,21 @@ func (e *env) startDaemons() error {
 		return err
 	}
 	brainArgs := []string{"--kubeconfig=" + brainKC, "--health-addr=" + freeAddr()}
-	// Listening addresses the brain may grow flags for: give each a free
-	// port so the suite never collides with a lab on the same host.
-	brainArgs = append(brainArgs, optionalAddrFlags(filepath.Join(e.bin, "clusterbrain"),
-		"webhook-addr", "admission-addr", "api-addr", "aggregated-addr", "subresources-addr", "upload-proxy-addr", "metrics-addr")...)
+	// Every listening address the brain has a flag for gets a free port, so
+	// the suite never collides with a lab on the same host. Aggregated APIs
+	// are reached through Endpoints, which may not be loopback: those
+	// listen on every address.
+	bin := filepath.Join(e.bin, "clusterbrain")
+	brainArgs = append(brainArgs, optionalAddrFlags(bin, "127.0.0.1", "webhook-addr")...)
+	brainArgs = append(brainArgs, optionalAddrFlags(bin, "", "subresources-addr", "upload-api-addr", "uploadproxy-addr",
+		"metrics-addr", "cli-download-addr")...)
 	e.brain = newDaemon(e, "clusterbrain", brainArgs...)
 	agentDir := e.path("nodeagent")
 	agentArgs := []string{"--kubeconfig=" + agentKC, "--node-name=" + e.nodeName,
 		"--state-dir=" + agentDir, "--emulation=on", "--health-addr=" + freeAddr(),
 		"--csi-socket=" + filepath.Join(agentDir, "csi", "csi.sock"),
 		"--pools=local=" + e.path("pools", "local")}
-	agentArgs = append(agentArgs, optionalAddrFlags(filepath.Join(e.bin, "nodeagent"),
-		"console-addr", "upload-addr", "server-addr", "listen-addr", "metrics-addr")...)
+	agentArgs = append(agentArgs, optionalAddrFlags(filepath.Join(e.bin, "nodeagent"), "", "upload-addr", "metrics-addr")...)
 	e.agent = newDaemon(e, "nodeagent", agentArgs...)
 	if err := e.brain.start(); err != nil {
 		return err
@@ -213,14 +216,15 @@ func (e *env) startDaemons() error {
 	return e.agent.start()
 }
 
-// optionalAddrFlags returns --name=127.0.0.1:<free port> for each flag the
+// optionalAddrFlags returns --name=<host>:<free port> for each flag the
 // binary declares.
-func optionalAddrFlags(bin string, names ...string) []string {
+func optionalAddrFlags(bin, host string, names ...string) []string {
 	out, _ := exec.Command(bin, "-h").CombinedOutput()
 	var args []string
 	for _, n := range names {
 		if strings.Contains(string(out), "-"+n+" ") || strings.Contains(string(out), "-"+n+"\n") {
-			args = append(args, "--"+n+"="+freeAddr())
+			_, port, _ := net.SplitHostPort(freeAddr())
+			args = append(args, "--"+n+"="+net.JoinHostPort(host, port))
 		}
 	}
 	return args
