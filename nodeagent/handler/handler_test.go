@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"slices"
 	"strconv"
@@ -221,6 +222,17 @@ func TestGuestLifecycle(t *testing.T) {
 		t.Fatal(err)
 	}
 	secondLog.expectLine(t, "hello", true, 30*time.Second)
+	// VNC: QEMU's RFB greeting through the stream.
+	vnc, err := cc.VNC(ctx, n.ns, "guest")
+	if err != nil {
+		t.Fatal(err)
+	}
+	vnc.SetReadDeadline(time.Now().Add(30 * time.Second))
+	greeting := make([]byte, 12)
+	if _, err := io.ReadFull(vnc, greeting); err != nil || !strings.HasPrefix(string(greeting), "RFB 003.") {
+		t.Errorf("vnc greeting %q, %v", greeting, err)
+	}
+	vnc.Close()
 	// Status updates resumed: a pause is seen by the new agent.
 	if err := cc.Do(ctx, n.ns, "guest", "pause"); err != nil {
 		t.Fatal(err)
