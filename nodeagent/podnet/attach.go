@@ -61,7 +61,7 @@ func (n *Network) Attach(ctx context.Context, vmiKey, tap string, mac net.Hardwa
 	if err != nil {
 		return nil, fmt.Errorf("attach %s to pod network: %w", vmiKey, err)
 	}
-	n.log.Info("attached to pod network", "vmi", vmiKey, "tap", tap, "mac", mac, "ip", ip)
+	n.log.Info("attached to pod network", "vmi", vmiKey, "tap", tap, "mac", mac.String(), "ip", ip)
 	return ip, nil
 }
 

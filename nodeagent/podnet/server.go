@@ -119,7 +119,7 @@ func (n *Network) serve(conn *net.UDPConn, b []byte, from *net.UDPAddr) {
 	}
 	to := &net.UDPAddr{IP: dst, Port: dhcpClientPort}
 	if _, err := conn.WriteToUDP(resp.marshal(), to); err != nil {
-		n.log.Warn("dhcp reply failed", "mac", req.CHAddr, "to", to, "error", err)
+		n.log.Warn("dhcp reply failed", "mac", req.CHAddr.String(), "to", to, "error", err)
 	}
 }
 
@@ -130,9 +130,9 @@ func (n *Network) reply(req *dhcpMsg, mtu int) (*dhcpMsg, net.IP) {
 		return nil, nil
 	}
 	ip, vmi := n.lookup(req.CHAddr)
-	log := n.log.With("vmi", vmi, "mac", req.CHAddr, "xid", fmt.Sprintf("%#08x", req.XID))
+	log := n.log.With("vmi", vmi, "mac", req.CHAddr.String(), "xid", fmt.Sprintf("%#08x", req.XID))
 	if ip == nil {
-		n.log.Debug("ignoring dhcp request of a MAC not attached", "mac", req.CHAddr)
+		n.log.Debug("ignoring dhcp request of a MAC not attached", "mac", req.CHAddr.String())
 		return nil, nil
 	}
 	t := req.msgType()
