@@ -46,9 +46,11 @@ import (
 )
 
 type config struct {
-	uri    string
-	vms    int
-	rounds int
+	uri         string
+	vms         int
+	rounds      int
+	manyRounds  int
+	connections int
 }
 
 func main() {
@@ -56,6 +58,8 @@ func main() {
 	flag.StringVar(&cfg.uri, "uri", launcher.DefaultURI, "libvirt URI")
 	flag.IntVar(&cfg.vms, "vms", 20, "VMs created at once in the parallel measurement")
 	flag.IntVar(&cfg.rounds, "rounds", 5, "rounds of the single-VM measurement")
+	flag.IntVar(&cfg.connections, "connections", 0, "libvirt connections of the launcher (0: its default)")
+	flag.IntVar(&cfg.manyRounds, "many-rounds", 2, "rounds of the N-VM measurement")
 	flag.Parse()
 	slog.SetDefault(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: logLevel()})))
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
@@ -74,8 +78,8 @@ func logLevel() slog.Level {
 }
 
 func run(ctx context.Context, cfg config) error {
-	if cfg.vms < 1 || cfg.rounds < 1 {
-		return errors.New("-vms and -rounds must be at least 1")
+	if cfg.vms < 1 || cfg.rounds < 1 || cfg.manyRounds < 1 {
+		return errors.New("-vms, -rounds and -many-rounds must be at least 1")
 	}
 	if cfg.uri == launcher.DefaultURI {
 		if err := libvirttest.Start(); err != nil {
@@ -95,7 +99,7 @@ func run(ctx context.Context, cfg config) error {
 		return err
 	}
 
-	m, err := launcher.Open(launcher.Config{URI: cfg.uri})
+	m, err := launcher.Open(launcher.Config{URI: cfg.uri, Connections: cfg.connections})
 	if err != nil {
 		return err
 	}
@@ -130,30 +134,46 @@ func run(ctx context.Context, cfg config) error {
 				return err
 			}
 			b.cleanup(ctx)
+			time.Sleep(settle)
 		}
 	}
 	emitRatio("vm create→running, 1 VM (p50)", report.Percentile(single, 50), report.Percentile(singleVirsh, 50))
 
-	// N at once: the virsh side first, then the launcher side, which stays
-	// up for the memory measurement.
-	many, err := b.virshCreate(ctx, cfg.vms, "vn")
-	if err != nil {
-		return err
-	}
-	b.cleanup(ctx)
-	rss0, err := b.rss()
-	if err != nil {
-		return err
-	}
-	manyL, err := b.launcherCreate(ctx, cfg.vms, "ln")
-	if err != nil {
-		return err
+	// N at once, for -many-rounds rounds; the sides alternate, ending with
+	// the launcher, whose last VMs stay up for the memory measurement.
+	var many, manyVirsh []time.Duration
+	var rss0 rssSample
+	for r := range cfg.manyRounds {
+		launcherFirst := (cfg.manyRounds-1-r)%2 == 1
+		for i := range 2 {
+			if (i == 0) == launcherFirst {
+				if rss0, err = b.rss(); err != nil {
+					return err
+				}
+				d, err := b.launcherCreate(ctx, cfg.vms, fmt.Sprintf("ln%d", r))
+				if err != nil {
+					return err
+				}
+				many = append(many, d)
+			} else {
+				d, err := b.virshCreate(ctx, cfg.vms, fmt.Sprintf("vn%d", r))
+				if err != nil {
+					return err
+				}
+				manyVirsh = append(manyVirsh, d)
+			}
+			if r < cfg.manyRounds-1 || i == 0 {
+				b.cleanup(ctx)
+				time.Sleep(settle) // let the destroyed QEMUs exit
+			}
+		}
 	}
 	rssN, err := b.rss()
 	if err != nil {
 		return err
 	}
-	emitRatio(fmt.Sprintf("vm create→running, %d VMs at once (all running)", cfg.vms), manyL, many)
+	emitRatio(fmt.Sprintf("vm create→running, %d VMs at once (all running, p50 of %d)", cfg.vms, cfg.manyRounds),
+		report.Percentile(many, 50), report.Percentile(manyVirsh, 50))
 
 	const mib = 1 << 20
 	perVM := func(a, b int64) float64 { return float64(b-a) / mib / float64(cfg.vms) }
@@ -185,6 +205,9 @@ func emitRatio(name string, nodevirt, virsh time.Duration) {
 	r.Met = r.Ratio() <= 1.2
 	report.Emit(r)
 }
+
+// settle is the pause after destroying VMs, before the next measurement.
+const settle = 2 * time.Second
 
 type bench struct {
 	cfg  config
