@@ -222,6 +222,16 @@ func TestGuestLifecycle(t *testing.T) {
 		t.Fatal(err)
 	}
 	secondLog.expectLine(t, "hello", true, 30*time.Second)
+	// Reset: the guest boots again, the VMI stays Running with the same QEMU.
+	if err := cc.Do(ctx, n.ns, "guest", "reset"); err != nil {
+		t.Fatal(err)
+	}
+	secondLog.expectLine(t, "NODEVIRT-GUEST-READY", true, bootTimeout)
+	if v := n.waitVMI(ctx, "guest", 10*time.Second, "Running", func(v *v1.VirtualMachineInstance) bool {
+		return v.Status.Phase == v1.Running
+	}); qemuPID(t, v) != pid {
+		t.Errorf("reset changed the qemu pid")
+	}
 	// VNC: QEMU's RFB greeting through the stream.
 	vnc, err := cc.VNC(ctx, n.ns, "guest")
 	if err != nil {
