@@ -57,9 +57,16 @@ func (n *Network) Attach(ctx context.Context, vmiKey, tap string, mac net.Hardwa
 			_ = bridge.DetachTap(ctx, n.tapConf(), tap)
 		}
 	}()
+	isNew := n.allocs.get(mac) == nil
 	ip, err := n.allocs.assign(vmiKey, tap, mac)
 	if err != nil {
 		return nil, fmt.Errorf("attach %s to pod network: %w", vmiKey, err)
+	}
+	if err := runNFT(ctx, nftGuardScript(tap, mac, ip)); err != nil {
+		if isNew {
+			_, _ = n.allocs.release(vmiKey, tap)
+		}
+		return nil, fmt.Errorf("attach %s to pod network: anti-spoofing rules for %s: %w", vmiKey, tap, err)
 	}
 	n.log.Info("attached to pod network", "vmi", vmiKey, "tap", tap, "mac", mac.String(), "ip", ip)
 	return ip, nil
@@ -80,6 +87,9 @@ func (n *Network) Detach(ctx context.Context, vmiKey, tap string) error {
 		}
 	}
 	for t := range taps {
+		if err := runNFT(ctx, nftUnguardScript(t)); err != nil {
+			return fmt.Errorf("detach %s from pod network: anti-spoofing rules for %s: %w", vmiKey, t, err)
+		}
 		if err := bridge.DetachTap(ctx, n.tapConf(), t); err != nil {
 			return fmt.Errorf("detach %s from pod network: %w", vmiKey, err)
 		}

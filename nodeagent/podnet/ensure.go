@@ -1,7 +1,6 @@
 package podnet
 
 import (
-	"bytes"
 	"context"
 	"crypto/rand"
 	"errors"
@@ -9,7 +8,6 @@ import (
 	"io/fs"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -20,9 +18,10 @@ import (
 )
 
 // Ensure makes the node's pod network exist: the bridge up with the gateway
-// address, IPv4 forwarding, and the nftables table `inet nodevirt_podnet`
+// address, IPv4 forwarding, the nftables table `inet nodevirt_podnet`
 // (masquerade of the subnet's traffic leaving the subnet, forward accept for
-// it). It is idempotent and repairs what has drifted. It refuses a subnet
+// it) and the base of `bridge nodevirt_podnet` (per-guest anti-spoofing,
+// see nft.go). It is idempotent and repairs what has drifted. It refuses a subnet
 // that overlaps an address or route the node already has elsewhere.
 func (n *Network) Ensure(ctx context.Context) error {
 	if err := n.checkOverlap(); err != nil {
@@ -35,8 +34,8 @@ func (n *Network) Ensure(ctx context.Context) error {
 	if err := n.ensureForwarding(br.Attrs().Name); err != nil {
 		return err
 	}
-	if err := runNFT(ctx, n.nftScript()); err != nil {
-		return fmt.Errorf("podnet nftables table: %w", err)
+	if err := runNFT(ctx, n.nftEnsureScript()); err != nil {
+		return fmt.Errorf("podnet nftables tables: %w", err)
 	}
 	n.log.Info("pod network ready", "gateway", n.gateway)
 	return nil
@@ -115,6 +114,19 @@ func (n *Network) ensureBridge() (*netlink.Bridge, error) {
 	if err := netlink.AddrReplace(br, gw); err != nil {
 		return nil, fmt.Errorf("address %s on %s: %w", gw.IPNet, n.bridge, err)
 	}
+	// An address of an earlier configuration (the CIDR changed) goes.
+	addrs, err := netlink.AddrList(br, netlink.FAMILY_V4)
+	if err != nil {
+		return nil, fmt.Errorf("list addresses of %s: %w", n.bridge, err)
+	}
+	for _, a := range addrs {
+		if a.IPNet.String() != gw.IPNet.String() {
+			if err := netlink.AddrDel(br, &a); err != nil {
+				return nil, fmt.Errorf("remove stale address %s from %s: %w", a.IPNet, n.bridge, err)
+			}
+			n.log.Info("removed stale address from the bridge", "address", a.IPNet)
+		}
+	}
 	if br.Attrs().Flags&net.FlagUp == 0 {
 		if err := netlink.LinkSetUp(br); err != nil {
 			return nil, fmt.Errorf("set %s up: %w", n.bridge, err)
@@ -147,25 +159,8 @@ func (n *Network) ensureForwarding(bridge string) error {
 	return writeSysctl("net/ipv4/conf/"+bridge+"/forwarding", "1")
 }
 
-// nftScript replaces the table atomically: creating it first makes the
-// delete succeed on a fresh node, and the whole file is one transaction.
-func (n *Network) nftScript() string {
-	var b strings.Builder
-	fmt.Fprintf(&b, "add table inet %s\n", nftTable)
-	fmt.Fprintf(&b, "delete table inet %s\n", nftTable)
-	fmt.Fprintf(&b, "table inet %s {\n", nftTable)
-	fmt.Fprintf(&b, "\tchain postrouting {\n\t\ttype nat hook postrouting priority srcnat; policy accept;\n")
-	fmt.Fprintf(&b, "\t\tip saddr %s ip daddr != %s masquerade comment \"nodevirt pod network\"\n", n.subnet, n.subnet)
-	fmt.Fprintf(&b, "\t}\n")
-	fmt.Fprintf(&b, "\tchain forward {\n\t\ttype filter hook forward priority filter; policy accept;\n")
-	fmt.Fprintf(&b, "\t\tiifname %q ip saddr %s accept\n", n.bridge, n.subnet)
-	fmt.Fprintf(&b, "\t\toifname %q ip daddr %s ct state established,related accept\n", n.bridge, n.subnet)
-	fmt.Fprintf(&b, "\t}\n}\n")
-	return b.String()
-}
-
 // Teardown removes what Ensure and Attach made: the taps still attached,
-// the bridge, the nftables table, IPv4 forwarding if Ensure switched it on,
+// the bridge, the nftables tables, IPv4 forwarding if Ensure switched it on,
 // and the state files. It is for uninstalling (`make lab-down`), not for
 // agent shutdown: running guests lose their network. What is already gone
 // is success.
@@ -194,8 +189,8 @@ func (n *Network) Teardown(ctx context.Context) error {
 			errs = append(errs, fmt.Errorf("delete bridge %s: %w", n.bridge, err))
 		}
 	}
-	if err := runNFT(ctx, fmt.Sprintf("add table inet %s\ndelete table inet %s\n", nftTable, nftTable)); err != nil {
-		errs = append(errs, fmt.Errorf("delete nftables table: %w", err))
+	if err := runNFT(ctx, nftDeleteScript()); err != nil {
+		errs = append(errs, fmt.Errorf("delete nftables tables: %w", err))
 	}
 	if _, err := os.Stat(n.fwdPath()); err == nil {
 		if err := writeSysctl("net/ipv4/ip_forward", "0"); err != nil {
@@ -212,25 +207,6 @@ func (n *Network) Teardown(ctx context.Context) error {
 	}
 	n.allocs, _ = loadAllocations(n.allocPath(), n.subnet, n.log)
 	n.log.Info("pod network removed")
-	return nil
-}
-
-// runNFT applies script as one nft transaction.
-func runNFT(ctx context.Context, script string) error {
-	p, err := exec.LookPath("nft")
-	if err != nil {
-		p = "/usr/sbin/nft"
-		if _, serr := os.Stat(p); serr != nil {
-			return errors.New("nft binary not found (install nftables)")
-		}
-	}
-	cmd := exec.CommandContext(ctx, p, "-f", "-")
-	cmd.Stdin = strings.NewReader(script)
-	var out bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &out
-	if err := cmd.Run(); err != nil {
-		return fmt.Errorf("nft: %w: %s", err, strings.TrimSpace(out.String()))
-	}
 	return nil
 }
 

@@ -104,8 +104,8 @@ func TestPodNetwork(t *testing.T) {
 	if got := readSysctl(t, "net/ipv4/ip_forward"); got != "1" {
 		t.Fatalf("ip_forward=%s after Ensure", got)
 	}
-	if !nftTableExists(t) {
-		t.Fatal("no nftables table after Ensure")
+	if nftList(t, "inet") == "" || nftList(t, "bridge") == "" {
+		t.Fatal("nftables tables missing after Ensure")
 	}
 	stopServer := serve(t, n)
 
@@ -171,6 +171,43 @@ func TestPodNetwork(t *testing.T) {
 		t.Fatalf("gateway saw source %s, want the guest's own %s", src, ip)
 	}
 
+	// The guest cannot use another address or MAC: its tap is pinned.
+	if _, err := guest.Run(ctx, "ip", "addr", "add", "10.244.0.200/24", "dev", "eth0"); err != nil {
+		t.Fatal(err)
+	}
+	err = guest.Do(func() error {
+		d := net.Dialer{Timeout: 1500 * time.Millisecond, LocalAddr: &net.TCPAddr{IP: net.ParseIP("10.244.0.200")}}
+		c, err := d.Dial("tcp4", "10.244.0.1:8081")
+		if err == nil {
+			c.Close()
+		}
+		return err
+	})
+	if err == nil {
+		t.Fatal("a connection from a spoofed source address got through")
+	}
+	if _, err := guest.Run(ctx, "ip", "addr", "del", "10.244.0.200/24", "dev", "eth0"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := guest.Run(ctx, "ip", "link", "set", "eth0", "address", "02:00:0a:f4:00:99"); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := guest.Run(ctx, "busybox", "ping", "-c", "1", "-W", "1", "10.244.0.1"); err == nil {
+		t.Fatalf("a guest with a forged MAC pinged the gateway: %s", out)
+	}
+	if _, err := guest.Run(ctx, "ip", "link", "set", "eth0", "address", mac.String()); err != nil {
+		t.Fatal(err)
+	}
+	rules := nftList(t, "bridge")
+	for _, r := range []string{"ip saddr != " + ip.String(), "ether saddr != " + mac.String()} {
+		if dropped(rules, r) == 0 {
+			t.Errorf("rule %q dropped nothing:\n%s", r, rules)
+		}
+	}
+	if out, err := guest.Run(ctx, "busybox", "ping", "-c", "1", "-W", "3", "10.244.0.1"); err != nil {
+		t.Fatalf("guest cannot ping the gateway with its MAC back: %v %s", err, out)
+	}
+
 	// An agent restart: a new Network on the same state hands out the
 	// same address, to Lease and over DHCP, and re-adopts the tap.
 	stopServer()
@@ -230,6 +267,9 @@ func TestPodNetwork(t *testing.T) {
 	if got := len(n2.Attachments()); got != 1 {
 		t.Fatalf("%d attachments after Detach, want 1", got)
 	}
+	if rules := nftList(t, "bridge"); strings.Contains(rules, "pntap1") || !strings.Contains(rules, "pntap2") {
+		t.Fatalf("after Detach of pntap1 the anti-spoofing rules are:\n%s", rules)
+	}
 
 	// Teardown removes the second guest's tap, the bridge, the table,
 	// forwarding and the state.
@@ -244,8 +284,8 @@ func TestPodNetwork(t *testing.T) {
 			t.Errorf("%s left after Teardown", name)
 		}
 	}
-	if nftTableExists(t) {
-		t.Error("nftables table left after Teardown")
+	if nftList(t, "inet") != "" || nftList(t, "bridge") != "" {
+		t.Error("nftables tables left after Teardown")
 	}
 	if out, err := exec.Command("nft", "list", "tables").CombinedOutput(); err != nil || strings.TrimSpace(string(out)) != "table inet someone_else" {
 		t.Errorf("tables after Teardown: %q, %v; want only someone_else's", out, err)
