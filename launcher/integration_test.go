@@ -141,7 +141,7 @@ func makeTap(t *testing.T, name string) {
 func bootVMI(name string) *v1.VirtualMachineInstance {
 	paused := v1.StartStrategyPaused
 	return &v1.VirtualMachineInstance{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "launcher-it", UID: types.UID("7e57c0de-0000-4000-8000-" + fmt.Sprintf("%012d", os.Getpid()))},
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "launcher-it", UID: types.UID(testUUID(name))},
 		Spec: v1.VirtualMachineInstanceSpec{
 			StartStrategy: &paused,
 			Domain: v1.DomainSpec{
@@ -178,6 +178,16 @@ func bootVMI(name string) *v1.VirtualMachineInstance {
 }
 
 func uintp(u uint) *uint { return &u }
+
+// testUUID derives a UUID from a name (domains' UUIDs come from VMI UIDs,
+// so test VMIs need distinct ones).
+func testUUID(name string) string {
+	h := uint64(1469598103934665603)
+	for _, c := range name {
+		h = (h ^ uint64(c)) * 1099511628211
+	}
+	return fmt.Sprintf("7e57c0de-0000-4000-8000-%012x", h&0xffffffffffff)
+}
 
 func TestBootRealGuest(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)

@@ -2,6 +2,7 @@ package launcher
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net"
 	"os"
@@ -140,4 +141,45 @@ func TestReconnectsWhenLibvirtdGoesAway(t *testing.T) {
 	}
 	defer m.Undefine(ctx, dom.Name)
 	waitEvent(t, m, dom.Name, EventDefined, "added", 10*time.Second)
+}
+
+// TestShutdownDestroysAfterGrace runs a VM whose firmware finds nothing to
+// boot and so ignores the ACPI power button: Shutdown presses it, waits out
+// the grace period and destroys the domain.
+func TestShutdownDestroysAfterGrace(t *testing.T) {
+	ctx := context.Background()
+	m, err := Open(Config{URI: libvirttest.Ensure(t), ShutdownRetry: 500 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	vmi := bootVMI(fmt.Sprintf("grace-%d", os.Getpid()))
+	vmi.Spec.StartStrategy = nil
+	vmi.Spec.Domain.Devices.Interfaces = nil
+	vmi.Spec.Networks = nil
+	vmi.Spec.Domain.Devices.Disks = vmi.Spec.Domain.Devices.Disks[1:2] // the blank disk only
+	vmi.Spec.Volumes = vmi.Spec.Volumes[1:2]
+	env := domain.Env{Emulation: true, StateDir: libvirttest.StateDir(t)}
+	dom, err := domain.Convert(vmi, env)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := domain.Prepare(ctx, vmi, env); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m.Undefine(context.Background(), dom.Name) })
+	if err := m.Create(ctx, dom, StartOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitEvent(t, m, dom.Name, EventStarted, "booted", 30*time.Second)
+	const grace = 3 * time.Second
+	start := time.Now()
+	if err := m.Shutdown(ctx, dom.Name, grace); err != nil {
+		t.Fatal(err)
+	}
+	took := time.Since(start)
+	if took < grace || took > grace+20*time.Second {
+		t.Errorf("shutdown took %s with a grace period of %s", took, grace)
+	}
+	waitEvent(t, m, dom.Name, EventStopped, "destroyed", 10*time.Second)
 }
