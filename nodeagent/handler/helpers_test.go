@@ -286,6 +286,9 @@ func (n *node) schedule(ctx context.Context, vmi *v1.VirtualMachineInstance) *v1
 			n.virt.VMIs.Update(c, cur)
 		}
 		n.lv.Undefine(c, n.ns+"_"+vmi.Name)
+		for _, iface := range vmi.Spec.Domain.Devices.Interfaces {
+			exec.Command("ip", "link", "del", tapName(got.UID, iface.Name)).Run()
+		}
 	})
 	return got
 }
