@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -141,6 +142,10 @@ func (e *env) setup(ctx context.Context) error {
 	if err := os.Chmod(e.root, 0o755); err != nil {
 		return err
 	}
+	if err := os.WriteFile(e.path("suite.pid"), []byte(strconv.Itoa(os.Getpid())), 0o644); err != nil {
+		return err
+	}
+	sweepStale()
 	e.nodeName = "e2e-" + e.run
 	e.bin = e.path("bin")
 	if err := e.build(ctx); err != nil {
@@ -404,4 +409,33 @@ func (e *env) deleteRunNamespaces(timeout time.Duration) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// sweepStale removes what earlier runs left when their test binary died
+// before its teardown (a panic, a kill): their domains, mounts, bridges and
+// directories. A run is stale when the process in its suite.pid is gone.
+func sweepStale() {
+	dirs, _ := filepath.Glob(filepath.Join(os.TempDir(), "nodevirt-e2e-*"))
+	for _, dir := range dirs {
+		data, err := os.ReadFile(filepath.Join(dir, "suite.pid"))
+		if err != nil {
+			continue
+		}
+		if pid, err := strconv.Atoi(strings.TrimSpace(string(data))); err == nil && processAlive(pid) {
+			continue
+		}
+		run, _, ok := strings.Cut(strings.TrimPrefix(filepath.Base(dir), "nodevirt-e2e-"), "-")
+		if !ok {
+			continue
+		}
+		fmt.Fprintf(os.Stderr, "e2e: removing what the dead run %s left\n", run)
+		stale := &env{run: run, root: dir}
+		stale.bridges, _ = filepath.Glob("/sys/class/net/nve2e" + run + "*")
+		for i, b := range stale.bridges {
+			stale.bridges[i] = filepath.Base(b)
+		}
+		if errors.Join(stale.removeDomains(), stale.removeMounts(), stale.removeBridges()) == nil {
+			os.RemoveAll(dir)
+		}
+	}
 }

@@ -270,6 +270,9 @@ func (n *testNS) waitGone(name string, timeout time.Duration) []kubevirtv1.Virtu
 // diagnoseVMI explains where a VMI is stuck, naming the component whose
 // step is missing.
 func (n *testNS) diagnoseVMI(name string, vmi *kubevirtv1.VirtualMachineInstance, err error) string {
+	if vmi == nil && err == nil {
+		vmi, err = n.getVMI(name)
+	}
 	if err != nil {
 		if apierrors.IsNotFound(err) {
 			return "the vmi does not exist"

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -10,6 +11,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/watch"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 )
 
@@ -83,37 +85,80 @@ func TestVMIRecreatedUnderRunningVM(t *testing.T) {
 }
 
 // phaseRecorder watches a namespace's VMIs and records the phases each VMI
-// (by UID) went through.
+// (by UID) went through, and which VMIs were deleted. A watch the server
+// ends is resumed from the last resource version seen.
 type phaseRecorder struct {
-	mu     sync.Mutex
-	phases map[types.UID][]kubevirtv1.VirtualMachineInstancePhase
+	mu      sync.Mutex
+	phases  map[types.UID][]kubevirtv1.VirtualMachineInstancePhase
+	deleted map[types.UID]bool
+	errs    []string
 }
 
 func (n *testNS) recordPhases() *phaseRecorder {
 	n.t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	n.t.Cleanup(cancel)
-	w, err := n.e.virt.VMIs.Watch(ctx, n.name, metav1.ListOptions{})
-	if err != nil {
-		n.t.Fatal(err)
-	}
-	r := &phaseRecorder{phases: map[types.UID][]kubevirtv1.VirtualMachineInstancePhase{}}
+	r := &phaseRecorder{phases: map[types.UID][]kubevirtv1.VirtualMachineInstancePhase{}, deleted: map[types.UID]bool{}}
+	done := make(chan struct{})
+	started := make(chan error, 1)
 	go func() {
-		defer w.Stop()
-		for ev := range w.ResultChan() {
-			vmi, ok := ev.Object.(*kubevirtv1.VirtualMachineInstance)
-			if !ok {
+		defer close(done)
+		rv := ""
+		for ctx.Err() == nil {
+			w, err := n.e.virt.VMIs.Watch(ctx, n.name, metav1.ListOptions{ResourceVersion: rv, AllowWatchBookmarks: true})
+			if started != nil {
+				started <- err
+				started = nil
+			}
+			if err != nil {
+				r.note("watch: " + err.Error())
+				time.Sleep(time.Second)
 				continue
 			}
-			r.mu.Lock()
-			p := r.phases[vmi.UID]
-			if len(p) == 0 || p[len(p)-1] != vmi.Status.Phase {
-				r.phases[vmi.UID] = append(p, vmi.Status.Phase)
+			for ev := range w.ResultChan() {
+				if ev.Type == watch.Error {
+					r.note(fmt.Sprintf("watch error event: %v", ev.Object))
+					rv = "" // start over: a full list re-sends the current states
+					continue
+				}
+				vmi, ok := ev.Object.(*kubevirtv1.VirtualMachineInstance)
+				if !ok {
+					continue
+				}
+				rv = vmi.ResourceVersion
+				if ev.Type == watch.Bookmark {
+					continue
+				}
+				r.mu.Lock()
+				p := r.phases[vmi.UID]
+				if len(p) == 0 || p[len(p)-1] != vmi.Status.Phase {
+					r.phases[vmi.UID] = append(p, vmi.Status.Phase)
+				}
+				if ev.Type == watch.Deleted {
+					r.deleted[vmi.UID] = true
+				}
+				r.mu.Unlock()
 			}
-			r.mu.Unlock()
+			w.Stop()
 		}
 	}()
+	if err := <-started; err != nil {
+		cancel()
+		n.t.Fatalf("watch vmis in %s: %v", n.name, err)
+	}
+	n.t.Cleanup(func() {
+		cancel()
+		<-done
+		if n.t.Failed() && len(r.errs) > 0 {
+			n.t.Logf("vmi watch in %s: %s", n.name, strings.Join(r.errs, "; "))
+		}
+	})
 	return r
+}
+
+func (r *phaseRecorder) note(s string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.errs = append(r.errs, s)
 }
 
 func (r *phaseRecorder) of(uid types.UID) []kubevirtv1.VirtualMachineInstancePhase {

@@ -262,37 +262,20 @@ func containsPhase(phases []kubevirtv1.VirtualMachineInstancePhase, p kubevirtv1
 // it showed until it was gone (and its domain undefined).
 func (n *testNS) deleteAndWatch(name string, grace *int64, timeout time.Duration) []kubevirtv1.VirtualMachineInstancePhase {
 	n.t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), timeout)
-	defer cancel()
-	w, err := n.e.virt.VMIs.Watch(ctx, n.name, metav1.ListOptions{FieldSelector: "metadata.name=" + name})
+	vmi, err := n.getVMI(name)
 	if err != nil {
-		n.t.Fatal(err)
+		n.t.Fatalf("vmi %s/%s: %v", n.name, name, err)
 	}
-	defer w.Stop()
+	rec := n.recordPhases()
 	n.deleteVMI(name, grace)
-	var phases []kubevirtv1.VirtualMachineInstancePhase
-	for {
-		select {
-		case ev, ok := <-w.ResultChan():
-			if !ok {
-				n.t.Fatalf("watch of vmi %s/%s ended before it was gone (phases %v): %s", n.name, name, phases, n.diagnoseVMI(name, nil, ctx.Err()))
-			}
-			vmi, isVMI := ev.Object.(*kubevirtv1.VirtualMachineInstance)
-			if !isVMI {
-				continue
-			}
-			if len(phases) == 0 || phases[len(phases)-1] != vmi.Status.Phase {
-				phases = append(phases, vmi.Status.Phase)
-			}
-			if ev.Type == "DELETED" {
-				n.waitGone(name, 15*time.Second)
-				return phases
-			}
-		case <-ctx.Done():
-			vmi, err := n.getVMI(name)
-			n.t.Fatalf("vmi %s/%s not gone %s after deletion (phases %v): %s", n.name, name, timeout, phases, n.diagnoseVMI(name, vmi, err))
-		}
-	}
+	n.waitGone(name, timeout)
+	// The watch may lag the poll that saw the VMI gone.
+	n.eventually(10*time.Second, "the watch to see the deletion", func() (bool, string) {
+		rec.mu.Lock()
+		defer rec.mu.Unlock()
+		return rec.deleted[vmi.UID], "no DELETED event yet"
+	})
+	return rec.of(vmi.UID)
 }
 
 // TestKilledQEMU: when the guest's QEMU process is killed, the VMI goes
