@@ -77,13 +77,25 @@ func (s *uploadServer) start(ctx context.Context) error {
 	s.srv = &http.Server{Handler: s, ReadHeaderTimeout: 30 * time.Second, ErrorLog: nil}
 	_, port, _ := net.SplitHostPort(ln.Addr().String())
 	url := "https://" + net.JoinHostPort(ip.String(), port)
-	patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:%q}}}`, importstate.NodeUploadEndpoint, url)
-	if _, err := s.a.kube.CoreV1().Nodes().Patch(ctx, cfg.NodeName, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
-		ln.Close()
-		return fmt.Errorf("publish upload endpoint on node %s: %w", cfg.NodeName, err)
-	}
 	s.a.log.Info("upload endpoint listening", "url", url)
+	go s.publish(ctx, url)
 	return nil
+}
+
+// publish writes the endpoint's URL on this node's Node object, retrying
+// while the Node does not exist yet; the brain places uploads only on
+// nodes that published one.
+func (s *uploadServer) publish(ctx context.Context, url string) {
+	name := s.a.cfg.NodeName
+	patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:%q}}}`, importstate.NodeUploadEndpoint, url)
+	_ = waitFor(ctx, func(ctx context.Context) (bool, error) {
+		_, err := s.a.kube.CoreV1().Nodes().Patch(ctx, name, types.MergePatchType, []byte(patch), metav1.PatchOptions{})
+		if err != nil {
+			s.a.log.Warn("cannot publish the upload endpoint yet", "err", err)
+			return false, nil
+		}
+		return true, nil
+	})
 }
 
 func (s *uploadServer) advertiseIP(ln net.Listener) (net.IP, error) {
