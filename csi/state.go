@@ -98,8 +98,10 @@ type pool struct {
 }
 
 func openPool(pc PoolConfig) (*pool, error) {
+	// Directories are traversable by everyone (not listable): QEMU runs as
+	// its own user and must reach a VM's disk.img by its path.
 	for _, dir := range []string{pc.Path, filepath.Join(pc.Path, "volumes"), filepath.Join(pc.Path, "snapshots")} {
-		if err := os.MkdirAll(dir, 0o750); err != nil {
+		if err := os.MkdirAll(dir, 0o711); err != nil {
 			return nil, fmt.Errorf("pool %s: %w", pc.Name, err)
 		}
 	}
@@ -272,7 +274,7 @@ func (d *Driver) activate(v *volume, p *pool, loops map[string][]loopDevice) err
 
 // mountImage loop-mounts the ext4 image at dir unless it already is.
 func mountImage(img, dir string) error {
-	if err := os.MkdirAll(dir, 0o750); err != nil {
+	if err := os.MkdirAll(dir, 0o711); err != nil {
 		return fmt.Errorf("create mount point: %w", err)
 	}
 	mounted, err := isMountpoint(dir)
