@@ -30,9 +30,9 @@ type Config struct {
 	// Namespace is the brain's namespace: it holds the keys, the Service of
 	// the aggregated API and the upload CA.
 	Namespace string
-	// APIAddr is where the aggregated API listens (default ":8481").
+	// APIAddr is where the aggregated API listens (default ":8445").
 	APIAddr string
-	// ProxyAddr is where the upload proxy listens (default ":8482").
+	// ProxyAddr is where the upload proxy listens (default ":8446").
 	ProxyAddr string
 	// AdvertiseIP is the address of the aggregated API published in its
 	// EndpointSlice; empty means the listen host, or this host's first
@@ -52,10 +52,10 @@ func (c *Config) defaults() {
 		c.Namespace = "kubevirt-hyperconverged"
 	}
 	if c.APIAddr == "" {
-		c.APIAddr = ":8481"
+		c.APIAddr = ":8445"
 	}
 	if c.ProxyAddr == "" {
-		c.ProxyAddr = ":8482"
+		c.ProxyAddr = ":8446"
 	}
 	if c.TokenTTL == 0 {
 		c.TokenTTL = 5 * time.Minute
