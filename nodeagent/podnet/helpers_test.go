@@ -128,15 +128,33 @@ func vethInto(t *testing.T, local, peer string, ns *cnitest.NS, mac net.Hardware
 }
 
 // relay stands in for QEMU: it opens the tap as a VM would and copies
-// Ethernet frames between it and a veth whose peer sits in the guest's
-// namespace, so a DHCP client and ping there act like the guest OS.
+// Ethernet frames between it and a veth whose peer is the guest's NIC, so a
+// DHCP client and ping in the guest's namespace act like the guest OS. The
+// relay's end of the veth lives in a namespace of its own: in the node's,
+// the node would answer the guest's ARP on it and bypass the tap.
 type relay struct {
 	tap, port *os.File
 	wg        sync.WaitGroup
 }
 
-func startRelay(t *testing.T, tap, port string) *relay {
+func startRelay(t *testing.T, tap string, guest *cnitest.NS, guestIf string, mac net.HardwareAddr) *relay {
 	t.Helper()
+	wire := newNS(t, "pn-wire")
+	port := "w" + tap
+	vethInto(t, port, guestIf, guest, mac, "")
+	wh, err := os.Open(wire.Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer wh.Close()
+	pl, err := netlink.LinkByName(port)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := netlink.LinkSetNsFd(pl, int(wh.Fd())); err != nil {
+		t.Fatal(err)
+	}
+
 	tfd, err := unix.Open("/dev/net/tun", unix.O_RDWR|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -154,20 +172,26 @@ func startRelay(t *testing.T, tap, port string) *relay {
 		unix.Close(tfd)
 		t.Fatalf("open tap %s: %v", tap, err)
 	}
-	pl, err := netlink.LinkByName(port)
+	var pfd int
+	err = wire.Do(func() error {
+		l, err := netlink.LinkByName(port)
+		if err != nil {
+			return err
+		}
+		if err := netlink.LinkSetUp(l); err != nil {
+			return err
+		}
+		proto := htons(unix.ETH_P_ALL)
+		if pfd, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, int(proto)); err != nil {
+			return err
+		}
+		if err := unix.SetsockoptInt(pfd, unix.SOL_PACKET, unix.PACKET_VNET_HDR, 1); err != nil {
+			return err
+		}
+		return unix.Bind(pfd, &unix.SockaddrLinklayer{Protocol: proto, Ifindex: l.Attrs().Index})
+	})
 	if err != nil {
-		t.Fatal(err)
-	}
-	proto := int(htons(unix.ETH_P_ALL))
-	pfd, err := unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, proto)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := unix.SetsockoptInt(pfd, unix.SOL_PACKET, unix.PACKET_VNET_HDR, 1); err != nil {
-		t.Fatal(err)
-	}
-	if err := unix.Bind(pfd, &unix.SockaddrLinklayer{Protocol: htons(unix.ETH_P_ALL), Ifindex: pl.Attrs().Index}); err != nil {
-		t.Fatal(err)
+		t.Fatalf("relay port: %v", err)
 	}
 	r := &relay{tap: os.NewFile(uintptr(tfd), tap), port: os.NewFile(uintptr(pfd), port)}
 	r.wg.Add(2)
@@ -376,6 +400,15 @@ func dropped(rules, match string) int {
 		}
 	}
 	return 0
+}
+
+// setNeigh pins a neighbour entry on the node's side of the bridge.
+func setNeigh(t *testing.T, ip, mac string) {
+	t.Helper()
+	out, err := exec.Command("ip", "neigh", "replace", ip, "lladdr", mac, "dev", "pntest0", "nud", "permanent").CombinedOutput()
+	if err != nil {
+		t.Fatalf("ip neigh: %v %s", err, out)
+	}
 }
 
 func linkExists(name string) bool {
