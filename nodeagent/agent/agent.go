@@ -50,9 +50,12 @@ type Config struct {
 	// Pools maps storage pool names to directories.
 	Pools map[string]string
 	// Console is the mTLS console/VNC/control server the brain calls;
-	// none when Console.Addr is empty.
+	// none when Console.Addr is "-". Without certificate files it gets one
+	// from the node CA in BrainNamespace.
 	Console console.Config
-	Log     *slog.Logger
+	// BrainNamespace is where the brain keeps its Secrets.
+	BrainNamespace string
+	Log            *slog.Logger
 }
 
 func (c *Config) defaults() {
@@ -70,6 +73,15 @@ func (c *Config) defaults() {
 	}
 	if c.LibvirtURI == "" {
 		c.LibvirtURI = "qemu:///system"
+	}
+	if c.Console.Addr == "" {
+		c.Console.Addr = ":8186"
+	}
+	if c.Console.Addr == "-" {
+		c.Console.Addr = ""
+	}
+	if c.BrainNamespace == "" {
+		c.BrainNamespace = "kubevirt-hyperconverged"
 	}
 	if c.CSISocket == "" {
 		c.CSISocket = "/var/lib/kubelet/plugins/kubevirt.io.hostpath-provisioner/csi.sock"
@@ -142,6 +154,9 @@ func New(cfg Config) (*Agent, error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := consoleTLS(context.Background(), &cfg, kube); err != nil {
+		return nil, err
+	}
 	emulation, reason := decideEmulation(cfg.Emulation)
 	cfg.Log.Info("virtualization", "node", cfg.NodeName, "emulation", emulation, "reason", reason)
 	if cfg.Emulation == EmulationOff && emulation {
@@ -210,6 +225,11 @@ func (a *Agent) Run(ctx context.Context) error {
 		return err
 	}
 	a.deps.Health.Set("node-registered", nil)
+	if a.cfg.Console.Addr != "" {
+		if err := advertiseConsole(ctx, a.cfg, a.deps.Kube, a.cfg.Console.Addr); err != nil {
+			return fmt.Errorf("advertise console server: %w", err)
+		}
+	}
 	log.Info("node registered", "node", a.cfg.NodeName, "standalone", standalone)
 	roles := append([]Role{namedRole{"node", a.reg.Run}}, a.roles...)
 	wg := daemon.Start(ctx, log.With("node", a.cfg.NodeName), a.deps.Health, roles...)

@@ -23,7 +23,7 @@ type Client struct {
 }
 
 func (c *Client) path(namespace, name, what string) string {
-	return "/v1/namespaces/" + url.PathEscape(namespace) + "/vmis/" + url.PathEscape(name) + "/" + what
+	return "/v1/namespaces/" + url.PathEscape(namespace) + "/virtualmachineinstances/" + url.PathEscape(name) + "/" + what
 }
 
 // Console opens the VMI's serial console as a raw stream.

@@ -9,8 +9,8 @@
 //
 // Streams:
 //
-//	GET /v1/namespaces/{namespace}/vmis/{name}/console   serial console (ttyS0)
-//	GET /v1/namespaces/{namespace}/vmis/{name}/vnc       RFB (VNC) display
+//	GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/console   serial console (ttyS0)
+//	GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/vnc       RFB (VNC) display
 //
 // A stream request upgrades the connection in one of two ways:
 //
@@ -31,11 +31,11 @@
 // Controls, each a PUT with an empty body, answered 200 when done (202 for
 // shutdown, which only starts the graceful shutdown):
 //
-//	PUT /v1/namespaces/{namespace}/vmis/{name}/pause
-//	PUT /v1/namespaces/{namespace}/vmis/{name}/unpause
-//	PUT /v1/namespaces/{namespace}/vmis/{name}/softreboot   ACPI reboot request
-//	PUT /v1/namespaces/{namespace}/vmis/{name}/reset        hard reset
-//	PUT /v1/namespaces/{namespace}/vmis/{name}/shutdown     ACPI power button, destroyed after the grace period
+//	PUT /v1/namespaces/{namespace}/virtualmachineinstances/{name}/pause
+//	PUT /v1/namespaces/{namespace}/virtualmachineinstances/{name}/unpause
+//	PUT /v1/namespaces/{namespace}/virtualmachineinstances/{name}/softreboot   ACPI reboot request
+//	PUT /v1/namespaces/{namespace}/virtualmachineinstances/{name}/reset        hard reset
+//	PUT /v1/namespaces/{namespace}/virtualmachineinstances/{name}/shutdown     ACPI power button, destroyed after the grace period
 //
 // Errors are plain-text bodies with 404 (the VMI is not running on this
 // node's books: ErrNotFound), 409 (the VMI has no running domain:
@@ -165,9 +165,9 @@ func New(cfg Config, backend Backend) (*Server, error) {
 	s := &Server{cfg: cfg, log: cfg.Log.With("server", "console"), backend: backend, sessions: map[string]io.Closer{}}
 	s.ln = tls.NewListener(ln, tc)
 	mux := http.NewServeMux()
-	mux.HandleFunc("GET /v1/namespaces/{namespace}/vmis/{name}/console", s.stream("console", backend.Console))
-	mux.HandleFunc("GET /v1/namespaces/{namespace}/vmis/{name}/vnc", s.stream("vnc", backend.VNC))
-	mux.HandleFunc("PUT /v1/namespaces/{namespace}/vmis/{name}/{action}", s.control)
+	mux.HandleFunc("GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/console", s.stream("console", backend.Console))
+	mux.HandleFunc("GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/vnc", s.stream("vnc", backend.VNC))
+	mux.HandleFunc("PUT /v1/namespaces/{namespace}/virtualmachineinstances/{name}/{action}", s.control)
 	s.srv = &http.Server{
 		Handler:           s.authorize(mux),
 		ReadHeaderTimeout: 10 * time.Second,

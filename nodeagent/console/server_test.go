@@ -171,7 +171,7 @@ func TestWebSocketPlainSubprotocol(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg, err := websocket.NewConfig("wss://"+s.Addr()+"/v1/namespaces/ns/vmis/vm/console", "https://brain")
+	cfg, err := websocket.NewConfig("wss://"+s.Addr()+"/v1/namespaces/ns/virtualmachineinstances/vm/console", "https://brain")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -23,7 +23,7 @@ func main() {
 	flag.StringVar(&cfg.LibvirtURI, "libvirt-uri", "qemu:///system", "libvirt connection URI")
 	flag.StringVar(&cfg.CSISocket, "csi-socket", "/var/lib/kubelet/plugins/kubevirt.io.hostpath-provisioner/csi.sock", "CSI driver socket")
 	flag.StringVar(&pools, "pools", "", "storage pools as name=path,name=path (default: local=<state-dir>/pools/local)")
-	flag.StringVar(&cfg.Console.Addr, "console-addr", "", "listen address of the mTLS console/VNC/control server for the brain (empty: none)")
+	flag.StringVar(&cfg.Console.Addr, "console-addr", ":8186", "listen address of the mTLS console/VNC/control server for the brain (- for none)")
 	flag.StringVar(&cfg.Console.CertFile, "console-cert", "", "console server certificate (PEM)")
 	flag.StringVar(&cfg.Console.KeyFile, "console-key", "", "console server key (PEM)")
 	flag.StringVar(&cfg.Console.ClientCAFile, "console-client-ca", "", "CA bundle that client (brain) certificates must chain to")
