@@ -2,12 +2,14 @@ package podnet_test
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -351,6 +353,51 @@ func TestNewValidates(t *testing.T) {
 		c.StateDir = t.TempDir()
 		if _, err := podnet.New(c); err == nil {
 			t.Errorf("New(%+v) accepted", c)
+		}
+	}
+}
+
+// TestConcurrentAttach: attachments made at the same time get distinct
+// addresses, and Teardown removes every tap.
+func TestConcurrentAttach(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	cfg := testConfig(t, t.TempDir())
+	cfg.Bridge, cfg.CIDR = "pnconc0", "10.245.0.0/27"
+	n, err := podnet.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := n.Ensure(ctx); err != nil {
+		t.Fatal(err)
+	}
+	const count = 16
+	ips := make([]net.IP, count)
+	errs := make([]error, count)
+	var wg sync.WaitGroup
+	for i := range count {
+		wg.Go(func() {
+			mac := net.HardwareAddr{2, 0, 0, 0, 2, byte(i)}
+			ips[i], errs[i] = n.Attach(ctx, fmt.Sprintf("ns/vm%d", i), fmt.Sprintf("pnc%d", i), mac, -1)
+		})
+	}
+	wg.Wait()
+	seen := map[string]bool{}
+	for i := range count {
+		if errs[i] != nil {
+			t.Fatal(errs[i])
+		}
+		if seen[ips[i].String()] || !n.Subnet().Contains(ips[i]) {
+			t.Fatalf("address %s duplicated or outside the subnet", ips[i])
+		}
+		seen[ips[i].String()] = true
+	}
+	if err := n.Teardown(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for i := range count {
+		if linkExists(fmt.Sprintf("pnc%d", i)) {
+			t.Fatalf("tap pnc%d left after Teardown", i)
 		}
 	}
 }
