@@ -143,7 +143,9 @@ func (r *Reconciler) Sync(ctx context.Context, key string) (time.Duration, error
 				vm = v
 			}
 		}
-		if a.Spec.Namespace == vm.Namespace && a.Spec.VMName == vm.Name && a.Spec.VMUID == vm.UID {
+		// The owner is recorded once it is known; a UID alone is not worth
+		// a write per address during a burst.
+		if a.Spec.Namespace == vm.Namespace && a.Spec.VMName == vm.Name && (a.Spec.VMUID == vm.UID || a.Spec.VMUID == "") {
 			return 0, nil
 		}
 		a = a.DeepCopy()

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"sync"
 	"time"
 
 	admissionv1 "k8s.io/api/admission/v1"
@@ -123,7 +124,7 @@ func (p *Pool) Assign(ctx context.Context, vm, old *kubevirtv1.VirtualMachine, d
 		return nil, err
 	}
 	seen := map[string]string{}
-	changed := false
+	var auto []int // interfaces that get a fresh address
 	for i := range out {
 		iface := &out[i]
 		if iface.MacAddress != "" {
@@ -148,20 +149,36 @@ func (p *Pool) Assign(ctx context.Context, vm, old *kubevirtv1.VirtualMachine, d
 			}
 			continue
 		}
-		if iface.Bridge == nil && iface.Masquerade == nil {
-			continue
+		if iface.Bridge != nil || iface.Masquerade != nil {
+			auto = append(auto, i)
 		}
-		a, err := p.allocate(ctx, o, iface.Name, dryRun)
-		if err != nil {
-			return fail(fmt.Errorf("interface %s: %w", iface.Name, err))
-		}
-		if !dryRun {
-			made = append(made, a)
-		}
-		iface.MacAddress = a.Spec.MAC
-		seen[a.Spec.MAC] = iface.Name
-		changed = true
 	}
+	// Fresh addresses are persisted in parallel: one round trip per VM.
+	got := make([]*macv1alpha1.MACAllocation, len(auto))
+	errs := make([]error, len(auto))
+	var wg sync.WaitGroup
+	for j, i := range auto {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			got[j], errs[j] = p.allocate(ctx, o, out[i].Name, dryRun)
+		}()
+	}
+	wg.Wait()
+	for j, i := range auto {
+		if got[j] != nil && !dryRun {
+			made = append(made, got[j])
+		}
+		if errs[j] == nil {
+			out[i].MacAddress = got[j].Spec.MAC
+		}
+	}
+	for j, i := range auto {
+		if errs[j] != nil {
+			return fail(fmt.Errorf("interface %s: %w", out[i].Name, errs[j]))
+		}
+	}
+	changed := len(auto) > 0
 	if p.crashAfterPersist != nil && p.crashAfterPersist() {
 		return nil, errors.New("simulated crash after persisting allocations")
 	}

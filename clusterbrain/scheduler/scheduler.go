@@ -475,7 +475,6 @@ func (s *Scheduler) bind(ctx context.Context, vmi *kubevirtv1.VirtualMachineInst
 	if _, err := s.cfg.Virt.VMIs.Patch(ctx, vmi.Namespace, vmi.Name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil && !apierrors.IsNotFound(err) {
 		s.cfg.Log.Warn("label vmi", "namespace", vmi.Namespace, "name", vmi.Name, "err", err)
 	}
-	s.recorder.Eventf(vmi, corev1.EventTypeNormal, "Scheduled", "Successfully assigned %s/%s to %s", vmi.Namespace, vmi.Name, node)
 	s.cfg.Log.Debug("bound", "namespace", vmi.Namespace, "name", vmi.Name, "node", node)
 	return nil
 }

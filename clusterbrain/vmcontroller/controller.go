@@ -36,7 +36,8 @@ type Config struct {
 	Kube kubernetes.Interface
 	Virt *client.Set
 	Log  *slog.Logger
-	// Workers is the number of VMs synced at once (default 8).
+	// Workers is the number of VMs synced at once (default 32; a sync
+	// mostly waits for the API server).
 	Workers int
 	// BackoffBase and BackoffMax bound the delay before a failed VMI is
 	// started again: base·2^(failures-1), at most max (default 10s, 5m,
@@ -65,7 +66,7 @@ func New(cfg Config) (*Controller, error) {
 		cfg.Log = slog.Default()
 	}
 	if cfg.Workers == 0 {
-		cfg.Workers = 8
+		cfg.Workers = 32
 	}
 	if cfg.BackoffBase == 0 {
 		cfg.BackoffBase = 10 * time.Second
