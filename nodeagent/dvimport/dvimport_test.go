@@ -482,3 +482,75 @@ func TestOtherNodesVolumesAreLeftAlone(t *testing.T) {
 		t.Errorf("node-a wrote node-b's volume: %v", err)
 	}
 }
+
+// An import cut short by a stopped agent starts again, counted as a
+// restart, when the agent comes back.
+func TestAgentRestartResumesImport(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	im := serveImages(t)
+	image, err := os.ReadFile(im.raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var requests atomic.Int32
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Length", fmt.Sprint(len(image)))
+		slow := requests.Add(1) == 1
+		for off := 0; off < len(image); off += 256 << 10 {
+			if _, err := w.Write(image[off : off+256<<10]); err != nil {
+				return
+			}
+			if slow {
+				w.(http.Flusher).Flush()
+				select {
+				case <-r.Context().Done():
+					return
+				case <-time.After(200 * time.Millisecond):
+				}
+			}
+		}
+	}))
+	defer srv.Close()
+
+	const nodeC = "node-c"
+	nc := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeC}, Spec: corev1.NodeSpec{Unschedulable: true}}
+	if _, err := e.kube.CoreV1().Nodes().Create(context.Background(), nc, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	dvimporttest.Provision(ctx, t, e.kube, e.ns, nodeC)
+	resolver := dvimporttest.DirResolver{Root: t.TempDir()}
+	startAgent := func(ctx context.Context) chan struct{} {
+		a, err := dvimport.New(dvimport.Config{NodeName: nodeC, Kube: e.kube, Virt: e.virt, Resolver: resolver,
+			ProgressInterval: 100 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		done := make(chan struct{})
+		go func() { defer close(done); _ = a.Run(ctx) }()
+		return done
+	}
+	first, stopFirst := context.WithCancel(ctx)
+	firstDone := startAgent(first)
+
+	e.create(t, newDV(e.ns, "resume", "64Mi", cdiv1.DataVolumeSource{HTTP: &cdiv1.DataVolumeSourceHTTP{URL: srv.URL + "/disk.raw"}}, false))
+	e.waitPhase(t, "resume", cdiv1.WaitForFirstConsumer, 20*time.Second)
+	patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:%q}}}`, importstate.AnnSelectedNode, nodeC)
+	if _, err := e.kube.CoreV1().PersistentVolumeClaims(e.ns).Patch(ctx, "resume", types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	e.waitPhase(t, "resume", cdiv1.ImportInProgress, 30*time.Second)
+	stopFirst()
+	<-firstDone
+	if requests.Load() != 1 {
+		t.Fatalf("%d requests before the restart", requests.Load())
+	}
+	startAgent(ctx)
+	dv := e.waitPhase(t, "resume", cdiv1.Succeeded, 60*time.Second)
+	if dv.Status.RestartCount != 1 {
+		t.Errorf("restartCount %d after one agent restart, want 1", dv.Status.RestartCount)
+	}
+	dvimporttest.SameDisk(t, resolver.Disk(e.pvc(t, "resume")), im.raw)
+}

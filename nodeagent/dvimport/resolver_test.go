@@ -5,7 +5,12 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+
+	"github.com/nodevirt/nodevirt/csi"
 )
+
+// The hostpath CSI driver is what CSIResolver adapts.
+var _ DiskLocator = (*csi.Driver)(nil)
 
 // diskAt is a DiskLocator with one volume.
 type diskAt struct{ path string }
