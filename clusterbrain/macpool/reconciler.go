@@ -108,6 +108,7 @@ func (r *Reconciler) processNext(ctx context.Context) bool {
 	defer r.queue.Done(key)
 	after, err := r.Sync(ctx, key)
 	switch {
+	case err != nil && ctx.Err() != nil:
 	case err != nil:
 		r.cfg.Log.Warn("mac allocation sync", "allocation", key, "err", err)
 		r.queue.AddRateLimited(key)

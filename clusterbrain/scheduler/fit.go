@@ -16,6 +16,8 @@ const (
 	SchedulableLabel = "kubevirt.io/schedulable"
 	BridgePrefix     = "bridge.network.kubevirt.io/"
 	KVMResource      = corev1.ResourceName("devices.kubevirt.io/kvm")
+	// KVMLabel is how nodevirt's nodeagents say a node has working KVM.
+	KVMLabel         = "nodevirt.io/kvm"
 	NADResourceName  = "k8s.v1.cni.cncf.io/resourceName"
 	SelectedNodeAnno = "volume.kubernetes.io/selected-node"
 )
@@ -176,7 +178,7 @@ func filter(req *request, st *nodeState, all []*nodeState) []string {
 		}
 	}
 	if !req.allowEmul {
-		if k, ok := alloc(n, KVMResource); !ok || k == 0 {
+		if k, _ := alloc(n, KVMResource); k == 0 && n.Labels[KVMLabel] != "true" {
 			why = append(why, "lacks kvm")
 		}
 	}

@@ -383,3 +383,28 @@ func TestVolumeLocality(t *testing.T) {
 		t.Errorf("node %s", node)
 	}
 }
+
+func TestKVMRequiredUnlessEmulation(t *testing.T) {
+	e := setup(t)
+	ctx := context.Background()
+	e.node("kvm-no", nodeSpec{cpu: "4", mem: "4Gi", labels: map[string]string{KVMLabel: "false"}})
+	e.node("kvm-yes", nodeSpec{cpu: "4", mem: "1Gi", labels: map[string]string{KVMLabel: "true"}})
+	kv := &kubevirtv1.KubeVirt{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "kubevirt"}}
+	if _, err := e.virt.KubeVirts.Create(ctx, kv); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(300 * time.Millisecond) // let the informer see it
+	e.vmi("needs-kvm", "512Mi", nil)
+	e.wantNode("needs-kvm", "kvm-yes")
+	e.vmi("too-big-for-kvm", "2Gi", nil)
+	e.wantUnschedulable("too-big-for-kvm", "0/2 nodes are available: 1 insufficient memory, 1 lacks kvm.")
+	kv, _ = e.virt.KubeVirts.Get(ctx, e.ns, "kubevirt")
+	kv.Spec.Configuration.DeveloperConfiguration = &kubevirtv1.DeveloperConfiguration{UseEmulation: true}
+	if _, err := e.virt.KubeVirts.Update(ctx, kv); err != nil {
+		t.Fatal(err)
+	}
+	if n := e.waitBound("too-big-for-kvm"); n != "kvm-no" {
+		t.Errorf("with emulation allowed the vmi went to %q", n)
+	}
+	_ = e.virt.KubeVirts.Delete(ctx, e.ns, "kubevirt", metav1.DeleteOptions{})
+}

@@ -152,6 +152,7 @@ func (c *Controller) processNext(ctx context.Context) bool {
 	defer c.queue.Done(key)
 	after, err := c.Sync(ctx, key)
 	switch {
+	case err != nil && ctx.Err() != nil:
 	case err != nil:
 		c.cfg.Log.Warn("sync vm", "vm", key, "err", err)
 		c.queue.AddRateLimited(key)
