@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 
 	k8sv1 "k8s.io/api/core/v1"
 	v1 "kubevirt.io/api/core/v1"
@@ -102,14 +103,8 @@ func (e *Env) cloudInit(path string, vol *v1.Volume) (d cloudInitData, ok bool, 
 // buildCloudInitISO writes the seed of vmi to iso: a NoCloud seed (volume id
 // cidata: meta-data, user-data, network-config) or an OpenStack config drive
 // (volume id config-2: openstack/latest/{meta_data.json,user_data,
-// network_data.json}). The ISO is built beside iso and renamed into place.
+// network_data.json}).
 func buildCloudInitISO(ctx context.Context, vmi *v1.VirtualMachineInstance, d cloudInitData, iso string) error {
-	root, err := os.MkdirTemp(filepath.Dir(iso), ".cloudinit-")
-	if err != nil {
-		return fmt.Errorf("build cloud-init seed: %w", err)
-	}
-	defer os.RemoveAll(root)
-
 	hostname := vmi.Spec.Hostname
 	if hostname == "" {
 		hostname = vmi.Name
@@ -145,13 +140,28 @@ func buildCloudInitISO(ctx context.Context, vmi *v1.VirtualMachineInstance, d cl
 			files["network-config"] = d.networkData
 		}
 	}
+	return buildISO(ctx, iso, volid, files)
+}
+
+// buildISO writes an ISO9660 image (Joliet and Rock Ridge names) with volume
+// id volid holding files (path in the image -> content). It is built beside
+// iso and renamed into place.
+func buildISO(ctx context.Context, iso, volid string, files map[string][]byte) error {
+	root, err := os.MkdirTemp(filepath.Dir(iso), ".iso-")
+	if err != nil {
+		return fmt.Errorf("build iso: %w", err)
+	}
+	defer os.RemoveAll(root)
 	for name, content := range files {
-		p := filepath.Join(root, name)
+		p := filepath.Join(root, filepath.FromSlash(name))
+		if !strings.HasPrefix(p, root+string(filepath.Separator)) {
+			return fmt.Errorf("build iso: file name %q leaves the image", name)
+		}
 		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
-			return fmt.Errorf("build cloud-init seed: %w", err)
+			return fmt.Errorf("build iso: %w", err)
 		}
 		if err := os.WriteFile(p, content, 0o644); err != nil {
-			return fmt.Errorf("build cloud-init seed: %w", err)
+			return fmt.Errorf("build iso: %w", err)
 		}
 	}
 	tmp := iso + ".tmp"
@@ -163,7 +173,7 @@ func buildCloudInitISO(ctx context.Context, vmi *v1.VirtualMachineInstance, d cl
 	}
 	if err := os.Rename(tmp, iso); err != nil {
 		os.Remove(tmp)
-		return fmt.Errorf("build cloud-init seed: %w", err)
+		return fmt.Errorf("build iso: %w", err)
 	}
 	return nil
 }

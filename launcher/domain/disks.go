@@ -104,10 +104,9 @@ func (c *converter) volumeSource(i int, vol *v1.Volume) (volumeSource, bool) {
 		c.fail(fmt.Errorf("containerDisk volumes are not supported yet: %s (%q, image %s)", path, vol.Name, s.ContainerDisk.Image))
 	case s.Sysprep != nil:
 		c.refuse(path+".sysprep", "not supported")
-	case s.ConfigMap != nil:
-		c.refuse(path+".configMap", "not supported")
-	case s.Secret != nil:
-		c.refuse(path+".secret", "not supported")
+	case s.ConfigMap != nil, s.Secret != nil:
+		// An ISO holding one file per key, as KubeVirt presents them.
+		return volumeSource{source: fileSource(c.env.ConfigDiskPath(vol.Name)), format: FormatRaw, readOnly: true}, true
 	case s.DownwardAPI != nil:
 		c.refuse(path+".downwardAPI", "not supported")
 	case s.ServiceAccount != nil:

@@ -58,8 +58,12 @@ type Env struct {
 	// the tap device the node prepared for it.
 	Taps map[string]string
 	// Secrets holds the data of the Secrets the VMI refers to, by Secret name
-	// then key (cloud-init secretRef and networkDataSecretRef).
+	// then key (secret volumes, cloud-init secretRef and
+	// networkDataSecretRef).
 	Secrets map[string]map[string][]byte
+	// ConfigMaps holds the data of the ConfigMaps the VMI's configMap
+	// volumes refer to, by name then key.
+	ConfigMaps map[string]map[string][]byte
 	// Emulator is the QEMU binary; empty lets libvirt choose.
 	Emulator string
 	// OVMFDir holds the UEFI firmware; empty means DefaultOVMFDir.
@@ -120,6 +124,11 @@ func (e *Env) EphemeralPath(volume string) string {
 // CloudInitPath is where the cloud-init seed ISO of a volume is built.
 func (e *Env) CloudInitPath(volume string) string {
 	return filepath.Join(e.StateDir, "cloudinit-"+volume+".iso")
+}
+
+// ConfigDiskPath is where the ISO of a configMap or secret volume is built.
+func (e *Env) ConfigDiskPath(volume string) string {
+	return filepath.Join(e.StateDir, "config-"+volume+".iso")
 }
 
 // NVRAMPath is the UEFI variable store of the VM.

@@ -78,6 +78,15 @@ func Prepare(ctx context.Context, vmi *v1.VirtualMachineInstance, env Env) (err 
 				return fmt.Errorf("%s: host disk: %w", path, err)
 			}
 			created = append(created, p)
+		case s.ConfigMap != nil || s.Secret != nil:
+			p := env.ConfigDiskPath(vol.Name)
+			fresh := !exists(p)
+			if err := buildConfigDisk(ctx, path, vol, env, p); err != nil {
+				return err
+			}
+			if fresh {
+				created = append(created, p)
+			}
 		default:
 			d, ok, err := env.cloudInit(path, vol)
 			if err != nil {
@@ -95,6 +104,46 @@ func Prepare(ctx context.Context, vmi *v1.VirtualMachineInstance, env Env) (err 
 				created = append(created, p)
 			}
 		}
+	}
+	return nil
+}
+
+// DefaultConfigDiskLabel is the volume id of a configMap or secret disk
+// without a volumeLabel.
+const DefaultConfigDiskLabel = "cfgdata"
+
+// buildConfigDisk makes the ISO of a configMap or secret volume: one file
+// per key. A missing optional object gives an empty disk.
+func buildConfigDisk(ctx context.Context, path string, vol *v1.Volume, env Env, iso string) error {
+	var (
+		data     map[string][]byte
+		found    bool
+		optional bool
+		label    string
+		what     string
+	)
+	if cm := vol.ConfigMap; cm != nil {
+		data, found = env.ConfigMaps[cm.Name]
+		optional, label, what = cm.Optional != nil && *cm.Optional, cm.VolumeLabel, "configMap "+cm.Name
+		path += ".configMap"
+	} else {
+		sec := vol.Secret
+		data, found = env.Secrets[sec.SecretName]
+		optional, label, what = sec.Optional != nil && *sec.Optional, sec.VolumeLabel, "secret "+sec.SecretName
+		path += ".secret"
+	}
+	if !found && !optional {
+		return fmt.Errorf("%s: %s was not supplied", path, what)
+	}
+	if label == "" {
+		label = DefaultConfigDiskLabel
+	}
+	files := map[string][]byte{}
+	for k, v := range data {
+		files[k] = v
+	}
+	if err := buildISO(ctx, iso, label, files); err != nil {
+		return fmt.Errorf("%s: %w", path, err)
 	}
 	return nil
 }

@@ -66,13 +66,17 @@ func TestPrepareMakesDisksAndSeeds(t *testing.T) {
 			PersistentVolumeClaim: &k8sv1.PersistentVolumeClaimVolumeSource{ClaimName: "golden"}}}},
 		v1.Volume{Name: "drive", VolumeSource: v1.VolumeSource{CloudInitConfigDrive: &v1.CloudInitConfigDriveSource{
 			UserDataSecretRef: &k8sv1.LocalObjectReference{Name: "ud"}, NetworkData: `{"links":[]}`}}},
+		v1.Volume{Name: "cm", VolumeSource: v1.VolumeSource{ConfigMap: &v1.ConfigMapVolumeSource{
+			LocalObjectReference: k8sv1.LocalObjectReference{Name: "app"}, VolumeLabel: "APPCFG"}}},
+		v1.Volume{Name: "sec", VolumeSource: v1.VolumeSource{Secret: &v1.SecretVolumeSource{SecretName: "ud"}}},
 		v1.Volume{Name: "host", VolumeSource: v1.VolumeSource{HostDisk: &v1.HostDisk{
 			Path: filepath.Join(tmp, "host.img"), Type: v1.HostDiskExistsOrCreate, Capacity: resource.MustParse("2Mi")}}},
 	)
 	env := Env{
-		StateDir: filepath.Join(tmp, "state"),
-		Disks:    map[string]DiskSource{"overlay": {Path: backing}},
-		Secrets:  map[string]map[string][]byte{"ud": {"userdata": []byte("#cloud-config\nfrom: secret\n")}},
+		StateDir:   filepath.Join(tmp, "state"),
+		Disks:      map[string]DiskSource{"overlay": {Path: backing}},
+		Secrets:    map[string]map[string][]byte{"ud": {"userdata": []byte("#cloud-config\nfrom: secret\n")}},
+		ConfigMaps: map[string]map[string][]byte{"app": {"app.conf": []byte("port=8080\n")}},
 	}
 	if err := Prepare(ctx, vmi, env); err != nil {
 		t.Fatal(err)
@@ -117,6 +121,21 @@ func TestPrepareMakesDisksAndSeeds(t *testing.T) {
 		t.Errorf("config drive network_data %q", nd)
 	}
 
+	cm := env.ConfigDiskPath("cm")
+	if id := isoVolumeID(t, cm); id != "APPCFG" {
+		t.Errorf("configMap disk volume id %q", id)
+	}
+	if got := isoFile(t, cm, "/app.conf"); got != "port=8080\n" {
+		t.Errorf("configMap disk app.conf %q", got)
+	}
+	sec := env.ConfigDiskPath("sec")
+	if id := isoVolumeID(t, sec); id != DefaultConfigDiskLabel {
+		t.Errorf("secret disk volume id %q", id)
+	}
+	if got := isoFile(t, sec, "/userdata"); got != "#cloud-config\nfrom: secret\n" {
+		t.Errorf("secret disk userdata %q", got)
+	}
+
 	// Idempotent: a second run keeps the images (guest data) as they are.
 	before, _ := os.Stat(env.EmptyDiskPath("empty"))
 	if err := Prepare(ctx, vmi, env); err != nil {
@@ -142,6 +161,22 @@ func TestPrepareUndoesOnFailure(t *testing.T) {
 	}
 	if _, err := os.Stat(env.StateDir); !os.IsNotExist(err) {
 		t.Fatalf("state dir left behind: %v", err)
+	}
+}
+
+func TestConfigDiskNeedsItsObject(t *testing.T) {
+	vmi := loadVMI(t, "testdata/emulation-headless.yaml")
+	vmi.Spec.Volumes[1].VolumeSource = v1.VolumeSource{ConfigMap: &v1.ConfigMapVolumeSource{
+		LocalObjectReference: k8sv1.LocalObjectReference{Name: "absent"}}}
+	env := Env{StateDir: t.TempDir()}
+	err := Prepare(context.Background(), vmi, env)
+	if err == nil || !strings.Contains(err.Error(), "spec.volumes[1].configMap: configMap absent was not supplied") {
+		t.Fatalf("err = %v", err)
+	}
+	optional := true
+	vmi.Spec.Volumes[1].ConfigMap.Optional = &optional
+	if err := Prepare(context.Background(), vmi, env); err != nil {
+		t.Fatalf("optional configMap: %v", err)
 	}
 }
 
