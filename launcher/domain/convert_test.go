@@ -227,6 +227,9 @@ func TestRefusals(t *testing.T) {
 			v.Spec.Volumes = append(v.Spec.Volumes, v1.Volume{Name: "x", VolumeSource: v1.VolumeSource{
 				EmptyDisk: &v1.EmptyDiskSource{Capacity: resource.MustParse("1Mi")}}})
 		}, `spec.volumes[1]: volume "x" is not used by any disk`, false},
+		{"bad pci address", func(v *v1.VirtualMachineInstance) {
+			v.Spec.Domain.Devices.Interfaces[0].PciAddress = "00:1e.0"
+		}, `spec.domain.devices.interfaces[0].pciAddress: "00:1e.0" is not a PCI address (dddd:bb:ss.f)`, false},
 		{"arm", func(v *v1.VirtualMachineInstance) { v.Spec.Architecture = "arm64" },
 			`spec.architecture: "arm64" is not supported (only amd64)`, true},
 	}

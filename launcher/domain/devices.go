@@ -54,9 +54,6 @@ func (c *converter) interfaces(d *libvirtxml.Domain) {
 		default:
 			c.invalid(path, "no binding method (bridge or masquerade)")
 		}
-		if iface.PciAddress != "" {
-			c.refuse(path+".pciAddress", "not supported")
-		}
 		if iface.DHCPOptions != nil {
 			c.refuse(path+".dhcpOptions", "not supported")
 		}
@@ -100,6 +97,9 @@ func (c *converter) interfaces(d *libvirtxml.Domain) {
 				c.invalid(path+".bootOrder", "must be at least 1")
 			}
 			di.Boot = &libvirtxml.DomainDeviceBoot{Order: *iface.BootOrder}
+		}
+		if iface.PciAddress != "" {
+			di.Address = c.pciAddress(path+".pciAddress", iface.PciAddress)
 		}
 		if iface.ACPIIndex > 0 {
 			di.ACPI = &libvirtxml.DomainDeviceACPI{Index: uint(iface.ACPIIndex)}

@@ -25,6 +25,17 @@ func targetName(prefix string, i int) string {
 	return prefix + s
 }
 
+// pciAddress parses a PCI address written dddd:bb:ss.f (domain:bus:slot.function, hex).
+func (c *converter) pciAddress(path, s string) *libvirtxml.DomainAddress {
+	var dom, bus, slot, fn uint
+	n, err := fmt.Sscanf(s, "%4x:%2x:%2x.%1x", &dom, &bus, &slot, &fn)
+	if err != nil || n != 4 || len(s) != len("0000:00:00.0") || slot > 0x1f || fn > 7 {
+		c.invalid(path, "%q is not a PCI address (dddd:bb:ss.f)", s)
+		return nil
+	}
+	return &libvirtxml.DomainAddress{PCI: &libvirtxml.DomainAddressPCI{Domain: &dom, Bus: &bus, Slot: &slot, Function: &fn}}
+}
+
 // volumeSource is what a volume contributes to a disk.
 type volumeSource struct {
 	source   *libvirtxml.DomainDiskSource
@@ -203,7 +214,10 @@ func (c *converter) disks(d *libvirtxml.Domain) {
 				bus = disk.Disk.Bus
 				readOnly = readOnly || disk.Disk.ReadOnly
 				if disk.Disk.PciAddress != "" {
-					c.refuse(path+".disk.pciAddress", "not supported")
+					if bus := disk.Disk.Bus; bus != "" && bus != v1.DiskBusVirtio {
+						c.invalid(path+".disk.pciAddress", "only a virtio disk has a PCI address")
+					}
+					dd.Address = c.pciAddress(path+".disk.pciAddress", disk.Disk.PciAddress)
 				}
 			}
 			if bus == "" {
