@@ -20,17 +20,24 @@ const DefaultMachineType = "q35"
 type FieldError struct {
 	Path   string
 	Reason string
+	// Unsupported tells a field nodevirt does not implement from an
+	// invalid one; such errors wrap ErrNotSupported.
+	Unsupported bool
 }
 
 func (e *FieldError) Error() string { return e.Path + ": " + e.Reason }
 
+// Unwrap returns ErrNotSupported for an unsupported field.
+func (e *FieldError) Unwrap() error {
+	if e.Unsupported {
+		return ErrNotSupported
+	}
+	return nil
+}
+
 // ErrNotSupported is wrapped by every FieldError made for a field nodevirt
 // does not implement, so callers can tell "not yet" from "invalid".
 var ErrNotSupported = errors.New("not supported")
-
-type unsupported struct{ FieldError }
-
-func (e *unsupported) Unwrap() error { return ErrNotSupported }
 
 // Convert builds the libvirt domain of vmi on a node described by env.
 //
@@ -70,7 +77,7 @@ type converter struct {
 }
 
 func (c *converter) refuse(path, format string, args ...any) {
-	c.errs = append(c.errs, &unsupported{FieldError{Path: path, Reason: fmt.Sprintf(format, args...)}})
+	c.errs = append(c.errs, &FieldError{Path: path, Reason: fmt.Sprintf(format, args...), Unsupported: true})
 }
 
 func (c *converter) invalid(path, format string, args ...any) {

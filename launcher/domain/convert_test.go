@@ -247,6 +247,10 @@ func TestRefusals(t *testing.T) {
 			if got := errors.Is(err, ErrNotSupported); got != tc.unsupMsg {
 				t.Errorf("errors.Is(err, ErrNotSupported) = %v, want %v", got, tc.unsupMsg)
 			}
+			var fe *FieldError
+			if tc.unsupMsg && (!errors.As(err, &fe) || !fe.Unsupported) {
+				t.Errorf("no unsupported *FieldError in %v", err)
+			}
 		})
 	}
 }

@@ -14,9 +14,6 @@ import (
 // <metadata>; libvirt keys custom metadata by it.
 const MetadataNamespace = "https://github.com/nodevirt/nodevirt/launcher/vmi/v1"
 
-// MetadataPrefix is the namespace prefix libvirt writes the element with.
-const MetadataPrefix = "nodevirt"
-
 // Metadata ties a domain to the VMI it runs, so that a restarted agent can map
 // domains back to VMIs.
 type Metadata struct {
