@@ -213,6 +213,10 @@ func (e *env) startDaemons() error {
 		"--state-dir=" + agentDir, "--emulation=on", "--health-addr=" + freeAddr(),
 		"--csi-socket=" + filepath.Join(agentDir, "csi", "csi.sock"),
 		"--pools=local=" + e.path("pools", "local")}
+	// The console server defaults to virt-handler's port 8186, which a lab
+	// on the same host holds: give it a free loopback port (the agent
+	// advertises it on its Node for the brain).
+	agentArgs = append(agentArgs, optionalAddrFlags(filepath.Join(e.bin, "nodeagent"), "127.0.0.1", "console-addr")...)
 	agentArgs = append(agentArgs, optionalAddrFlags(filepath.Join(e.bin, "nodeagent"), "", "upload-addr", "metrics-addr")...)
 	e.agent = newDaemon(e, "nodeagent", agentArgs...)
 	if err := e.brain.start(); err != nil {

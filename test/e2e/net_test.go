@@ -5,6 +5,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	kubevirtv1 "kubevirt.io/api/core/v1"
 )
 
 // pingUserData configures the guest's address (nodevirt.ip= in user-data)
@@ -26,7 +28,7 @@ func pingUserData(self, peer string) string {
 
 // TestBridgePing: two VMs whose NICs use the bridge binding on one
 // NetworkAttachmentDefinition reach each other, each with its MAC from the
-// pool.
+// pool. (VMs, not bare VMIs: the MAC pool serves VMs, as kubemacpool does.)
 func TestBridgePing(t *testing.T) {
 	t.Parallel()
 	e := require(t)
@@ -34,11 +36,11 @@ func TestBridgePing(t *testing.T) {
 	nad, br := n.bridgeNetwork("ping-net")
 	addrs := map[string][2]string{"left": {"10.231.0.1", "10.231.0.2"}, "right": {"10.231.0.2", "10.231.0.1"}}
 	for name, a := range addrs {
-		n.createVMI(n.newVMI(name, withBridge(nad), withUserData(pingUserData(a[0], a[1]))))
+		n.createVM(n.newVM(name, kubevirtv1.RunStrategyAlways, withBridge(nad), withUserData(pingUserData(a[0], a[1]))))
 	}
 	macs := map[string]string{}
 	for name, a := range addrs {
-		vmi := n.waitRunning(name)
+		vmi := n.waitVMIOfVM(name, 2*time.Minute)
 		_, mac := interfaceMAC(vmi)
 		if mac == "" {
 			t.Errorf("vmi %s has no MAC in its spec (clusterbrain/macpool did not assign one)", name)

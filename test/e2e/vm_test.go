@@ -51,11 +51,12 @@ func TestVMStartStop(t *testing.T) {
 			}
 		}
 		if i != 2 {
-			s := n.waitBooted("cycler")
-			m := s.expect(`NODEVIRT-NIC eth0 (\S+)`, 5*time.Second)
+			s := n.serial("cycler")
+			m := s.expect(`NODEVIRT-NIC eth0 (\S+)`, bootTimeout)
 			if !strings.EqualFold(m[1], poolMAC) {
 				t.Errorf("start %d: the guest sees MAC %s, want %s", i, m[1], poolMAC)
 			}
+			s.expect(`NODEVIRT-GUEST-READY`, 30*time.Second)
 		}
 		n.setRunStrategy("cycler", kubevirtv1.RunStrategyHalted)
 		n.waitGone("cycler", 90*time.Second)
@@ -104,21 +105,37 @@ func (n *testNS) recordPhases() *phaseRecorder {
 		defer close(done)
 		rv := ""
 		for ctx.Err() == nil {
-			w, err := n.e.virt.VMIs.Watch(ctx, n.name, metav1.ListOptions{ResourceVersion: rv, AllowWatchBookmarks: true})
+			// The control plane cannot serve a watch without a resource
+			// version (its etcd has no watch progress notifications):
+			// list, record, then watch from the list's version.
+			if rv == "" {
+				var err error
+				if rv, err = r.list(ctx, n); err != nil {
+					if started != nil {
+						started <- err
+						started = nil
+					}
+					r.note("list: " + err.Error())
+					time.Sleep(time.Second)
+					continue
+				}
+			}
+			w, err := n.e.virt.VMIs.Watch(ctx, n.name, metav1.ListOptions{ResourceVersion: rv})
 			if started != nil {
 				started <- err
 				started = nil
 			}
 			if err != nil {
 				r.note("watch: " + err.Error())
+				rv = ""
 				time.Sleep(time.Second)
 				continue
 			}
 			for ev := range w.ResultChan() {
 				if ev.Type == watch.Error {
 					r.note(fmt.Sprintf("watch error event: %v", ev.Object))
-					rv = "" // start over: a full list re-sends the current states
-					continue
+					rv = "" // start over from a list
+					break
 				}
 				vmi, ok := ev.Object.(*kubevirtv1.VirtualMachineInstance)
 				if !ok {
@@ -153,6 +170,36 @@ func (n *testNS) recordPhases() *phaseRecorder {
 		}
 	})
 	return r
+}
+
+// list records the VMIs' current phases and returns a resource version to
+// watch from.
+func (r *phaseRecorder) list(ctx context.Context, n *testNS) (string, error) {
+	// A list of any kind in the namespace tells etcd's current revision.
+	cms, err := n.e.kube.CoreV1().ConfigMaps(n.name).List(ctx, metav1.ListOptions{Limit: 1})
+	if err != nil {
+		return "", err
+	}
+	vmis, err := n.e.virt.VMIs.List(ctx, n.name, metav1.ListOptions{})
+	if err != nil {
+		return "", err
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	present := map[types.UID]bool{}
+	for _, vmi := range vmis {
+		present[vmi.UID] = true
+		p := r.phases[vmi.UID]
+		if len(p) == 0 || p[len(p)-1] != vmi.Status.Phase {
+			r.phases[vmi.UID] = append(p, vmi.Status.Phase)
+		}
+	}
+	for uid := range r.phases {
+		if !present[uid] {
+			r.deleted[uid] = true
+		}
+	}
+	return cms.ResourceVersion, nil
 }
 
 func (r *phaseRecorder) note(s string) {
