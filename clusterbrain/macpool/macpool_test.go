@@ -253,6 +253,9 @@ func TestAdmissionAssignsHonoursRefusesAndFrees(t *testing.T) {
 	if u.Total != 5 || u.Used != 3 || u.Outside != 1 {
 		t.Errorf("usage %+v, want 3 of 5 used and 1 outside", u)
 	}
+	if ru, err := ReadUsage(ctx, Config{RestConfig: e.rc, Virt: e.virt, Namespace: e.ns}); err != nil || ru != u {
+		t.Errorf("ReadUsage %+v %v, want %+v", ru, err, u)
+	}
 
 	// A range change applies without restart.
 	setRange(t, e, "02:cc:00:00:00:00", "02:cc:00:00:00:ff")

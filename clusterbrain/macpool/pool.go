@@ -364,3 +364,43 @@ func hwOf(m uint64) []byte {
 	}
 	return hw
 }
+
+// ReadUsage reads the pool's occupancy straight from the API (the range in
+// force and every allocation), for callers that run no Pool, such as a
+// metrics endpoint. cfg needs RestConfig, Virt and Namespace.
+func ReadUsage(ctx context.Context, cfg Config) (Usage, error) {
+	if err := cfg.defaults(); err != nil {
+		return Usage{}, err
+	}
+	st, err := newStore(cfg.RestConfig)
+	if err != nil {
+		return Usage{}, err
+	}
+	r := DefaultRange
+	if nac, err := cfg.Virt.NetworkAddonsConfigs.Get(ctx, "", "cluster"); err == nil && nac.Spec.KubeMacPool != nil && nac.Spec.KubeMacPool.RangeStart != "" {
+		if got, err := ParseRange(nac.Spec.KubeMacPool.RangeStart, nac.Spec.KubeMacPool.RangeEnd); err == nil {
+			r = got
+		}
+	} else if hco, err := cfg.Virt.HyperConvergeds.Get(ctx, cfg.Namespace, cfg.HyperConverged); err == nil {
+		if c := hco.Spec.KubeMacPoolConfiguration; c != nil && c.RangeStart != nil && c.RangeEnd != nil {
+			if got, err := ParseRange(*c.RangeStart, *c.RangeEnd); err == nil {
+				r = got
+			}
+		}
+	}
+	items, err := st.list(ctx)
+	if err != nil {
+		return Usage{}, fmt.Errorf("list mac allocations: %w", err)
+	}
+	u := Usage{Range: r, Total: r.Size()}
+	for _, a := range items {
+		if m, err := ParseMAC(a.Spec.MAC); err == nil {
+			if r.Contains(m) {
+				u.Used++
+			} else {
+				u.Outside++
+			}
+		}
+	}
+	return u, nil
+}
