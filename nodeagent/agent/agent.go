@@ -87,7 +87,7 @@ func (c *Config) defaults() {
 		c.CSISocket = "/var/lib/kubelet/plugins/kubevirt.io.hostpath-provisioner/csi.sock"
 	}
 	if len(c.Pools) == 0 {
-		c.Pools = map[string]string{"local": c.StateDir + "/pools/local"}
+		c.Pools = map[string]string{csi.DefaultPoolName: c.StateDir + "/pools/" + csi.DefaultPoolName}
 	}
 	if c.Log == nil {
 		c.Log = slog.Default()
@@ -183,8 +183,8 @@ func New(cfg Config) (*Agent, error) {
 	return a, nil
 }
 
-// newVolumes builds the CSI driver over the configured pools, in a stable
-// order so the first pool named "local" (or the first by name) is the default.
+// newVolumes builds the CSI driver over the configured pools; the pool named
+// "default" (else the first by name) serves claims that name no pool.
 func newVolumes(cfg Config) (*csi.Driver, error) {
 	var pools []csi.PoolConfig
 	for name, path := range cfg.Pools {
@@ -192,8 +192,8 @@ func newVolumes(cfg Config) (*csi.Driver, error) {
 	}
 	sort.Slice(pools, func(i, j int) bool { return pools[i].Name < pools[j].Name })
 	def := pools[0].Name
-	if _, ok := cfg.Pools["local"]; ok {
-		def = "local"
+	if _, ok := cfg.Pools[csi.DefaultPoolName]; ok {
+		def = csi.DefaultPoolName
 	}
 	return csi.New(csi.Config{NodeID: cfg.NodeName, Endpoint: cfg.CSISocket,
 		StateRoot: filepath.Join(cfg.StateDir, "csi"), Pools: pools, DefaultPool: def,

@@ -116,7 +116,7 @@ func Up(ctx context.Context, cfg Config) error {
 	if err := startDaemon(cfg, "nodeagent", "--kubeconfig="+agentKC, "--node-name="+cfg.NodeName,
 		"--state-dir="+agentDir, "--emulation="+cfg.Emulation, "--health-addr=127.0.0.1:8481",
 		"--csi-socket="+filepath.Join(agentDir, "csi", "csi.sock"),
-		"--pools=local="+cfg.path("pools", "local")); err != nil {
+		"--pools=default="+cfg.path("pools", "default")); err != nil {
 		return err
 	}
 	step(cfg.Out, "HyperConverged "+hcov1beta1.DefaultNamespace+"/"+hcov1beta1.Name)

@@ -22,7 +22,7 @@ func main() {
 	flag.StringVar(&cfg.Emulation, "emulation", "auto", "auto (probe KVM), on (TCG) or off (require KVM)")
 	flag.StringVar(&cfg.LibvirtURI, "libvirt-uri", "qemu:///system", "libvirt connection URI")
 	flag.StringVar(&cfg.CSISocket, "csi-socket", "/var/lib/kubelet/plugins/kubevirt.io.hostpath-provisioner/csi.sock", "CSI driver socket")
-	flag.StringVar(&pools, "pools", "", "storage pools as name=path,name=path (default: local=<state-dir>/pools/local)")
+	flag.StringVar(&pools, "pools", "", "storage pools as name=path,name=path (default: default=<state-dir>/pools/default)")
 	flag.StringVar(&cfg.Console.Addr, "console-addr", ":8186", "listen address of the mTLS console/VNC/control server for the brain (- for none)")
 	flag.StringVar(&cfg.Console.CertFile, "console-cert", "", "console server certificate (PEM)")
 	flag.StringVar(&cfg.Console.KeyFile, "console-key", "", "console server key (PEM)")
