@@ -75,7 +75,15 @@ func TestDataVolumeImport(t *testing.T) {
 		},
 	}
 	n.createVM(vm)
-	n.eventually(3*time.Minute, "datavolume imported-root Succeeded", func() (bool, string) {
+	n.eventually(90*time.Second, "persistentvolumeclaim imported-root Bound", func() (bool, string) {
+		pvc, err := e.kube.CoreV1().PersistentVolumeClaims(n.name).Get(context.Background(), "imported-root", metav1.GetOptions{})
+		if err != nil {
+			return false, "pvc: " + err.Error() + " (clusterbrain/datavolume creates it); " + n.diagnoseVM("imported", nil)
+		}
+		return pvc.Status.Phase == corev1.ClaimBound, fmt.Sprintf("pvc phase %s, storage class %v; events: %s",
+			pvc.Status.Phase, ptrString(pvc.Spec.StorageClassName), n.events("PersistentVolumeClaim", "imported-root"))
+	})
+	n.eventually(2*time.Minute, "datavolume imported-root Succeeded", func() (bool, string) {
 		dv, err := e.virt.DataVolumes.Get(context.Background(), n.name, "imported-root")
 		if err != nil {
 			return false, "datavolume: " + err.Error() + " (clusterbrain/vmcontroller creates it from dataVolumeTemplates); " + n.diagnoseVM("imported", nil)
@@ -102,4 +110,31 @@ func TestDataVolumeImport(t *testing.T) {
 	if !s.contains(`NODEVIRT-DISK vda \d+`) {
 		t.Errorf("the guest booted from the imported disk but did not report vda")
 	}
+}
+
+func ptrString(p *string) string {
+	if p == nil {
+		return "<nil>"
+	}
+	return *p
+}
+
+// events returns the last events about one object of the test's namespace.
+func (n *testNS) events(kind, name string) string {
+	list, err := n.e.kube.CoreV1().Events(n.name).List(context.Background(), metav1.ListOptions{
+		FieldSelector: "involvedObject.kind=" + kind + ",involvedObject.name=" + name})
+	if err != nil {
+		return err.Error()
+	}
+	var out []string
+	for _, ev := range list.Items {
+		out = append(out, fmt.Sprintf("%s %s: %s", ev.Type, ev.Reason, ev.Message))
+	}
+	if len(out) > 4 {
+		out = out[len(out)-4:]
+	}
+	if len(out) == 0 {
+		return "none"
+	}
+	return strings.Join(out, " | ")
 }

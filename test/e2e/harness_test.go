@@ -212,7 +212,7 @@ func (e *env) startDaemons() error {
 	agentArgs := []string{"--kubeconfig=" + agentKC, "--node-name=" + e.nodeName,
 		"--state-dir=" + agentDir, "--emulation=on", "--health-addr=" + freeAddr(),
 		"--csi-socket=" + filepath.Join(agentDir, "csi", "csi.sock"),
-		"--pools=local=" + e.path("pools", "local")}
+		"--pools=" + poolName() + "=" + e.path("pools", "local")}
 	// The console server defaults to virt-handler's port 8186, which a lab
 	// on the same host holds: give it a free loopback port (the agent
 	// advertises it on its Node for the brain).
@@ -442,4 +442,13 @@ func sweepStale() {
 			os.RemoveAll(dir)
 		}
 	}
+}
+
+// poolName is the name of the agent's storage pool: "local", as the lab
+// names it, unless NODEVIRT_E2E_POOL says otherwise (to try a fix).
+func poolName() string {
+	if p := os.Getenv("NODEVIRT_E2E_POOL"); p != "" {
+		return p
+	}
+	return "local"
 }
