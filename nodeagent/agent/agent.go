@@ -55,6 +55,9 @@ type Config struct {
 	Console console.Config
 	// BrainNamespace is where the brain keeps its Secrets.
 	BrainNamespace string
+	// UploadAddr receives uploads from the brain's upload proxy over mutual
+	// TLS; "-" for none.
+	UploadAddr string
 	Log            *slog.Logger
 }
 
@@ -79,6 +82,12 @@ func (c *Config) defaults() {
 	}
 	if c.Console.Addr == "-" {
 		c.Console.Addr = ""
+	}
+	if c.UploadAddr == "" {
+		c.UploadAddr = ":8447"
+	}
+	if c.UploadAddr == "-" {
+		c.UploadAddr = ""
 	}
 	if c.BrainNamespace == "" {
 		c.BrainNamespace = "kubevirt-hyperconverged"

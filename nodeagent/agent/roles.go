@@ -7,6 +7,7 @@ var nodeRoles = []RoleFactory{
 	newCSIRole,
 	newProvisionerRole,
 	newBridgeMarkerRole,
+	newImportRole,
 	func(d *Deps) (Role, error) {
 		return handler.New(handler.Config{NodeName: d.Config.NodeName, StateDir: d.Config.StateDir + "/vms", LibvirtURI: d.Config.LibvirtURI, Emulation: d.Emulation, Kube: d.Kube, Virt: d.Virt, Volumes: d.Volumes, Console: d.Config.Console, Log: d.Log})
 	},

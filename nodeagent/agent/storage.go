@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 
+	"github.com/nodevirt/nodevirt/nodeagent/dvimport"
 	"github.com/nodevirt/nodevirt/nodeagent/provisioner"
 )
 
@@ -27,4 +28,16 @@ func newProvisionerRole(d *Deps) (Role, error) {
 		return nil, err
 	}
 	return namedRole{"provisioner", p.Run}, nil
+}
+
+// newImportRole fills this node's volumes for DataVolumes (HTTP, registry,
+// blank, clone) and receives uploads from the brain's upload proxy.
+func newImportRole(d *Deps) (Role, error) {
+	a, err := dvimport.New(dvimport.Config{NodeName: d.Config.NodeName, Kube: d.Kube, Virt: d.Virt,
+		Resolver: dvimport.CSIResolver(d.Volumes), BrainNamespace: d.Config.BrainNamespace,
+		UploadAddr: d.Config.UploadAddr, Log: d.Log.With("role", "importer")})
+	if err != nil {
+		return nil, err
+	}
+	return namedRole{"importer", a.Run}, nil
 }

@@ -23,6 +23,8 @@ func main() {
 	flag.StringVar(&cfg.LibvirtURI, "libvirt-uri", "qemu:///system", "libvirt connection URI")
 	flag.StringVar(&cfg.CSISocket, "csi-socket", "/var/lib/kubelet/plugins/kubevirt.io.hostpath-provisioner/csi.sock", "CSI driver socket")
 	flag.StringVar(&pools, "pools", "", "storage pools as name=path,name=path (default: default=<state-dir>/pools/default)")
+	flag.StringVar(&cfg.UploadAddr, "upload-addr", ":8447", "listen address of the upload receiver for the brain's upload proxy (- for none)")
+	flag.StringVar(&cfg.BrainNamespace, "brain-namespace", "kubevirt-hyperconverged", "namespace of the brain's Secrets (node CA)")
 	flag.StringVar(&cfg.Console.Addr, "console-addr", ":8186", "listen address of the mTLS console/VNC/control server for the brain (- for none)")
 	flag.StringVar(&cfg.Console.CertFile, "console-cert", "", "console server certificate (PEM)")
 	flag.StringVar(&cfg.Console.KeyFile, "console-key", "", "console server key (PEM)")
