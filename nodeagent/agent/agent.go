@@ -58,7 +58,7 @@ type Config struct {
 	// UploadAddr receives uploads from the brain's upload proxy over mutual
 	// TLS; "-" for none.
 	UploadAddr string
-	Log            *slog.Logger
+	Log        *slog.Logger
 }
 
 func (c *Config) defaults() {
