@@ -201,7 +201,7 @@ func TestBootRealGuest(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer func() { m.Close() }()
+	t.Cleanup(func() { m.Close() }) // m is replaced below; this closes the last one, after the undefine below
 
 	vmi := bootVMI(fmt.Sprintf("boot-%d", os.Getpid()))
 	tap := fmt.Sprintf("nvlt%d", os.Getpid()%100000)

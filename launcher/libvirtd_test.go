@@ -152,7 +152,7 @@ func TestShutdownDestroysAfterGrace(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer m.Close()
+	t.Cleanup(func() { m.Close() }) // after the cleanups registered below
 	vmi := bootVMI(fmt.Sprintf("grace-%d", os.Getpid()))
 	vmi.Spec.StartStrategy = nil
 	vmi.Spec.Domain.Devices.Interfaces = nil
