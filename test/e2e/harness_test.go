@@ -212,7 +212,7 @@ func (e *env) startDaemons() error {
 	agentArgs := []string{"--kubeconfig=" + agentKC, "--node-name=" + e.nodeName,
 		"--state-dir=" + agentDir, "--emulation=on", "--health-addr=" + freeAddr(),
 		"--csi-socket=" + filepath.Join(agentDir, "csi", "csi.sock"),
-		"--pools=" + poolName() + "=" + e.path("pools", "local")}
+		"--pools=" + poolName() + "=" + e.path("pools", poolName())}
 	// The console server defaults to virt-handler's port 8186, which a lab
 	// on the same host holds: give it a free loopback port (the agent
 	// advertises it on its Node for the brain).
@@ -444,11 +444,11 @@ func sweepStale() {
 	}
 }
 
-// poolName is the name of the agent's storage pool: "local", as the lab
-// names it, unless NODEVIRT_E2E_POOL says otherwise (to try a fix).
+// poolName is the name of the agent's storage pool: "default", as the lab
+// names it, unless NODEVIRT_E2E_POOL says otherwise.
 func poolName() string {
 	if p := os.Getenv("NODEVIRT_E2E_POOL"); p != "" {
 		return p
 	}
-	return "local"
+	return "default"
 }
