@@ -9,11 +9,13 @@
 //   - Scheduled, no domain: add the finalizer nodevirt.io/virt-handler,
 //     resolve volumes (PVC/DataVolume → PV → CSI volume handle → disk), read
 //     cloud-init Secrets, attach a tap per bridge NIC to the bridge of its
-//     NetworkAttachmentDefinition, convert (launcher/domain), define and
-//     start (paused for startStrategy Paused).
+//     NetworkAttachmentDefinition and a tap per pod network NIC (masquerade)
+//     to the node's pod network (package podnet), convert (launcher/domain),
+//     define and start (paused for startStrategy Paused).
 //   - a domain exists: phase, conditions (Ready, Paused, LiveMigratable,
-//     Synchronized), status.interfaces and the annotations
-//     nodevirt.io/qemu-pid and nodevirt.io/emulation follow the domain.
+//     Synchronized), status.interfaces (with the pod network's address of
+//     pod network NICs) and the annotations nodevirt.io/qemu-pid and
+//     nodevirt.io/emulation follow the domain.
 //     Libvirt's lifecycle events trigger the reconcile; nothing polls.
 //   - the guest powered off: Succeeded; QEMU died or the guest panicked:
 //     Failed with status.reason; a final VMI's domain is undefined, its taps
@@ -25,9 +27,9 @@
 // Domains are persistent libvirt domains whose QEMU is libvirtd's child:
 // they outlive the agent. A restarted handler finds them by name
 // (<namespace>_<name>) and checks the VMI UID in their metadata before
-// adopting them; it never touches a domain whose VMI state it did not
-// create (Config.StateDir), so several agents may share one libvirtd in
-// tests.
+// adopting them (attaching their pod network taps again); it never
+// touches a domain whose VMI state it did not create (Config.StateDir), so
+// several agents may share one libvirtd in tests.
 //
 // Pause, unpause, soft reboot, reset, shutdown and the console and VNC
 // streams are methods the console server (package console) calls for the
@@ -102,6 +104,13 @@ type Config struct {
 	Virt *client.Set
 	// Volumes resolves CSI volume handles; may be nil (see VolumeResolver).
 	Volumes VolumeResolver
+	// PodNetwork is the node's NAT network for pod network interfaces
+	// (masquerade, or bridge binding on the pod network); nil: none, and
+	// VMIs using it fail (see PodNetwork).
+	PodNetwork PodNetwork
+	// PodNetworkErr is why PodNetwork could not be set up at start; VMIs
+	// that need it wait with this error in their Synchronized condition.
+	PodNetworkErr error
 	// NetStateDir overrides the bridge package's state directory in every
 	// NetworkAttachmentDefinition config (tests); empty keeps the config's.
 	NetStateDir string
@@ -154,7 +163,8 @@ type Handler struct {
 	lv       *launcher.Manager // set while Run runs
 	runCtx   context.Context
 	stopping map[types.UID]bool
-	bg       sync.WaitGroup // graceful shutdowns under way
+	adopted  map[types.UID]bool // pod network taps attached in this run
+	bg       sync.WaitGroup     // graceful shutdowns under way
 	ready    chan struct{}
 }
 
@@ -171,6 +181,7 @@ func New(cfg Config) (*Handler, error) {
 		cfg:      cfg,
 		log:      cfg.Log.With("role", "virt-handler", "node", cfg.NodeName),
 		stopping: map[types.UID]bool{},
+		adopted:  map[types.UID]bool{},
 		ready:    make(chan struct{}),
 	}
 	selector := v1.NodeNameLabel + "=" + cfg.NodeName
@@ -262,6 +273,9 @@ func (h *Handler) Run(ctx context.Context) error {
 	go func() { defer wg.Done(); h.watchDomains(ctx, lv) }()
 	if err := h.queueOwnDomains(ctx, lv); err != nil {
 		h.log.Warn("listing domains", "err", err)
+	}
+	if err := h.sweepPodNetwork(ctx); err != nil {
+		h.log.Warn("detaching stale pod network interfaces", "err", err)
 	}
 	if h.console != nil {
 		wg.Add(1)

@@ -17,10 +17,6 @@ import (
 	"github.com/nodevirt/nodevirt/cni/bridge"
 )
 
-// errPodNetwork refuses what is not built yet: the pod network needs a
-// per-node NAT bridge with DHCP.
-var errPodNetwork = errors.New("the pod network (masquerade or bridge binding on spec.networks[].pod) is not supported by nodevirt yet: use a Multus network with the bridge binding")
-
 // tapName is the deterministic tap of a VMI's interface: an agent restart
 // finds the same device.
 func tapName(uid types.UID, iface string) string {
@@ -28,8 +24,9 @@ func tapName(uid types.UID, iface string) string {
 	return "nvt" + hex.EncodeToString(sum[:])[:11]
 }
 
-// plannedTaps decides the tap of every bridge NIC of vmi and the network
-// config to attach it with; no device is made.
+// plannedTaps decides the tap of every NIC of vmi and what to attach it to:
+// the bridge of its Multus network (with that network's config) or the
+// node's pod network (with its MAC); no device is made.
 func (h *Handler) plannedTaps(ctx context.Context, vmi *v1.VirtualMachineInstance) ([]tapRecord, error) {
 	networks := map[string]*v1.Network{}
 	for i := range vmi.Spec.Networks {
@@ -46,7 +43,12 @@ func (h *Handler) plannedTaps(ctx context.Context, vmi *v1.VirtualMachineInstanc
 			continue
 		}
 		if n.Pod != nil {
-			return nil, fmt.Errorf("%s (%s): %w", path, iface.Name, errPodNetwork)
+			t, err := h.podTap(vmi, &iface, path)
+			if err != nil {
+				return nil, err
+			}
+			out = append(out, t)
+			continue
 		}
 		if n.Multus == nil {
 			return nil, fmt.Errorf("%w: %s (%s): the network has no source (pod or multus)", errSpec, path, iface.Name)
@@ -101,13 +103,19 @@ func (h *Handler) netConf(raw []byte) (*bridge.NetConf, error) {
 }
 
 // attachTaps makes (or re-adopts) every planned tap on its bridge with the
-// interface's MAC.
+// interface's MAC, or on the pod network.
 func (h *Handler) attachTaps(ctx context.Context, vmi *v1.VirtualMachineInstance, taps []tapRecord) error {
 	macs := map[string]string{}
 	for _, iface := range vmi.Spec.Domain.Devices.Interfaces {
 		macs[iface.Name] = iface.MacAddress
 	}
 	for _, t := range taps {
+		if t.Pod {
+			if err := h.attachPodTap(ctx, podKey(vmi.Namespace, vmi.Name, vmi.UID), t); err != nil {
+				return err
+			}
+			continue
+		}
 		conf, err := h.netConf(t.NetConf)
 		if err != nil {
 			return fmt.Errorf("interface %s: %w", t.Interface, err)
@@ -129,6 +137,10 @@ func (h *Handler) attachTaps(ctx context.Context, vmi *v1.VirtualMachineInstance
 func (h *Handler) detachTaps(ctx context.Context, r *record) error {
 	var errs []error
 	for _, t := range r.Taps {
+		if t.Pod {
+			errs = append(errs, h.detachPodTap(ctx, r, t))
+			continue
+		}
 		conf, err := h.netConf(t.NetConf)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("tap %s: %w", t.Tap, err))

@@ -24,12 +24,15 @@ type record struct {
 	Taps      []tapRecord `json:"taps,omitempty"`
 }
 
-// tapRecord is one tap attached for a bridge NIC, with the network config
-// it was attached with (DetachTap needs it).
+// tapRecord is one tap attached for a NIC: on a Multus bridge network with
+// the network config it was attached with (DetachTap needs it), or on the
+// pod network with its MAC.
 type tapRecord struct {
 	Interface string          `json:"interface"`
 	Tap       string          `json:"tap"`
-	NetConf   json.RawMessage `json:"netConf"`
+	NetConf   json.RawMessage `json:"netConf,omitempty"`
+	Pod       bool            `json:"pod,omitempty"`
+	MAC       string          `json:"mac,omitempty"`
 }
 
 func (h *Handler) vmDir(uid types.UID) string { return filepath.Join(h.cfg.StateDir, string(uid)) }

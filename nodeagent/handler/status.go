@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"maps"
+	"net"
 	"slices"
 	"strconv"
 
@@ -47,7 +48,10 @@ func (h *Handler) observe(ctx context.Context, lv *launcher.Manager, vmi *v1.Vir
 			return err
 		}
 		out.Annotations[AnnotationEmulation] = strconv.FormatBool(xml.Type == "qemu")
-		out.Status.Interfaces = interfaceStatus(vmi, xml.Devices)
+		if err := h.readoptPodTaps(ctx, vmi); err != nil {
+			return err
+		}
+		out.Status.Interfaces = interfaceStatus(vmi, xml.Devices, h.podLeases)
 		if info.State == launcher.StatePaused {
 			reason := "PausedByUser"
 			if info.Reason == "ioerror" {
@@ -103,26 +107,47 @@ func (h *Handler) stoppedPhase(vmi *v1.VirtualMachineInstance, info launcher.Dom
 	return v1.Failed, ReasonStopped, "the domain stopped (" + info.Reason + ")"
 }
 
-// interfaceStatus lists the VMI's interfaces with the MACs the domain uses.
-func interfaceStatus(vmi *v1.VirtualMachineInstance, devs *libvirtxml.DomainDeviceList) []v1.VirtualMachineInstanceNetworkInterface {
-	macs := map[string]string{}
+// interfaceStatus lists the VMI's interfaces with the MACs the domain uses
+// and, for pod network interfaces, the address leases (interface name →
+// address, given the interface MACs) returns.
+func interfaceStatus(vmi *v1.VirtualMachineInstance, devs *libvirtxml.DomainDeviceList,
+	leases func(*v1.VirtualMachineInstance, map[string]string) map[string]net.IP) []v1.VirtualMachineInstanceNetworkInterface {
+	domMACs := map[string]string{}
 	if devs != nil {
 		for _, i := range devs.Interfaces {
 			if i.Alias != nil && i.MAC != nil {
-				macs[i.Alias.Name] = i.MAC.Address
+				domMACs[i.Alias.Name] = i.MAC.Address
 			}
 		}
 	}
-	var out []v1.VirtualMachineInstanceNetworkInterface
+	macs := map[string]string{}
 	for _, iface := range vmi.Spec.Domain.Devices.Interfaces {
 		if iface.State == v1.InterfaceStateAbsent {
 			continue
 		}
 		mac := iface.MacAddress
 		if mac == "" {
-			mac = macs["ua-"+iface.Name]
+			mac = domMACs["ua-"+iface.Name]
 		}
+		macs[iface.Name] = mac
+	}
+	var leased map[string]net.IP
+	if leases != nil {
+		leased = leases(vmi, macs)
+	}
+	var out []v1.VirtualMachineInstanceNetworkInterface
+	for _, iface := range vmi.Spec.Domain.Devices.Interfaces {
+		if iface.State == v1.InterfaceStateAbsent {
+			continue
+		}
+		mac := macs[iface.Name]
 		st := v1.VirtualMachineInstanceNetworkInterface{Name: iface.Name, MAC: mac, InfoSource: "domain"}
+		if ip := leased[iface.Name]; ip != nil {
+			// The pod network's DHCP server hands the guest this address.
+			st.IP, st.IPs = ip.String(), []string{ip.String()}
+			out = append(out, st)
+			continue
+		}
 		// Keep addresses someone else (a guest agent reader) learnt.
 		for _, old := range vmi.Status.Interfaces {
 			if old.Name == iface.Name && old.MAC == mac {

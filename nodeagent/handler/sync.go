@@ -129,7 +129,7 @@ func (h *Handler) start(ctx context.Context, lv *launcher.Manager, vmi *v1.Virtu
 	for _, t := range taps {
 		env.Taps[t.Interface] = t.Tap
 	}
-	dom, err := domain.Convert(vmi, env)
+	dom, err := domain.Convert(withPodMACs(vmi, taps), env)
 	if err != nil {
 		return nil, err
 	}
@@ -143,6 +143,7 @@ func (h *Handler) start(ctx context.Context, lv *launcher.Manager, vmi *v1.Virtu
 	if err := h.attachTaps(ctx, vmi, taps); err != nil {
 		return nil, err
 	}
+	h.markAdopted(vmi.UID, true)
 	if err := domain.Prepare(ctx, vmi, env); err != nil {
 		return nil, err
 	}
@@ -289,6 +290,7 @@ func (h *Handler) cleanup(ctx context.Context, lv *launcher.Manager, uid types.U
 	}
 	h.mu.Lock()
 	delete(h.stopping, uid)
+	delete(h.adopted, uid)
 	h.mu.Unlock()
 	h.log.Info("domain cleaned up", "domain", domName, "uid", uid)
 	return nil
