@@ -26,6 +26,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/launcher/libvirttest"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
 
@@ -96,6 +97,9 @@ func Up(ctx context.Context, cfg Config) error {
 		return err
 	}
 	step(cfg.Out, "libvirtd and virtlogd")
+	if err := libvirttest.KVMDeviceAccess(); err != nil {
+		return err
+	}
 	if err := startLibvirt(cfg); err != nil {
 		return err
 	}
