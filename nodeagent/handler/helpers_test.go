@@ -57,6 +57,9 @@ type node struct {
 	csi      *csi.Driver
 	csiRoot  string
 	lv       *launcher.Manager
+	// pod is the pod network handlers of this node get (none when nil).
+	pod    PodNetwork
+	podErr error
 }
 
 // reachableDir makes a directory the qemu user can traverse, removed at the
@@ -122,6 +125,7 @@ func (n *node) handler(emulation bool) (h *Handler, stop func()) {
 	h, err := New(Config{
 		NodeName: n.name, StateDir: n.stateDir, LibvirtURI: n.uri, Emulation: emulation,
 		Kube: n.kube, Virt: n.virt, Volumes: n.csi, NetStateDir: n.netState, ShutdownRetry: 2 * time.Second,
+		PodNetwork: n.pod, PodNetworkErr: n.podErr,
 		Console: n.pki.ServerConfig("127.0.0.1:0"),
 		Log:     slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelInfo})).With("node", n.name),
 	})
