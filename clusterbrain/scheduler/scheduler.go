@@ -196,16 +196,7 @@ func (s *Scheduler) Run(ctx context.Context) error {
 	go func() { <-ctx.Done(); s.queue.ShutDown() }()
 	s.events.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: s.cfg.Kube.CoreV1().Events("")})
 	defer s.events.Shutdown()
-	s.factory.Start(ctx.Done())
-	go s.vmis.RunWithContext(ctx)
-	go s.nads.RunWithContext(ctx)
-	go s.kvs.RunWithContext(ctx)
-	for _, ok := range s.factory.WaitForCacheSync(ctx.Done()) {
-		if !ok {
-			return ctx.Err()
-		}
-	}
-	if !cache.WaitForCacheSync(ctx.Done(), s.nodes.HasSynced, s.vmis.HasSynced, s.nads.HasSynced, s.kvs.HasSynced) {
+	if !s.startInformers(ctx) {
 		return ctx.Err()
 	}
 	s.cfg.Log.Info("scheduler started")
@@ -227,6 +218,21 @@ func (s *Scheduler) Run(ctx context.Context) error {
 			return nil
 		}
 	}
+}
+
+// startInformers fills the caches decisions read; it reports false when
+// ctx ended first.
+func (s *Scheduler) startInformers(ctx context.Context) bool {
+	s.factory.Start(ctx.Done())
+	go s.vmis.RunWithContext(ctx)
+	go s.nads.RunWithContext(ctx)
+	go s.kvs.RunWithContext(ctx)
+	for _, ok := range s.factory.WaitForCacheSync(ctx.Done()) {
+		if !ok {
+			return false
+		}
+	}
+	return cache.WaitForCacheSync(ctx.Done(), s.nodes.HasSynced, s.vmis.HasSynced, s.nads.HasSynced, s.kvs.HasSynced)
 }
 
 // Sync takes the placement decision for the VMI named key and starts its

@@ -122,10 +122,7 @@ func (c *Controller) Run(ctx context.Context) error {
 	go func() { <-ctx.Done(); c.queue.ShutDown() }()
 	c.events.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: c.cfg.Kube.CoreV1().Events("")})
 	defer c.events.Shutdown()
-	go c.vms.RunWithContext(ctx)
-	go c.vmis.RunWithContext(ctx)
-	go c.dvs.RunWithContext(ctx)
-	if !cache.WaitForCacheSync(ctx.Done(), c.vms.HasSynced, c.vmis.HasSynced, c.dvs.HasSynced) {
+	if !c.startInformers(ctx) {
 		return ctx.Err()
 	}
 	c.cfg.Log.Info("vm controller started")
@@ -142,6 +139,15 @@ func (c *Controller) Run(ctx context.Context) error {
 	}
 	wg.Wait()
 	return nil
+}
+
+// startInformers fills the caches Sync reads; it reports false when ctx
+// ended first.
+func (c *Controller) startInformers(ctx context.Context) bool {
+	go c.vms.RunWithContext(ctx)
+	go c.vmis.RunWithContext(ctx)
+	go c.dvs.RunWithContext(ctx)
+	return cache.WaitForCacheSync(ctx.Done(), c.vms.HasSynced, c.vmis.HasSynced, c.dvs.HasSynced)
 }
 
 func (c *Controller) processNext(ctx context.Context) bool {
