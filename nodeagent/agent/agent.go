@@ -23,6 +23,7 @@ import (
 	"github.com/nodevirt/nodevirt/nodeagent/console"
 	"github.com/nodevirt/nodevirt/nodeagent/kvm"
 	"github.com/nodevirt/nodevirt/nodeagent/node"
+	"github.com/nodevirt/nodevirt/nodeagent/podnet"
 )
 
 // Emulation modes.
@@ -58,7 +59,13 @@ type Config struct {
 	// UploadAddr receives uploads from the brain's upload proxy over mutual
 	// TLS; "-" for none.
 	UploadAddr string
-	Log        *slog.Logger
+	// PodCIDR is the node subnet of the pod network (masquerade
+	// interfaces), podnet.DefaultCIDR when empty; "-" for no pod network.
+	PodCIDR string
+	// PodBridge is the pod network's bridge, podnet.DefaultBridge when
+	// empty. Its state lives in <StateDir>/podnet.
+	PodBridge string
+	Log       *slog.Logger
 }
 
 func (c *Config) defaults() {
@@ -88,6 +95,12 @@ func (c *Config) defaults() {
 	}
 	if c.UploadAddr == "-" {
 		c.UploadAddr = ""
+	}
+	if c.PodCIDR == "" {
+		c.PodCIDR = podnet.DefaultCIDR
+	}
+	if c.PodBridge == "" {
+		c.PodBridge = podnet.DefaultBridge
 	}
 	if c.BrainNamespace == "" {
 		c.BrainNamespace = "kubevirt-hyperconverged"
@@ -128,6 +141,10 @@ type Deps struct {
 	// Volumes is the node's hostpath CSI driver, served on the CSI socket
 	// and called in-process for disk paths and provisioning.
 	Volumes *csi.Driver
+	// PodNetwork is the node's pod network (nil with PodCIDR "-");
+	// PodNetworkErr is why its setup at start failed, if it did.
+	PodNetwork    *podnet.Network
+	PodNetworkErr error
 }
 
 // Role is one job of the node agent.
@@ -181,6 +198,9 @@ func New(cfg Config) (*Agent, error) {
 	}
 	d := &Deps{Config: cfg, RestConfig: rc, Kube: kube, Virt: virt, Log: cfg.Log,
 		Health: daemon.NewHealth("node-registered"), Emulation: emulation, Volumes: volumes}
+	if d.PodNetwork, d.PodNetworkErr, err = setupPodNetwork(cfg); err != nil {
+		return nil, err
+	}
 	a := &Agent{cfg: cfg, deps: d, reg: reg}
 	for _, f := range nodeRoles {
 		r, err := f(d)

@@ -8,7 +8,12 @@ var nodeRoles = []RoleFactory{
 	newProvisionerRole,
 	newBridgeMarkerRole,
 	newImportRole,
+	newPodNetworkRole,
 	func(d *Deps) (Role, error) {
-		return handler.New(handler.Config{NodeName: d.Config.NodeName, StateDir: d.Config.StateDir + "/vms", LibvirtURI: d.Config.LibvirtURI, Emulation: d.Emulation, Kube: d.Kube, Virt: d.Virt, Volumes: d.Volumes, Console: d.Config.Console, Log: d.Log})
+		cfg := handler.Config{NodeName: d.Config.NodeName, StateDir: d.Config.StateDir + "/vms", LibvirtURI: d.Config.LibvirtURI, Emulation: d.Emulation, Kube: d.Kube, Virt: d.Virt, Volumes: d.Volumes, Console: d.Config.Console, Log: d.Log}
+		if d.PodNetwork != nil {
+			cfg.PodNetwork, cfg.PodNetworkErr = d.PodNetwork, d.PodNetworkErr
+		}
+		return handler.New(cfg)
 	},
 }

@@ -15,6 +15,7 @@ import (
 func main() {
 	var cfg agent.Config
 	var pools, consoleClients string
+	var teardownPodnet bool
 	flag.StringVar(&cfg.Kubeconfig, "kubeconfig", os.Getenv("KUBECONFIG"), "kubeconfig path")
 	flag.StringVar(&cfg.NodeName, "node-name", "", "node name (default: host name)")
 	flag.StringVar(&cfg.StateDir, "state-dir", "/var/lib/nodevirt", "state directory")
@@ -30,6 +31,9 @@ func main() {
 	flag.StringVar(&cfg.Console.KeyFile, "console-key", "", "console server key (PEM)")
 	flag.StringVar(&cfg.Console.ClientCAFile, "console-client-ca", "", "CA bundle that client (brain) certificates must chain to")
 	flag.StringVar(&consoleClients, "console-allowed-clients", "", "comma-separated client certificate names allowed (empty: any the CA signed)")
+	flag.StringVar(&cfg.PodCIDR, "pod-cidr", "10.244.0.0/24", "IPv4 subnet of the node's pod network for masquerade interfaces (- for none)")
+	flag.StringVar(&cfg.PodBridge, "pod-bridge", "nodevirt0", "bridge of the node's pod network")
+	flag.BoolVar(&teardownPodnet, "teardown-podnet", false, "remove the pod network (bridge, taps, nftables tables, state) and exit; for uninstalling")
 	flag.Parse()
 	if consoleClients != "" {
 		cfg.Console.AllowedClients = strings.Split(consoleClients, ",")
@@ -45,6 +49,15 @@ func main() {
 			}
 			cfg.Pools[name] = path
 		}
+	}
+	if teardownPodnet {
+		ctx, stop := daemon.SignalContext()
+		defer stop()
+		if err := agent.TeardownPodNetwork(ctx, cfg); err != nil {
+			fmt.Fprintln(os.Stderr, "nodeagent:", err)
+			os.Exit(1)
+		}
+		return
 	}
 	a, err := agent.New(cfg)
 	if err != nil {
