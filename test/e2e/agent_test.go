@@ -16,10 +16,11 @@ import (
 func TestNodeAgentKilled(t *testing.T) {
 	e := require(t)
 	n := e.namespace(t)
+	// A bare VMI, and a VM with a NIC on a bridge (its tap must survive too).
+	nad, br := n.bridgeNetwork("survivor-net")
 	names := []string{"survivor-a", "survivor-b"}
-	for _, name := range names {
-		n.createVMI(n.newVMI(name))
-	}
+	n.createVMI(n.newVMI(names[0]))
+	n.createVM(n.newVM(names[1], kubevirtv1.RunStrategyAlways, withBridge(nad)))
 	pids := map[string]int{}
 	for _, name := range names {
 		n.waitRunning(name)
@@ -60,6 +61,9 @@ func TestNodeAgentKilled(t *testing.T) {
 		if pid := qemuPID(n.name, name); pid != pids[name] {
 			t.Errorf("vmi %s: QEMU pid %d after the agent restart, was %d: the guest was restarted", name, pid, pids[name])
 		}
+	}
+	if ports := bridgePorts(br); len(ports) != 1 {
+		t.Errorf("after the agent restart bridge %s has ports %v, want the bridged guest's tap", br, ports)
 	}
 	// The adopted guests are still driven: a deletion after the restart
 	// stops one and removes its domain.

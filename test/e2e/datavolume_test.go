@@ -35,35 +35,36 @@ func serveFile(t *testing.T, path string) string {
 	return fmt.Sprintf("http://%s/%s", ln.Addr(), name)
 }
 
-// TestDataVolumeImport: a VM whose root disk is a dataVolumeTemplate
-// imported over HTTP (a qcow2 image on a loopback server) onto the node's
-// hostpath-csi storage boots from that disk.
-func TestDataVolumeImport(t *testing.T) {
-	t.Parallel()
-	e := require(t)
-	n := e.namespace(t)
+// guestImageURL serves the guest's boot disk as qcow2 over loopback HTTP
+// until the test ends.
+func (n *testNS) guestImageURL() string {
+	n.t.Helper()
 	raw, err := bootDisk()
 	if err != nil {
-		t.Fatalf("guest image: %v", err)
+		n.t.Fatalf("guest image: %v", err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	image, err := guest.QCOW2(ctx, raw)
 	if err != nil {
-		t.Fatalf("guest qcow2 image: %v", err)
+		n.t.Fatalf("guest qcow2 image: %v", err)
 	}
-	url := serveFile(t, image)
+	return serveFile(n.t, image)
+}
 
-	rs := kubevirtv1.RunStrategyAlways
+// dataVolumeVM is a VM whose root disk is a dataVolumeTemplate "<name>-root"
+// imported from url onto the hostpath-csi class, as KubeVirt's
+// documentation writes it.
+func (n *testNS) dataVolumeVM(name, url string, rs kubevirtv1.VirtualMachineRunStrategy, opts ...vmiOption) *kubevirtv1.VirtualMachine {
 	class := "hostpath-csi"
-	spec := vmiSpec("unused")
-	spec.Volumes[0].VolumeSource = kubevirtv1.VolumeSource{DataVolume: &kubevirtv1.DataVolumeSource{Name: "imported-root"}}
-	vm := &kubevirtv1.VirtualMachine{
-		ObjectMeta: metav1.ObjectMeta{Name: "imported", Namespace: n.name},
+	spec := vmiSpec("unused", opts...)
+	spec.Volumes[0].VolumeSource = kubevirtv1.VolumeSource{DataVolume: &kubevirtv1.DataVolumeSource{Name: name + "-root"}}
+	return &kubevirtv1.VirtualMachine{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: n.name},
 		Spec: kubevirtv1.VirtualMachineSpec{
 			RunStrategy: &rs,
 			DataVolumeTemplates: []kubevirtv1.DataVolumeTemplateSpec{{
-				ObjectMeta: metav1.ObjectMeta{Name: "imported-root"},
+				ObjectMeta: metav1.ObjectMeta{Name: name + "-root"},
 				Spec: cdiv1.DataVolumeSpec{
 					Source: &cdiv1.DataVolumeSource{HTTP: &cdiv1.DataVolumeSourceHTTP{URL: url}},
 					Storage: &cdiv1.StorageSpec{StorageClassName: &class,
@@ -74,30 +75,50 @@ func TestDataVolumeImport(t *testing.T) {
 			Template: &kubevirtv1.VirtualMachineInstanceTemplateSpec{Spec: spec},
 		},
 	}
-	n.createVM(vm)
-	n.eventually(90*time.Second, "persistentvolumeclaim imported-root Bound", func() (bool, string) {
-		pvc, err := e.kube.CoreV1().PersistentVolumeClaims(n.name).Get(context.Background(), "imported-root", metav1.GetOptions{})
+}
+
+// waitImported waits until the DataVolume's claim is bound, then until the
+// import succeeded, and returns the DataVolume.
+func (n *testNS) waitImported(vm, dvName string) *cdiv1.DataVolume {
+	n.t.Helper()
+	e := n.e
+	n.eventually(90*time.Second, "persistentvolumeclaim "+dvName+" Bound", func() (bool, string) {
+		pvc, err := e.kube.CoreV1().PersistentVolumeClaims(n.name).Get(context.Background(), dvName, metav1.GetOptions{})
 		if err != nil {
-			return false, "pvc: " + err.Error() + " (clusterbrain/datavolume creates it); " + n.diagnoseVM("imported", nil)
+			return false, "pvc: " + err.Error() + " (clusterbrain/datavolume creates it); " + n.diagnoseVM(vm, nil)
 		}
 		return pvc.Status.Phase == corev1.ClaimBound, fmt.Sprintf("pvc phase %s, storage class %v; events: %s",
-			pvc.Status.Phase, ptrString(pvc.Spec.StorageClassName), n.events("PersistentVolumeClaim", "imported-root"))
+			pvc.Status.Phase, ptrString(pvc.Spec.StorageClassName), n.events("PersistentVolumeClaim", dvName))
 	})
-	n.eventually(2*time.Minute, "datavolume imported-root Succeeded", func() (bool, string) {
-		dv, err := e.virt.DataVolumes.Get(context.Background(), n.name, "imported-root")
+	var out *cdiv1.DataVolume
+	n.eventually(2*time.Minute, "datavolume "+dvName+" Succeeded", func() (bool, string) {
+		dv, err := e.virt.DataVolumes.Get(context.Background(), n.name, dvName)
 		if err != nil {
-			return false, "datavolume: " + err.Error() + " (clusterbrain/vmcontroller creates it from dataVolumeTemplates); " + n.diagnoseVM("imported", nil)
+			return false, "datavolume: " + err.Error() + " (clusterbrain/vmcontroller creates it from dataVolumeTemplates); " + n.diagnoseVM(vm, nil)
 		}
 		var conds []string
 		for _, c := range dv.Status.Conditions {
 			conds = append(conds, fmt.Sprintf("%s=%s (%s: %s)", c.Type, c.Status, c.Reason, c.Message))
 		}
-		why := fmt.Sprintf("phase %q progress %q conditions [%s]", dv.Status.Phase, dv.Status.Progress, strings.Join(conds, ", "))
+		why := fmt.Sprintf("phase %q progress %q conditions [%s] (import by nodeagent/dvimport)", dv.Status.Phase, dv.Status.Progress, strings.Join(conds, ", "))
 		if dv.Status.Phase == cdiv1.Failed {
-			t.Fatalf("datavolume failed: %s", why)
+			n.t.Fatalf("datavolume failed: %s", why)
 		}
+		out = dv
 		return dv.Status.Phase == cdiv1.Succeeded, why
 	})
+	return out
+}
+
+// TestDataVolumeImport: a VM whose root disk is a dataVolumeTemplate
+// imported over HTTP (a qcow2 image on a loopback server) onto the node's
+// hostpath-csi storage boots from that disk.
+func TestDataVolumeImport(t *testing.T) {
+	t.Parallel()
+	e := require(t)
+	n := e.namespace(t)
+	n.createVM(n.dataVolumeVM("imported", n.guestImageURL(), kubevirtv1.RunStrategyAlways))
+	n.waitImported("imported", "imported-root")
 	n.waitVMIOfVM("imported", 2*time.Minute)
 	dom, err := domainXML(n.name, "imported")
 	if err != nil {
