@@ -22,6 +22,7 @@ import (
 	"github.com/nodevirt/nodevirt/csi"
 	"github.com/nodevirt/nodevirt/nodeagent/console"
 	"github.com/nodevirt/nodevirt/nodeagent/kvm"
+	nodemetrics "github.com/nodevirt/nodevirt/nodeagent/metrics"
 	"github.com/nodevirt/nodevirt/nodeagent/node"
 	"github.com/nodevirt/nodevirt/nodeagent/podnet"
 )
@@ -62,6 +63,9 @@ type Config struct {
 	// PodCIDR is the node subnet of the pod network (masquerade
 	// interfaces), podnet.DefaultCIDR when empty; "-" for no pod network.
 	PodCIDR string
+	// MetricsAddr serves /metrics (KubeVirt's per-VMI metrics of this
+	// node); nodemetrics.DefaultAddr when empty, "-" for none.
+	MetricsAddr string
 	// PodBridge is the pod network's bridge, podnet.DefaultBridge when
 	// empty. Its state lives in <StateDir>/podnet.
 	PodBridge string
@@ -95,6 +99,12 @@ func (c *Config) defaults() {
 	}
 	if c.UploadAddr == "-" {
 		c.UploadAddr = ""
+	}
+	if c.MetricsAddr == "" {
+		c.MetricsAddr = nodemetrics.DefaultAddr
+	}
+	if c.MetricsAddr == "-" {
+		c.MetricsAddr = ""
 	}
 	if c.PodCIDR == "" {
 		c.PodCIDR = podnet.DefaultCIDR

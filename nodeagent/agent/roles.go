@@ -9,6 +9,7 @@ var nodeRoles = []RoleFactory{
 	newBridgeMarkerRole,
 	newImportRole,
 	newPodNetworkRole,
+	newMetricsRole,
 	func(d *Deps) (Role, error) {
 		cfg := handler.Config{NodeName: d.Config.NodeName, StateDir: d.Config.StateDir + "/vms", LibvirtURI: d.Config.LibvirtURI, Emulation: d.Emulation, Kube: d.Kube, Virt: d.Virt, Volumes: d.Volumes, Console: d.Config.Console, Log: d.Log}
 		if d.PodNetwork != nil {

@@ -31,6 +31,7 @@ func main() {
 	flag.StringVar(&cfg.Console.KeyFile, "console-key", "", "console server key (PEM)")
 	flag.StringVar(&cfg.Console.ClientCAFile, "console-client-ca", "", "CA bundle that client (brain) certificates must chain to")
 	flag.StringVar(&consoleClients, "console-allowed-clients", "", "comma-separated client certificate names allowed (empty: any the CA signed)")
+	flag.StringVar(&cfg.MetricsAddr, "metrics-addr", ":8485", "listen address of /metrics (- for none)")
 	flag.StringVar(&cfg.PodCIDR, "pod-cidr", "10.244.0.0/24", "IPv4 subnet of the node's pod network for masquerade interfaces (- for none)")
 	flag.StringVar(&cfg.PodBridge, "pod-bridge", "nodevirt0", "bridge of the node's pod network")
 	flag.BoolVar(&teardownPodnet, "teardown-podnet", false, "remove the pod network (bridge, taps, nftables tables, state) and exit; for uninstalling")
