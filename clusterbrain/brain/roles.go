@@ -46,10 +46,10 @@ var leaderRoles = []RoleFactory{
 		return instancetypes.New(instancetypes.Config{Virt: d.Virt, Namespace: d.Config.Namespace, Log: d.Log.With("role", "common-instancetypes")})
 	},
 	func(d *Deps) (Role, error) {
-		return vmcontroller.New(vmcontroller.Config{Kube: d.Kube, Virt: d.Virt, Log: d.Log.With("role", "vm-controller")})
+		return vmcontroller.New(vmcontroller.Config{RestConfig: d.RestConfig, Log: d.Log.With("role", "vm-controller")})
 	},
 	func(d *Deps) (Role, error) {
-		return scheduler.New(scheduler.Config{Kube: d.Kube, Virt: d.Virt, Log: d.Log.With("role", "scheduler")})
+		return scheduler.New(scheduler.Config{RestConfig: d.RestConfig, Log: d.Log.With("role", "scheduler")})
 	},
 	func(d *Deps) (Role, error) {
 		return macpool.NewReconciler(macpool.Config{RestConfig: d.RestConfig, Virt: d.Virt, Namespace: d.Config.Namespace, Log: d.Log.With("role", "macpool")})

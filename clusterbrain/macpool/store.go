@@ -24,6 +24,9 @@ func newStore(cfg *rest.Config) (*store, error) {
 		return nil, err
 	}
 	c := rest.CopyConfig(cfg)
+	// Allocations are written on the admission path, whose rate the API
+	// server sets; do not queue them behind the brain's own limit.
+	c.QPS, c.Burst = 1000, 2000
 	gv := macv1alpha1.SchemeGroupVersion
 	c.GroupVersion, c.APIPath = &gv, "/apis"
 	c.NegotiatedSerializer = serializer.NewCodecFactory(s).WithoutConversion()

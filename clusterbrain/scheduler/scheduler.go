@@ -28,6 +28,7 @@ import (
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	corelisters "k8s.io/client-go/listers/core/v1"
 	storagelisters "k8s.io/client-go/listers/storage/v1"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/record"
 	"k8s.io/client-go/util/workqueue"
@@ -42,8 +43,12 @@ import (
 type Config struct {
 	Kube kubernetes.Interface
 	Virt *client.Set
-	Log  *slog.Logger
-	// Binders is how many bindings run at once (default 16).
+	// RestConfig, when set, replaces Kube and Virt with clients of the
+	// scheduler's own, so bindings do not share the brain's client-side
+	// rate limit (500 QPS, burst 1000).
+	RestConfig *rest.Config
+	Log        *slog.Logger
+	// Binders is how many bindings run at once (default 32).
 	Binders int
 	// Retry is how often an unschedulable VMI is tried again without any
 	// change in the cluster (default 15s).
@@ -80,6 +85,17 @@ const nodeIndex = "node"
 
 // New builds the scheduler.
 func New(cfg Config) (*Scheduler, error) {
+	if cfg.RestConfig != nil {
+		rc := rest.CopyConfig(cfg.RestConfig)
+		rc.QPS, rc.Burst = 500, 1000
+		var err error
+		if cfg.Kube, err = kubernetes.NewForConfig(rc); err != nil {
+			return nil, err
+		}
+		if cfg.Virt, err = client.NewSet(rc); err != nil {
+			return nil, err
+		}
+	}
 	if cfg.Kube == nil || cfg.Virt == nil {
 		return nil, errors.New("scheduler: clients are required")
 	}
@@ -87,7 +103,7 @@ func New(cfg Config) (*Scheduler, error) {
 		cfg.Log = slog.Default()
 	}
 	if cfg.Binders == 0 {
-		cfg.Binders = 16
+		cfg.Binders = 32
 	}
 	if cfg.Retry == 0 {
 		cfg.Retry = 15 * time.Second

@@ -22,6 +22,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/record"
 	"k8s.io/client-go/util/workqueue"
@@ -35,8 +36,12 @@ import (
 type Config struct {
 	Kube kubernetes.Interface
 	Virt *client.Set
-	Log  *slog.Logger
-	// Workers is the number of VMs synced at once (default 32; a sync
+	// RestConfig, when set, replaces Kube and Virt with clients of the
+	// controller's own, so its writes do not share the brain's client-side
+	// rate limit (500 QPS, burst 1000).
+	RestConfig *rest.Config
+	Log        *slog.Logger
+	// Workers is the number of VMs synced at once (default 64; a sync
 	// mostly waits for the API server).
 	Workers int
 	// BackoffBase and BackoffMax bound the delay before a failed VMI is
@@ -59,6 +64,12 @@ type Controller struct {
 
 // New builds the controller.
 func New(cfg Config) (*Controller, error) {
+	if cfg.RestConfig != nil {
+		var err error
+		if cfg.Kube, cfg.Virt, err = ownClients(cfg.RestConfig); err != nil {
+			return nil, err
+		}
+	}
 	if cfg.Kube == nil || cfg.Virt == nil {
 		return nil, errors.New("vmcontroller: clients are required")
 	}
@@ -66,7 +77,7 @@ func New(cfg Config) (*Controller, error) {
 		cfg.Log = slog.Default()
 	}
 	if cfg.Workers == 0 {
-		cfg.Workers = 32
+		cfg.Workers = 64
 	}
 	if cfg.BackoffBase == 0 {
 		cfg.BackoffBase = 10 * time.Second
@@ -289,4 +300,19 @@ func (c *Controller) ensureDataVolumes(ctx context.Context, st *state) error {
 		}
 	}
 	return nil
+}
+
+// ownClients builds clients with a rate limit of their own.
+func ownClients(rc *rest.Config) (kubernetes.Interface, *client.Set, error) {
+	rc = rest.CopyConfig(rc)
+	rc.QPS, rc.Burst = 500, 1000
+	kube, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		return nil, nil, err
+	}
+	virt, err := client.NewSet(rc)
+	if err != nil {
+		return nil, nil, err
+	}
+	return kube, virt, nil
 }

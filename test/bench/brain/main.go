@@ -82,7 +82,7 @@ func brain(ctx context.Context, kubeconfig string) error {
 	if err != nil {
 		return err
 	}
-	rc.QPS, rc.Burst = 5000, 10000
+	rc.QPS, rc.Burst = 200, 400 // as the brain's Deps
 	kube, err := kubernetes.NewForConfig(rc)
 	if err != nil {
 		return err
@@ -96,11 +96,11 @@ func brain(ctx context.Context, kubeconfig string) error {
 	if err != nil {
 		return err
 	}
-	vmc, err := vmcontroller.New(vmcontroller.Config{Kube: kube, Virt: virt, Log: log, Workers: 64})
+	vmc, err := vmcontroller.New(vmcontroller.Config{RestConfig: rc, Log: log})
 	if err != nil {
 		return err
 	}
-	sch, err := scheduler.New(scheduler.Config{Kube: kube, Virt: virt, Log: log, Binders: 32})
+	sch, err := scheduler.New(scheduler.Config{RestConfig: rc, Log: log})
 	if err != nil {
 		return err
 	}
