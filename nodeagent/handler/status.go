@@ -49,7 +49,9 @@ func (h *Handler) observe(ctx context.Context, lv *launcher.Manager, vmi *v1.Vir
 		}
 		out.Annotations[AnnotationEmulation] = strconv.FormatBool(xml.Type == "qemu")
 		if err := h.readoptPodTaps(ctx, vmi); err != nil {
-			return err
+			// The guest keeps running on its tap; the next reconcile
+			// tries again.
+			h.log.Warn("pod network", "vmi", vmi.Namespace+"/"+vmi.Name, "err", err)
 		}
 		out.Status.Interfaces = interfaceStatus(vmi, xml.Devices, h.podLeases)
 		if info.State == launcher.StatePaused {
