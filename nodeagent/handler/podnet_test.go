@@ -59,9 +59,8 @@ func podnetConfig(t *testing.T) podnet.Config {
 
 // hostPodnet sets up the test's pod network in the host's network
 // namespace, where libvirtd opens taps: a bridge of its own and podnet's
-// nftables tables. When those tables already exist (a nodeagent of a lab
-// on this machine) the test leaves them as it found them instead of
-// removing them, and puts back the inet table Ensure replaced.
+// nftables tables (one pair per host, see remove for sharing them with a
+// nodeagent running on this machine).
 type hostPodnet struct {
 	t       *testing.T
 	cfg     podnet.Config
@@ -121,12 +120,18 @@ func (p *hostPodnet) start(ctx context.Context) (pn *podnet.Network, stop func()
 	return pn, stop
 }
 
-// remove takes the network away: Teardown when the test made podnet's
-// tables, else only the test's bridge and the inet table put back.
+// remove takes the network away: Teardown when podnet's tables are the
+// test's alone, else only the test's bridge (and the inet table found at
+// the start put back). Another pod network on this host (a lab's or the
+// end-to-end suite's nodeagent) may have started meanwhile: its inet table
+// then names its own bridge, and stays.
 func (p *hostPodnet) remove() {
 	t := p.t
 	ctx := context.Background()
-	if p.inet == "" {
+	cur, _ := exec.Command("nft", "list", "table", "inet", podnetTable).Output()
+	ours := p.inet == "" && (len(cur) == 0 || strings.Contains(string(cur), fmt.Sprintf("%q", p.cfg.Bridge)))
+	switch {
+	case ours:
 		pn, err := podnet.New(p.cfg)
 		if err == nil {
 			err = pn.Teardown(ctx)
@@ -134,23 +139,22 @@ func (p *hostPodnet) remove() {
 		if err != nil {
 			t.Errorf("pod network teardown: %v", err)
 		}
-	} else {
-		if l, err := netlink.LinkByName(p.cfg.Bridge); err == nil {
-			_ = netlink.LinkDel(l)
+		if fwd, _ := os.ReadFile("/proc/sys/net/ipv4/ip_forward"); strings.TrimSpace(string(fwd)) != p.forward {
+			t.Errorf("net.ipv4.ip_forward is %s after the teardown, was %s", strings.TrimSpace(string(fwd)), p.forward)
 		}
+	case p.inet != "" && strings.Contains(string(cur), fmt.Sprintf("%q", p.cfg.Bridge)):
 		script := fmt.Sprintf("add table inet %[1]s\ndelete table inet %[1]s\n%s", podnetTable, p.inet)
 		cmd := exec.Command("nft", "-f", "-")
 		cmd.Stdin = strings.NewReader(script)
 		if out, err := cmd.CombinedOutput(); err != nil {
 			t.Errorf("put back the inet table %s: %v: %s", podnetTable, err, out)
 		}
-		_ = os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte(p.forward), 0o644)
+	}
+	if l, err := netlink.LinkByName(p.cfg.Bridge); err == nil && !ours {
+		_ = netlink.LinkDel(l)
 	}
 	if _, err := netlink.LinkByName(p.cfg.Bridge); err == nil {
 		t.Errorf("pod network bridge %s outlived the test", p.cfg.Bridge)
-	}
-	if fwd, _ := os.ReadFile("/proc/sys/net/ipv4/ip_forward"); strings.TrimSpace(string(fwd)) != p.forward {
-		t.Errorf("net.ipv4.ip_forward is %s after the test, was %s", strings.TrimSpace(string(fwd)), p.forward)
 	}
 }
 
