@@ -60,12 +60,12 @@ type Config struct {
 	// UploadAddr receives uploads from the brain's upload proxy over mutual
 	// TLS; "-" for none.
 	UploadAddr string
-	// PodCIDR is the node subnet of the pod network (masquerade
-	// interfaces), podnet.DefaultCIDR when empty; "-" for no pod network.
-	PodCIDR string
 	// MetricsAddr serves /metrics (KubeVirt's per-VMI metrics of this
 	// node); nodemetrics.DefaultAddr when empty, "-" for none.
 	MetricsAddr string
+	// PodCIDR is the node subnet of the pod network (masquerade
+	// interfaces), podnet.DefaultCIDR when empty; "-" for no pod network.
+	PodCIDR string
 	// PodBridge is the pod network's bridge, podnet.DefaultBridge when
 	// empty. Its state lives in <StateDir>/podnet.
 	PodBridge string
