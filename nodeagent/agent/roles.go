@@ -1,6 +1,10 @@
 package agent
 
-import "github.com/nodevirt/nodevirt/nodeagent/handler"
+import (
+	"path/filepath"
+
+	"github.com/nodevirt/nodevirt/nodeagent/handler"
+)
 
 // nodeRoles are the node agent's jobs, each in its own package.
 var nodeRoles = []RoleFactory{
@@ -10,11 +14,21 @@ var nodeRoles = []RoleFactory{
 	newImportRole,
 	newPodNetworkRole,
 	newMetricsRole,
-	func(d *Deps) (Role, error) {
-		cfg := handler.Config{NodeName: d.Config.NodeName, StateDir: d.Config.StateDir + "/vms", LibvirtURI: d.Config.LibvirtURI, Emulation: d.Emulation, Kube: d.Kube, Virt: d.Virt, Volumes: d.Volumes, Console: d.Config.Console, Log: d.Log}
-		if d.PodNetwork != nil {
-			cfg.PodNetwork, cfg.PodNetworkErr = d.PodNetwork, d.PodNetworkErr
-		}
-		return handler.New(cfg)
-	},
+	newHandlerRole,
+}
+
+// NetStateDir is where the agent's bridge attachments (taps, spoof-check
+// rules) are recorded, so they can be removed without the VMs.
+func NetStateDir(stateDir string) string { return filepath.Join(stateDir, "cni") }
+
+// newHandlerRole is the virt-handler role: VMIs bound to this node become
+// libvirt domains.
+func newHandlerRole(d *Deps) (Role, error) {
+	cfg := handler.Config{NodeName: d.Config.NodeName, StateDir: filepath.Join(d.Config.StateDir, "vms"),
+		LibvirtURI: d.Config.LibvirtURI, Emulation: d.Emulation, Kube: d.Kube, Virt: d.Virt, Volumes: d.Volumes,
+		NetStateDir: NetStateDir(d.Config.StateDir), Console: d.Config.Console, Log: d.Log}
+	if d.PodNetwork != nil {
+		cfg.PodNetwork, cfg.PodNetworkErr = d.PodNetwork, d.PodNetworkErr
+	}
+	return handler.New(cfg)
 }

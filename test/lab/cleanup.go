@@ -2,6 +2,7 @@ package lab
 
 import (
 	"bufio"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -10,7 +11,9 @@ import (
 	"path/filepath"
 	"strings"
 
+	"github.com/nodevirt/nodevirt/cni/bridge"
 	"github.com/nodevirt/nodevirt/launcher/domain"
+	"github.com/nodevirt/nodevirt/nodeagent/agent"
 )
 
 // removeGuests destroys and undefines the libvirt domains the lab's node
@@ -112,6 +115,27 @@ func removeBridges(cfg Config) error {
 		if out, err := exec.Command("ip", "link", "del", br).CombinedOutput(); err != nil {
 			errs = append(errs, fmt.Errorf("delete bridge %s: %s", br, out))
 		}
+	}
+	return errors.Join(errs...)
+}
+
+// removeNetwork removes what the lab's node agent wired on the host: the taps
+// and spoof-check rules of bridge attachments, and the pod network (bridge,
+// nftables tables, forwarding as it was).
+func removeNetwork(ctx context.Context, cfg Config) error {
+	agentDir := cfg.path("nodeagent")
+	netState := agent.NetStateDir(agentDir)
+	taps, err := bridge.Taps(netState)
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, tap := range taps {
+		fmt.Fprintf(cfg.Out, "    tap %s\n", tap)
+		errs = append(errs, bridge.DetachTap(ctx, &bridge.NetConf{StateDir: netState}, tap))
+	}
+	if _, err := os.Stat(agentDir); err == nil {
+		errs = append(errs, agent.TeardownPodNetwork(ctx, agent.Config{StateDir: agentDir, NodeName: cfg.NodeName}))
 	}
 	return errors.Join(errs...)
 }

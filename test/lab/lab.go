@@ -329,7 +329,7 @@ func Down(ctx context.Context, cfg Config) error {
 		}
 	}
 	step(cfg.Out, "guests, bridges, mounts")
-	errs = append(errs, removeGuests(cfg), removeMounts(cfg), removeBridges(cfg))
+	errs = append(errs, removeGuests(cfg), removeNetwork(ctx, cfg), removeMounts(cfg), removeBridges(cfg))
 	step(cfg.Out, "libvirtd, virtlogd (if the lab started them)")
 	for _, d := range []string{"libvirtd", "virtlogd"} {
 		if pid, ok := controlplane.AlivePid(cfg.path(d + ".pid")); ok {
