@@ -331,6 +331,13 @@ func (n *testNS) waitVMIOfVM(vm string, timeout time.Duration, notUIDs ...types.
 		}
 		return true, ""
 	})
+	n.eventually(45*time.Second, fmt.Sprintf("vm %s/%s: new vmi placed on a node", n.name, vm), func() (bool, string) {
+		vmi, err := n.getVMI(vm)
+		if err != nil {
+			return false, n.diagnoseVM(vm, err)
+		}
+		return vmi.Status.NodeName != "" || slices.Contains(notUIDs, vmi.UID), n.diagnoseVMI(vm, vmi, nil)
+	})
 	n.eventually(timeout, fmt.Sprintf("vm %s/%s running a new vmi", n.name, vm), func() (bool, string) {
 		vmi, err := n.getVMI(vm)
 		if err != nil {
