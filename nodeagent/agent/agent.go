@@ -198,7 +198,10 @@ func New(cfg Config) (*Agent, error) {
 	if cfg.Emulation == EmulationOff && emulation {
 		return nil, fmt.Errorf("kvm required but unusable: %s", reason)
 	}
-	reg, err := node.New(node.Config{Name: cfg.NodeName, Emulation: emulation, Reason: reason, Log: cfg.Log}, kube)
+	reg, err := node.New(node.Config{Name: cfg.NodeName, Emulation: emulation, Reason: reason, Log: cfg.Log,
+		// Volumes' node affinity uses the CSI topology key, which kubelet
+		// would publish from NodeGetInfo; without a kubelet the agent does.
+		Labels: map[string]string{csi.TopologyKey: cfg.NodeName}}, kube)
 	if err != nil {
 		return nil, err
 	}

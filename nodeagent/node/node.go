@@ -38,6 +38,9 @@ type Config struct {
 	Emulation bool
 	// Reason explains the KVM/emulation decision.
 	Reason string
+	// Labels are added to nodevirt's own, e.g. the CSI topology label that
+	// kubelet's driver registration would set.
+	Labels map[string]string
 	// Heartbeat is how often the Lease and Ready condition are renewed.
 	Heartbeat time.Duration
 	Log       *slog.Logger
@@ -117,11 +120,15 @@ func (r *Registrar) Run(ctx context.Context) error {
 }
 
 func (r *Registrar) labels() map[string]string {
-	return map[string]string{
+	l := map[string]string{
 		LabelSchedulable: "true",
 		LabelEmulation:   fmt.Sprint(r.cfg.Emulation),
 		LabelKVM:         fmt.Sprint(!r.cfg.Emulation),
 	}
+	for k, v := range r.cfg.Labels {
+		l[k] = v
+	}
+	return l
 }
 
 func (r *Registrar) patchLabels(ctx context.Context) error {
