@@ -171,6 +171,12 @@ func buildISO(ctx context.Context, iso, volid string, files map[string][]byte) e
 		os.Remove(tmp)
 		return fmt.Errorf("genisoimage: %w: %s", err, out)
 	}
+	// QEMU runs as its own user: the seed must be readable whatever the
+	// agent's umask.
+	if err := os.Chmod(tmp, 0o644); err != nil {
+		os.Remove(tmp)
+		return fmt.Errorf("build iso: %w", err)
+	}
 	if err := os.Rename(tmp, iso); err != nil {
 		os.Remove(tmp)
 		return fmt.Errorf("build iso: %w", err)
