@@ -1,6 +1,7 @@
 package handler
 
 import (
+	"cmp"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -60,7 +61,11 @@ func (h *Handler) plannedTaps(ctx context.Context, vmi *v1.VirtualMachineInstanc
 		if err != nil {
 			return nil, fmt.Errorf("%s (%s): %w", path, iface.Name, err)
 		}
-		out = append(out, tapRecord{Interface: iface.Name, Tap: tapName(vmi.UID, iface.Name), NetConf: conf})
+		mac, err := interfaceMAC(vmi, &iface)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, tapRecord{Interface: iface.Name, Tap: tapName(vmi.UID, iface.Name), NetConf: conf, MAC: mac.String()})
 	}
 	return out, nil
 }
@@ -121,7 +126,7 @@ func (h *Handler) attachTaps(ctx context.Context, vmi *v1.VirtualMachineInstance
 			return fmt.Errorf("interface %s: %w", t.Interface, err)
 		}
 		var mac net.HardwareAddr
-		if s := macs[t.Interface]; s != "" {
+		if s := cmp.Or(macs[t.Interface], t.MAC); s != "" {
 			if mac, err = net.ParseMAC(s); err != nil {
 				return fmt.Errorf("interface %s: mac %q: %w", t.Interface, s, err)
 			}

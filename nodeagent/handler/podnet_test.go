@@ -235,7 +235,7 @@ func TestPodNetwork(t *testing.T) {
 	if !slices.Equal(st.IPs, []string{st.IP}) {
 		t.Errorf("status.interfaces[0].ipAddresses %v, want [%s]", st.IPs, st.IP)
 	}
-	wantMAC, _ := podMAC(vmi, &vmi.Spec.Domain.Devices.Interfaces[0])
+	wantMAC, _ := interfaceMAC(vmi, &vmi.Spec.Domain.Devices.Interfaces[0])
 	if st.MAC != wantMAC.String() {
 		t.Errorf("status.interfaces[0].mac %s, want the derived %s", st.MAC, wantMAC)
 	}
@@ -377,22 +377,22 @@ func TestPodNetworkUnavailable(t *testing.T) {
 
 func TestPodMAC(t *testing.T) {
 	vmi := &v1.VirtualMachineInstance{ObjectMeta: metav1.ObjectMeta{UID: "5f0c"}}
-	a, err := podMAC(vmi, &v1.Interface{Name: "default"})
+	a, err := interfaceMAC(vmi, &v1.Interface{Name: "default"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	b, _ := podMAC(vmi, &v1.Interface{Name: "default"})
-	c, _ := podMAC(vmi, &v1.Interface{Name: "other"})
+	b, _ := interfaceMAC(vmi, &v1.Interface{Name: "default"})
+	c, _ := interfaceMAC(vmi, &v1.Interface{Name: "other"})
 	if a.String() != b.String() || a.String() == c.String() {
 		t.Errorf("derived MACs %s %s %s: want stable per interface and distinct", a, b, c)
 	}
 	if a[0]&0x02 == 0 || a[0]&0x01 != 0 {
 		t.Errorf("derived MAC %s is not locally administered unicast", a)
 	}
-	if m, _ := podMAC(vmi, &v1.Interface{Name: "default", MacAddress: "02:00:00:00:00:07"}); m.String() != "02:00:00:00:00:07" {
+	if m, _ := interfaceMAC(vmi, &v1.Interface{Name: "default", MacAddress: "02:00:00:00:00:07"}); m.String() != "02:00:00:00:00:07" {
 		t.Errorf("spec MAC not kept: %s", m)
 	}
-	if _, err := podMAC(vmi, &v1.Interface{Name: "default", MacAddress: "zz"}); !errors.Is(err, errSpec) {
+	if _, err := interfaceMAC(vmi, &v1.Interface{Name: "default", MacAddress: "zz"}); !errors.Is(err, errSpec) {
 		t.Errorf("bad spec MAC: %v", err)
 	}
 }

@@ -45,11 +45,11 @@ func podKey(namespace, name string, uid types.UID) string {
 	return namespace + "/" + name + "/" + string(uid)
 }
 
-// podMAC is the MAC of a pod network interface: the one in the spec (the
-// brain's MAC pool fills it in), else one derived from the VMI UID and
+// interfaceMAC is the MAC of an interface: the one in the spec (the brain's
+// MAC pool fills it in for VMs), else one derived from the VMI UID and
 // interface name, locally administered and unicast, so an agent restart
-// derives the same.
-func podMAC(vmi *v1.VirtualMachineInstance, iface *v1.Interface) (net.HardwareAddr, error) {
+// derives the same (bare VMIs have no MAC from the pool).
+func interfaceMAC(vmi *v1.VirtualMachineInstance, iface *v1.Interface) (net.HardwareAddr, error) {
 	if iface.MacAddress != "" {
 		mac, err := net.ParseMAC(iface.MacAddress)
 		if err != nil || len(mac) != 6 {
@@ -76,20 +76,21 @@ func (h *Handler) podTap(vmi *v1.VirtualMachineInstance, iface *v1.Interface, pa
 		return tapRecord{}, fmt.Errorf("%w: %s (%s): the pod network of node %s is not available (%w); it is set up when the nodeagent starts",
 			errWaiting, path, iface.Name, h.cfg.NodeName, err)
 	}
-	mac, err := podMAC(vmi, iface)
+	mac, err := interfaceMAC(vmi, iface)
 	if err != nil {
 		return tapRecord{}, err
 	}
 	return tapRecord{Interface: iface.Name, Tap: tapName(vmi.UID, iface.Name), Pod: true, MAC: mac.String()}, nil
 }
 
-// withPodMACs returns vmi with the derived MAC of every pod network
-// interface that has none, so the domain uses the MAC the pod network
-// leases an address to; vmi itself when nothing is missing.
-func withPodMACs(vmi *v1.VirtualMachineInstance, taps []tapRecord) *v1.VirtualMachineInstance {
+// withDerivedMACs returns vmi with the derived MAC of every interface that
+// has none, so the domain uses the MAC its tap (and the pod network's lease,
+// and the spoof-check rules) were made for; vmi itself when nothing is
+// missing.
+func withDerivedMACs(vmi *v1.VirtualMachineInstance, taps []tapRecord) *v1.VirtualMachineInstance {
 	out := vmi
 	for _, t := range taps {
-		if !t.Pod {
+		if t.MAC == "" {
 			continue
 		}
 		for i := range out.Spec.Domain.Devices.Interfaces {

@@ -129,7 +129,7 @@ func (h *Handler) start(ctx context.Context, lv *launcher.Manager, vmi *v1.Virtu
 	for _, t := range taps {
 		env.Taps[t.Interface] = t.Tap
 	}
-	dom, err := domain.Convert(withPodMACs(vmi, taps), env)
+	dom, err := domain.Convert(withDerivedMACs(vmi, taps), env)
 	if err != nil {
 		return nil, err
 	}
