@@ -168,6 +168,9 @@ func (c *ControlPlane) etcdArgs(p portSet) []string {
 		"--listen-peer-urls=" + peer, "--initial-advertise-peer-urls=" + peer,
 		"--initial-cluster=nodevirt=" + peer, "--log-level=warn", "--logger=zap",
 		"--quota-backend-bytes=8589934592", "--auto-compaction-retention=1",
+		// kube-apiserver needs progress notifications for consistent watches
+		// started without a resource version.
+		"--experimental-watch-progress-notify-interval=5s",
 	}
 }
 
