@@ -5,6 +5,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"hash/fnv"
 	"log/slog"
 	"math/rand/v2"
 	"net"
@@ -26,6 +27,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/nodeagent/agent"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
 
@@ -218,6 +220,9 @@ func (e *env) startDaemons() error {
 	// advertises it on its Node for the brain).
 	agentArgs = append(agentArgs, optionalAddrFlags(filepath.Join(e.bin, "nodeagent"), "127.0.0.1", "console-addr")...)
 	agentArgs = append(agentArgs, optionalAddrFlags(filepath.Join(e.bin, "nodeagent"), "", "upload-addr", "metrics-addr")...)
+	// Its own pod network bridge and subnet, so a lab's pod network on the
+	// same host is left alone (teardown removes this one).
+	agentArgs = append(agentArgs, "--pod-bridge="+e.podBridge(), "--pod-cidr="+e.podCIDR())
 	e.agent = newDaemon(e, "nodeagent", agentArgs...)
 	if err := e.brain.start(); err != nil {
 		return err
@@ -385,7 +390,7 @@ func (e *env) teardown() error {
 			d.stop()
 		}
 	}
-	errs = append(errs, e.removeDomains(), e.removeMounts(), e.removeBridges())
+	errs = append(errs, e.removeDomains(), e.removePodNetwork(), e.removeMounts(), e.removeBridges())
 	if e.cp != nil {
 		e.cp.Stop()
 	}
@@ -438,7 +443,7 @@ func sweepStale() {
 		for i, b := range stale.bridges {
 			stale.bridges[i] = filepath.Base(b)
 		}
-		if errors.Join(stale.removeDomains(), stale.removeMounts(), stale.removeBridges()) == nil {
+		if errors.Join(stale.removeDomains(), stale.removePodNetwork(), stale.removeMounts(), stale.removeBridges()) == nil {
 			os.RemoveAll(dir)
 		}
 	}
@@ -451,4 +456,19 @@ func poolName() string {
 		return p
 	}
 	return "default"
+}
+
+// podBridge and podCIDR name this run's pod network.
+func (e *env) podBridge() string { return "nve2ep" + e.run }
+
+func (e *env) podCIDR() string {
+	h := fnv.New32a()
+	h.Write([]byte(e.run))
+	return fmt.Sprintf("10.%d.%d.0/24", 200+h.Sum32()%50, (h.Sum32()>>8)%256)
+}
+
+// removePodNetwork removes the pod network the run's agent set up.
+func (e *env) removePodNetwork() error {
+	return agent.TeardownPodNetwork(context.Background(), agent.Config{StateDir: e.path("nodeagent"),
+		NodeName: e.nodeName, PodBridge: e.podBridge(), PodCIDR: e.podCIDR()})
 }
