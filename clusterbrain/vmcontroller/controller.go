@@ -60,6 +60,10 @@ type Controller struct {
 	events   record.EventBroadcaster
 	recorder record.EventRecorder
 	now      func() time.Time
+
+	// failures remembers each VM's latest start failure until its status
+	// shows it, so a sync that reads a stale cache cannot skip a back-off.
+	failures sync.Map // types.UID → *kubevirtv1.VirtualMachineStartFailure
 }
 
 // New builds the controller.

@@ -74,6 +74,7 @@ func (c *Controller) runStrategy(ctx context.Context, st *state, log *slog.Logge
 		failed := vmi.Status.Phase == kubevirtv1.Failed
 		if vmi.Status.Phase == kubevirtv1.Running {
 			vm.Status.StartFailure = nil
+			c.failures.Delete(vm.UID)
 		}
 		if final && (st.rs == kubevirtv1.RunStrategyAlways || failed) && vmi.DeletionTimestamp == nil {
 			if failed {
@@ -89,6 +90,7 @@ func (c *Controller) runStrategy(ctx context.Context, st *state, log *slog.Logge
 	case kubevirtv1.RunStrategyManual:
 		if vmi != nil && vmi.Status.Phase == kubevirtv1.Running {
 			vm.Status.StartFailure = nil
+			c.failures.Delete(vm.UID)
 		}
 	}
 	return 0, nil
@@ -97,7 +99,7 @@ func (c *Controller) runStrategy(ctx context.Context, st *state, log *slog.Logge
 // recordFailure counts a failed VMI once and sets the retry time.
 func (c *Controller) recordFailure(st *state) {
 	vm, vmi := st.vm, st.vmi
-	f := vm.Status.StartFailure
+	f := c.startFailure(vm)
 	if f != nil && f.LastFailedVMIUID == vmi.UID {
 		return
 	}
@@ -111,6 +113,7 @@ func (c *Controller) recordFailure(st *state) {
 	}
 	retry := metav1.NewTime(c.now().Add(delay))
 	vm.Status.StartFailure = &kubevirtv1.VirtualMachineStartFailure{ConsecutiveFailCount: n, LastFailedVMIUID: vmi.UID, RetryAfterTimestamp: &retry}
+	c.failures.Store(vm.UID, vm.Status.StartFailure.DeepCopy())
 	c.recorder.Eventf(vm, corev1.EventTypeWarning, "FailedStart", "VMI %s failed; starting again in %s (failure %d)", vmi.Name, delay, n)
 }
 
@@ -121,7 +124,8 @@ func (c *Controller) start(ctx context.Context, st *state, log *slog.Logger) (ti
 	if !st.dvsReady {
 		return 0, nil // DataVolume changes bring us back
 	}
-	if f := vm.Status.StartFailure; f != nil && f.RetryAfterTimestamp != nil {
+	if f := c.startFailure(vm); f != nil && f.RetryAfterTimestamp != nil {
+		vm.Status.StartFailure = f
 		if wait := f.RetryAfterTimestamp.Sub(c.now()); wait > 0 {
 			st.backoff = true
 			return wait, nil
@@ -180,3 +184,18 @@ func (c *Controller) deleteVMI(ctx context.Context, vm *kubevirtv1.VirtualMachin
 type permanent struct{ error }
 
 func (p permanent) Unwrap() error { return p.error }
+
+// startFailure is the VM's latest start failure: its status, or what this
+// controller recorded more recently than the cache shows.
+func (c *Controller) startFailure(vm *kubevirtv1.VirtualMachine) *kubevirtv1.VirtualMachineStartFailure {
+	f := vm.Status.StartFailure
+	if v, ok := c.failures.Load(vm.UID); ok {
+		mem := v.(*kubevirtv1.VirtualMachineStartFailure)
+		// Equal counts: prefer ours, whose retry time has not been
+		// truncated to the second by serialization.
+		if f == nil || mem.ConsecutiveFailCount >= f.ConsecutiveFailCount {
+			return mem.DeepCopy()
+		}
+	}
+	return f
+}

@@ -10,6 +10,7 @@ import (
 	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/util/retry"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
@@ -60,12 +61,12 @@ func TestSyncDirect(t *testing.T) {
 	}
 
 	// A pending back-off holds the start and asks to be synced again then.
-	retry := metav1.NewTime(time.Now().Add(time.Hour))
+	retryAt := metav1.NewTime(time.Now().Add(time.Hour))
 	vm.Spec.RunStrategy = strategy(kubevirtv1.RunStrategyAlways)
 	if vm, err = virt.VMs.Update(ctx, vm); err != nil {
 		t.Fatal(err)
 	}
-	vm.Status.StartFailure = &kubevirtv1.VirtualMachineStartFailure{ConsecutiveFailCount: 3, RetryAfterTimestamp: &retry}
+	vm.Status.StartFailure = &kubevirtv1.VirtualMachineStartFailure{ConsecutiveFailCount: 3, RetryAfterTimestamp: &retryAt}
 	if _, err := virt.VMs.UpdateStatus(ctx, vm); err != nil {
 		t.Fatal(err)
 	}
@@ -80,8 +81,13 @@ func TestSyncDirect(t *testing.T) {
 	}
 
 	// Once the back-off is over, Sync creates the VMI.
-	vm.Status.StartFailure = nil
-	if _, err := virt.VMs.UpdateStatus(ctx, vm); err != nil {
+	c.failures.Delete(vm.UID) // the back-off this controller would remember
+	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		vm, _ = virt.VMs.Get(ctx, e.ns, "direct")
+		vm.Status.StartFailure = nil
+		_, err := virt.VMs.UpdateStatus(ctx, vm)
+		return err
+	}); err != nil {
 		t.Fatal(err)
 	}
 	cached("no back-off", func(v *kubevirtv1.VirtualMachine) bool { return v.Status.StartFailure == nil })

@@ -16,6 +16,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	instancetypev1beta1 "kubevirt.io/api/instancetype/v1beta1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
@@ -40,12 +41,14 @@ func setup(t *testing.T) env {
 	if err := crds.Install(context.Background(), apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.Catalog()); err != nil {
 		t.Fatal(err)
 	}
-	virt, err := client.NewSet(cp.RestConfig)
+	rc := rest.CopyConfig(cp.RestConfig)
+	rc.QPS, rc.Burst = 500, 1000 // the test polls fast; do not starve it
+	virt, err := client.NewSet(rc)
 	if err != nil {
 		t.Fatal(err)
 	}
 	e := env{t: t, kube: cp.Clientset(t), virt: virt, ns: cp.Namespace(t)}
-	c, err := New(Config{Kube: e.kube, Virt: virt, BackoffBase: time.Second, BackoffMax: 2 * time.Second,
+	c, err := New(Config{RestConfig: cp.RestConfig, BackoffBase: time.Second, BackoffMax: 2 * time.Second,
 		Log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
 	if err != nil {
 		t.Fatal(err)
@@ -88,9 +91,11 @@ func (e env) waitVM(name, what string, cond func(*kubevirtv1.VirtualMachine, *ku
 	e.t.Helper()
 	var vm *kubevirtv1.VirtualMachine
 	var vmi *kubevirtv1.VirtualMachineInstance
+	var getErr error
 	err := wait.PollUntilContextTimeout(context.Background(), 50*time.Millisecond, 15*time.Second, true, func(ctx context.Context) (bool, error) {
 		var err error
 		if vm, err = e.virt.VMs.Get(ctx, e.ns, name); err != nil {
+			getErr = err
 			return false, nil
 		}
 		vmi = nil
@@ -104,7 +109,7 @@ func (e env) waitVM(name, what string, cond func(*kubevirtv1.VirtualMachine, *ku
 		if vmi != nil {
 			s = string(vmi.Status.Phase)
 		}
-		e.t.Fatalf("vm %s: %s never happened (printableStatus %q, vmi %s, conditions %+v)", name, what, vm.Status.PrintableStatus, s, vm.Status.Conditions)
+		e.t.Fatalf("vm %s: %s never happened (printableStatus %q, vmi %s, conditions %+v, last get error %v)", name, what, vm.Status.PrintableStatus, s, vm.Status.Conditions, getErr)
 	}
 	return vm, vmi
 }
@@ -174,8 +179,8 @@ func TestAlwaysRunsReportsAndRestartsWithBackoff(t *testing.T) {
 		t.Errorf("status %+v", got.Status)
 	}
 	// A failure restarts it after a back-off, counting failures.
+	failedAt := time.Now() // before the write: the controller sees the failure after it
 	e.setVMIPhase(vmi, kubevirtv1.Failed, false)
-	failedAt := time.Now()
 	got, _ = e.waitVM("always", "crash loop", status(kubevirtv1.VirtualMachineStatusCrashLoopBackOff))
 	if f := got.Status.StartFailure; f == nil || f.ConsecutiveFailCount != 1 || f.LastFailedVMIUID != vmi.UID {
 		t.Errorf("start failure %+v", got.Status.StartFailure)
