@@ -25,6 +25,7 @@ build: deps
 	@mkdir -p $(BIN)
 	$(GO) build -o $(BIN)/ ./nodeagent/cmd/nodeagent ./clusterbrain/cmd/... ./cni/cmd/cnv-bridge ./test/cmd/nodevirt-lab
 	@ln -sf cnv-bridge $(BIN)/nodevirt-bridge
+	@mkdir -p $(BIN)/dist && [ -e $(BIN)/dist/virtctl-linux-amd64 ] || ln -sf ../virtctl $(BIN)/dist/virtctl-linux-amd64
 	@if [ -d csi/cmd/hostpath-csi-driver ]; then $(GO) build -o $(BIN)/ ./csi/cmd/hostpath-csi-driver; fi
 
 # install puts the daemons on PATH, the CNI plugin where runtimes look for it
@@ -39,12 +40,14 @@ install: build
 	ln -sf cnv-bridge $(DESTDIR)$(CNI_BIN_DIR)/nodevirt-bridge
 	install -m 0644 systemd/*.service $(DESTDIR)/etc/systemd/system/
 
-# virtctl-dist cross-builds the CLI for the download service.
+# virtctl-dist cross-builds the CLI for the download service (bin/dist, served
+# by the brain at the upstream download paths); `make build` links the host's.
 virtctl-dist:
-	@if [ -d clusterbrain/cmd/virtctl ]; then for t in linux/amd64 linux/arm64 darwin/amd64 darwin/arm64 windows/amd64; do \
+	@for t in linux/amd64 linux/arm64 darwin/amd64 darwin/arm64 windows/amd64; do \
 		os=$${t%/*}; arch=$${t#*/}; ext=; [ $$os = windows ] && ext=.exe; \
-		CGO_ENABLED=0 GOOS=$$os GOARCH=$$arch $(GO) build -o $(BIN)/dist/$$os-$$arch/virtctl$$ext ./clusterbrain/cmd/virtctl || exit 1; \
-	done; fi
+		CGO_ENABLED=0 GOOS=$$os GOARCH=$$arch $(GO) build -trimpath -ldflags='-s -w' \
+			-o $(BIN)/dist/virtctl-$$os-$$arch$$ext ./clusterbrain/cmd/virtctl || exit 1; \
+	done
 
 # controlplane builds kube-apiserver and kube-controller-manager once per pin.
 controlplane: deps

@@ -108,7 +108,8 @@ func Up(ctx context.Context, cfg Config) error {
 	if err := cp.WriteKubeconfig(brainKC, "system:nodevirt:clusterbrain", "system:masters"); err != nil {
 		return err
 	}
-	if err := startDaemon(cfg, "clusterbrain", "--kubeconfig="+brainKC, "--health-addr=127.0.0.1:8480"); err != nil {
+	if err := startDaemon(cfg, "clusterbrain", "--kubeconfig="+brainKC, "--health-addr=127.0.0.1:8480",
+		"--virtctl-dir="+filepath.Join(cfg.BinDir, "dist")); err != nil {
 		return err
 	}
 	step(cfg.Out, "nodeagent")
