@@ -205,6 +205,14 @@ func New(cfg Config) (*Agent, error) {
 	if err != nil {
 		return nil, err
 	}
+	// The state dir must exist, traversable by QEMU's user, before any role
+	// creates something inside it (VM seeds and disks live below it).
+	if err := os.MkdirAll(cfg.StateDir, 0o755); err != nil {
+		return nil, err
+	}
+	if err := os.Chmod(cfg.StateDir, 0o755); err != nil {
+		return nil, err
+	}
 	volumes, err := newVolumes(cfg)
 	if err != nil {
 		return nil, err
@@ -259,9 +267,6 @@ func (a *Agent) Run(ctx context.Context) error {
 	log := a.cfg.Log
 	errc := make(chan error, 1)
 	go func() { errc <- daemon.Serve(ctx, a.cfg.HealthAddr, a.deps.Health.Handler(), log) }()
-	if err := os.MkdirAll(a.cfg.StateDir, 0o755); err != nil {
-		return err
-	}
 	standalone, err := a.reg.Register(ctx)
 	if err != nil {
 		return err
