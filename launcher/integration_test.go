@@ -1,7 +1,6 @@
 package launcher
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -10,7 +9,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -25,90 +23,6 @@ import (
 	"github.com/nodevirt/nodevirt/launcher/libvirttest"
 	"github.com/nodevirt/nodevirt/test/guest"
 )
-
-// consoleLog collects what a console stream yields; Expect waits for text
-// after what earlier Expects consumed.
-type consoleLog struct {
-	mu      sync.Mutex
-	buf     []byte
-	cursor  int
-	changed chan struct{}
-	err     error
-}
-
-func readConsole(r io.Reader) *consoleLog {
-	c := &consoleLog{changed: make(chan struct{})}
-	go func() {
-		p := make([]byte, 4096)
-		for {
-			n, err := r.Read(p)
-			c.mu.Lock()
-			c.buf = append(c.buf, bytes.ReplaceAll(p[:n], []byte("\r"), nil)...)
-			if err != nil {
-				c.err = err
-			}
-			close(c.changed)
-			c.changed = make(chan struct{})
-			c.mu.Unlock()
-			if err != nil {
-				return
-			}
-		}
-	}()
-	return c
-}
-
-// Expect returns the line holding text, waiting up to timeout.
-func (c *consoleLog) Expect(t *testing.T, text string, timeout time.Duration) string {
-	t.Helper()
-	deadline := time.After(timeout)
-	for {
-		c.mu.Lock()
-		rest := c.buf[c.cursor:]
-		if i := bytes.Index(rest, []byte(text)); i >= 0 && bytes.IndexByte(rest[i:], '\n') >= 0 {
-			start := bytes.LastIndexByte(rest[:i], '\n') + 1
-			end := i + bytes.IndexByte(rest[i:], '\n')
-			line := string(rest[start:end])
-			c.cursor += end
-			c.mu.Unlock()
-			return line
-		}
-		ch, err := c.changed, c.err
-		c.mu.Unlock()
-		if err != nil {
-			t.Fatalf("console ended (%v) before %q; got:\n%s", err, text, c.String())
-		}
-		select {
-		case <-ch:
-		case <-deadline:
-			t.Fatalf("no %q on the console within %s; got:\n%s", text, timeout, c.String())
-		}
-	}
-}
-
-// waitEnded waits until the stream ended and returns how.
-func (c *consoleLog) waitEnded(timeout time.Duration) error {
-	deadline := time.After(timeout)
-	for {
-		c.mu.Lock()
-		ch, err := c.changed, c.err
-		c.mu.Unlock()
-		if err != nil {
-			return err
-		}
-		select {
-		case <-ch:
-		case <-deadline:
-			return nil
-		}
-	}
-}
-
-func (c *consoleLog) String() string {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return string(c.buf)
-}
 
 // waitEvent waits for an event of the domain matching typ (and reason when
 // not empty), skipping others.
@@ -237,7 +151,7 @@ func TestBootRealGuest(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer cons.Close()
-	log := readConsole(cons)
+	log := guest.ReadConsole(cons)
 	if err := m.Unpause(ctx, name); err != nil {
 		t.Fatal(err)
 	}
@@ -264,11 +178,11 @@ func TestBootRealGuest(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer cons2.Close()
-	if err := log.waitEnded(10 * time.Second); err == nil {
-		t.Error("first console session ended without an error or EOF")
+	if !log.Ended(10 * time.Second) {
+		t.Error("first console session did not end when a second one opened")
 	}
 	cons.Close()
-	log = readConsole(cons2)
+	log = guest.ReadConsole(cons2)
 
 	// The domain outlives the Manager that made it: a new one adopts it.
 	pid := m.mustLookup(t, name).PID

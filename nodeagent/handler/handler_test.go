@@ -21,6 +21,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/launcher"
 	"github.com/nodevirt/nodevirt/nodeagent/console"
+	"github.com/nodevirt/nodevirt/test/guest"
 )
 
 const (
@@ -147,23 +148,23 @@ func TestGuestLifecycle(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Close()
-	log := readConsole(conn)
+	log := guest.ReadConsole(conn)
 	if err := cc.Do(ctx, n.ns, "guest", "unpause"); err != nil {
 		t.Fatal(err)
 	}
 	n.waitVMI(ctx, "guest", 30*time.Second, "unpaused and Ready", func(v *v1.VirtualMachineInstance) bool {
 		return condition(v, v1.VirtualMachineInstancePaused) == nil && isTrue(v, v1.VirtualMachineInstanceReady)
 	})
-	log.expectLine(t, "NODEVIRT-GUEST-BOOTED", true, bootTimeout)
+	log.ExpectExact(t, "NODEVIRT-GUEST-BOOTED", bootTimeout)
 	t.Logf("create → guest booted in %v", time.Since(start).Round(time.Millisecond))
-	log.expectLine(t, "NODEVIRT-NIC eth0 "+testMAC, true, 60*time.Second)
-	log.expectLine(t, fmt.Sprintf("NODEVIRT-DISK vda %d", diskSize), true, 60*time.Second)
-	log.expectLine(t, "from-secret-42", true, 60*time.Second)
-	log.expectLine(t, "NODEVIRT-GUEST-READY", true, 60*time.Second)
+	log.ExpectExact(t, "NODEVIRT-NIC eth0 "+testMAC, 60*time.Second)
+	log.ExpectExact(t, fmt.Sprintf("NODEVIRT-DISK vda %d", diskSize), 60*time.Second)
+	log.ExpectExact(t, "from-secret-42", 60*time.Second)
+	log.ExpectExact(t, "NODEVIRT-GUEST-READY", 60*time.Second)
 	if _, err := conn.Write([]byte("echo hello\n")); err != nil {
 		t.Fatal(err)
 	}
-	log.expectLine(t, "hello", true, 30*time.Second)
+	log.ExpectExact(t, "hello", 30*time.Second)
 
 	// Pause and unpause through the control endpoints.
 	if err := cc.Do(ctx, n.ns, "guest", "pause"); err != nil {
@@ -184,7 +185,7 @@ func TestGuestLifecycle(t *testing.T) {
 
 	// The agent goes away and comes back: the guest never notices.
 	stop()
-	if !log.ended(10 * time.Second) {
+	if !log.Ended(10 * time.Second) {
 		t.Error("console stream outlived the agent")
 	}
 	if err := syscall.Kill(pid, 0); err != nil {
@@ -203,30 +204,30 @@ func TestGuestLifecycle(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer first.Close()
-	firstLog := readConsole(first)
+	firstLog := guest.ReadConsole(first)
 	if _, err := first.Write([]byte("echo again-$((1+1))\n")); err != nil {
 		t.Fatal(err)
 	}
-	firstLog.expectLine(t, "again-2", true, 30*time.Second)
+	firstLog.ExpectExact(t, "again-2", 30*time.Second)
 	// A second console takes over; the first one ends.
 	second, err := cc.Console(ctx, n.ns, "guest")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer second.Close()
-	secondLog := readConsole(second)
-	if !firstLog.ended(10 * time.Second) {
+	secondLog := guest.ReadConsole(second)
+	if !firstLog.Ended(10 * time.Second) {
 		t.Error("first console still open after a second one")
 	}
 	if _, err := second.Write([]byte("echo hello\n")); err != nil {
 		t.Fatal(err)
 	}
-	secondLog.expectLine(t, "hello", true, 30*time.Second)
+	secondLog.ExpectExact(t, "hello", 30*time.Second)
 	// Reset: the guest boots again, the VMI stays Running with the same QEMU.
 	if err := cc.Do(ctx, n.ns, "guest", "reset"); err != nil {
 		t.Fatal(err)
 	}
-	secondLog.expectLine(t, "NODEVIRT-GUEST-READY", true, bootTimeout)
+	secondLog.ExpectExact(t, "NODEVIRT-GUEST-READY", bootTimeout)
 	if v := n.waitVMI(ctx, "guest", 10*time.Second, "Running", func(v *v1.VirtualMachineInstance) bool {
 		return v.Status.Phase == v1.Running
 	}); qemuPID(t, v) != pid {
@@ -262,7 +263,7 @@ func TestGuestLifecycle(t *testing.T) {
 	if err := n.virt.VMIs.Delete(ctx, n.ns, "guest", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	secondLog.expectLine(t, "NODEVIRT-GUEST-POWEROFF", false, 60*time.Second)
+	secondLog.Expect(t, "NODEVIRT-GUEST-POWEROFF", 60*time.Second)
 	var phases []v1.VirtualMachineInstancePhase
 	timeout := time.After(90 * time.Second)
 watch:

@@ -1,7 +1,6 @@
 package handler
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -334,95 +333,4 @@ func condition(vmi *v1.VirtualMachineInstance, typ v1.VirtualMachineInstanceCond
 func isTrue(vmi *v1.VirtualMachineInstance, typ v1.VirtualMachineInstanceConditionType) bool {
 	c := condition(vmi, typ)
 	return c != nil && c.Status == k8sv1.ConditionTrue
-}
-
-// consoleLog collects a console stream; Expect waits for text after what
-// earlier calls consumed.
-type consoleLog struct {
-	mu      sync.Mutex
-	buf     []byte
-	cursor  int
-	changed chan struct{}
-	err     error
-}
-
-func readConsole(r io.Reader) *consoleLog {
-	c := &consoleLog{changed: make(chan struct{})}
-	go func() {
-		p := make([]byte, 4096)
-		for {
-			n, err := r.Read(p)
-			c.mu.Lock()
-			c.buf = append(c.buf, bytes.ReplaceAll(p[:n], []byte("\r"), nil)...)
-			if err != nil {
-				c.err = err
-			}
-			close(c.changed)
-			c.changed = make(chan struct{})
-			c.mu.Unlock()
-			if err != nil {
-				return
-			}
-		}
-	}()
-	return c
-}
-
-// expectLine waits for a whole line that contains text (exact: equals it)
-// and returns it.
-func (c *consoleLog) expectLine(t *testing.T, text string, exact bool, timeout time.Duration) string {
-	t.Helper()
-	deadline := time.After(timeout)
-	for {
-		c.mu.Lock()
-		rest := c.buf[c.cursor:]
-		off := 0
-		for {
-			nl := bytes.IndexByte(rest[off:], '\n')
-			if nl < 0 {
-				break
-			}
-			line := string(rest[off : off+nl])
-			if (exact && line == text) || (!exact && strings.Contains(line, text)) {
-				c.cursor += off + nl + 1
-				c.mu.Unlock()
-				return line
-			}
-			off += nl + 1
-		}
-		ch, err := c.changed, c.err
-		c.mu.Unlock()
-		if err != nil {
-			t.Fatalf("console ended (%v) before %q; got:\n%s", err, text, c.String())
-		}
-		select {
-		case <-ch:
-		case <-deadline:
-			t.Fatalf("no %q on the console within %s; got:\n%s", text, timeout, c.String())
-		}
-	}
-}
-
-// ended waits for the stream to end.
-func (c *consoleLog) ended(timeout time.Duration) bool {
-	deadline := time.After(timeout)
-	for {
-		c.mu.Lock()
-		ch, err := c.changed, c.err
-		c.mu.Unlock()
-		if err != nil {
-			return true
-		}
-		select {
-		case <-ch:
-		case <-deadline:
-			return false
-		}
-	}
-}
-
-func (c *consoleLog) String() string {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return string(c.buf)
 }

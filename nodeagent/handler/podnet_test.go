@@ -23,6 +23,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/launcher"
 	"github.com/nodevirt/nodevirt/nodeagent/podnet"
+	"github.com/nodevirt/nodevirt/test/guest"
 )
 
 // podnetTable is the nftables table podnet keeps (in the inet and bridge
@@ -258,15 +259,15 @@ func TestPodNetwork(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Close()
-	log := readConsole(conn)
+	log := guest.ReadConsole(conn)
 	if err := cc.Do(ctx, n.ns, "podguest", "unpause"); err != nil {
 		t.Fatal(err)
 	}
-	log.expectLine(t, "NODEVIRT-NIC eth0 "+st.MAC, true, bootTimeout)
+	log.ExpectExact(t, "NODEVIRT-NIC eth0 "+st.MAC, bootTimeout)
 	leaseLine := fmt.Sprintf("PODNET-LEASE %s/24 gw %s host podguest", ip, pn.Gateway())
-	log.expectLine(t, leaseLine, true, 60*time.Second)
-	log.expectLine(t, "PODNET-PING-42", true, 30*time.Second)
-	log.expectLine(t, "NODEVIRT-GUEST-READY", true, 30*time.Second)
+	log.ExpectExact(t, leaseLine, 60*time.Second)
+	log.ExpectExact(t, "PODNET-PING-42", 30*time.Second)
+	log.ExpectExact(t, "NODEVIRT-GUEST-READY", 30*time.Second)
 	t.Logf("create → guest leased %s and pinged the gateway in %v", ip, time.Since(start).Round(time.Millisecond))
 
 	// The agent restarts (handler and pod network). Meanwhile the tap's
@@ -302,12 +303,12 @@ func TestPodNetwork(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn2.Close()
-	log2 := readConsole(conn2)
+	log2 := guest.ReadConsole(conn2)
 	if _, err := conn2.Write([]byte("udhcpc -i eth0 -n -q -t 5 -T 3 -s /run/lease.sh\n")); err != nil {
 		t.Fatal(err)
 	}
-	log2.expectLine(t, leaseLine, true, 60*time.Second)
-	log2.expectLine(t, "PODNET-PING-42", true, 30*time.Second)
+	log2.ExpectExact(t, leaseLine, 60*time.Second)
+	log2.ExpectExact(t, "PODNET-PING-42", 30*time.Second)
 
 	// Delete: the tap and the address go with the VMI.
 	if err := n.virt.VMIs.Delete(ctx, n.ns, "podguest", metav1.DeleteOptions{}); err != nil {
