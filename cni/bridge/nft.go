@@ -208,3 +208,28 @@ func masqDelScript(attachment string, ips []net.IP) string {
 	fmt.Fprintf(&b, "delete chain inet %s %s\n", natTable, c)
 	return b.String()
 }
+
+// RemoveUnusedTables deletes the plugin's nftables tables when no
+// attachment uses them any more (no port in the spoof-check map, no masquerade
+// chain), so a host whose last attachment is gone looks as before the first.
+// Call it when no ADD can run concurrently (an agent's or a lab's teardown).
+func RemoveUnusedTables(ctx context.Context) error {
+	p, err := nftPath()
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, t := range []struct{ family, name string }{{"bridge", spoofTable}, {"inet", natTable}} {
+		out, err := exec.CommandContext(ctx, p, "list", "table", t.family, t.name).CombinedOutput()
+		if err != nil {
+			continue // no such table
+		}
+		if strings.Contains(string(out), "elements =") || strings.Contains(string(out), "masquerade") {
+			continue
+		}
+		if err := runNFT(ctx, fmt.Sprintf("delete table %s %s\n", t.family, t.name)); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}

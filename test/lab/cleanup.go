@@ -134,6 +134,7 @@ func removeNetwork(ctx context.Context, cfg Config) error {
 		fmt.Fprintf(cfg.Out, "    tap %s\n", tap)
 		errs = append(errs, bridge.DetachTap(ctx, &bridge.NetConf{StateDir: netState}, tap))
 	}
+	errs = append(errs, bridge.RemoveUnusedTables(ctx))
 	if _, err := os.Stat(agentDir); err == nil {
 		errs = append(errs, agent.TeardownPodNetwork(ctx, agent.Config{StateDir: agentDir, NodeName: cfg.NodeName}))
 	}
