@@ -200,15 +200,14 @@ func (e *env) startDaemons() error {
 	if err := e.cp.WriteKubeconfig(agentKC, "system:node:"+e.nodeName, "system:nodes", "system:masters"); err != nil {
 		return err
 	}
-	brainArgs := []string{"--kubeconfig=" + brainKC, "--health-addr=" + freeAddr()}
-	// Every listening address the brain has a flag for gets a free port, so
-	// the suite never collides with a lab on the same host. Aggregated APIs
-	// are reached through Endpoints, which may not be loopback: those
-	// listen on every address.
-	bin := filepath.Join(e.bin, "clusterbrain")
-	brainArgs = append(brainArgs, optionalAddrFlags(bin, "127.0.0.1", "webhook-addr")...)
-	brainArgs = append(brainArgs, optionalAddrFlags(bin, "", "subresources-addr", "upload-api-addr", "uploadproxy-addr",
-		"metrics-addr", "cli-download-addr")...)
+	brainArgs := []string{"--kubeconfig=" + brainKC, "--health-addr=" + freeAddr(),
+		// Every listener of the brain takes a port the kernel picks (the
+		// brain registers what it bound), so the suite never races another
+		// process for a port nor collides with a lab on the same host.
+		// Aggregated APIs are reached through Endpoints, which may not be
+		// loopback: those listen on every address.
+		"--webhook-addr=127.0.0.1:0", "--subresources-addr=:0", "--upload-api-addr=:0", "--uploadproxy-addr=:0",
+		"--metrics-addr=127.0.0.1:0", "--cli-download-addr=127.0.0.1:0"}
 	e.brain = newDaemon(e, "clusterbrain", brainArgs...)
 	agentDir := e.path("nodeagent")
 	agentArgs := []string{"--kubeconfig=" + agentKC, "--node-name=" + e.nodeName,
