@@ -27,6 +27,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/cni/bridge"
 	"github.com/nodevirt/nodevirt/nodeagent/agent"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
@@ -389,7 +390,8 @@ func (e *env) teardown() error {
 			d.stop()
 		}
 	}
-	errs = append(errs, e.removeDomains(), e.removePodNetwork(), e.removeMounts(), e.removeBridges())
+	errs = append(errs, e.removeDomains(), e.removePodNetwork(), e.removeMounts(), e.removeBridges(),
+		bridge.RemoveUnusedTables(context.Background()))
 	if e.cp != nil {
 		e.cp.Stop()
 	}
