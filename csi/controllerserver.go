@@ -209,12 +209,28 @@ func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.Valida
 
 // ListVolumes pages through the volumes in ID order.
 func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (*csi.ListVolumesResponse, error) {
-	if req.GetMaxEntries() < 0 {
-		return nil, status.Error(codes.InvalidArgument, "max entries is negative")
-	}
-	after, err := parseToken(req.GetStartingToken(), volumeTokenPrefix)
+	vols, next, err := d.volumePage(req.GetStartingToken(), req.GetMaxEntries())
 	if err != nil {
 		return nil, err
+	}
+	resp := &csi.ListVolumesResponse{NextToken: next}
+	for i := range vols {
+		resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{
+			Volume: d.csiVolume(&vols[i], nil),
+		})
+	}
+	return resp, nil
+}
+
+// volumePage returns up to max volumes (0: all) after the one a starting
+// token names, in ID order, and the token of the next page ("" when none).
+func (d *Driver) volumePage(token string, max int32) ([]volume, string, error) {
+	if max < 0 {
+		return nil, "", status.Error(codes.InvalidArgument, "max entries is negative")
+	}
+	after, err := parseToken(token, volumeTokenPrefix)
+	if err != nil {
+		return nil, "", err
 	}
 	d.mu.Lock()
 	var vols []volume
@@ -225,18 +241,10 @@ func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (
 	}
 	d.mu.Unlock()
 	sort.Slice(vols, func(i, j int) bool { return vols[i].ID < vols[j].ID })
-
-	resp := &csi.ListVolumesResponse{}
-	if n := int(req.GetMaxEntries()); n > 0 && len(vols) > n {
-		vols = vols[:n]
-		resp.NextToken = volumeTokenPrefix + vols[n-1].ID
+	if n := int(max); n > 0 && len(vols) > n {
+		return vols[:n], volumeTokenPrefix + vols[n-1].ID, nil
 	}
-	for i := range vols {
-		resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{
-			Volume: d.csiVolume(&vols[i], nil),
-		})
-	}
-	return resp, nil
+	return vols, "", nil
 }
 
 // ControllerGetVolume reports one volume.

@@ -4,11 +4,8 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"sort"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 )
 
 // poolAlmostFull is the free fraction below which a pool reports itself
@@ -27,27 +24,11 @@ func (d *Driver) ControllerGetVolumeHealth(ctx context.Context, req *csi.Control
 // ControllerListVolumeHealth pages through the health of every volume, in
 // the order of ListVolumes.
 func (d *Driver) ControllerListVolumeHealth(ctx context.Context, req *csi.ControllerListVolumeHealthRequest) (*csi.ControllerListVolumeHealthResponse, error) {
-	if req.GetMaxEntries() < 0 {
-		return nil, status.Error(codes.InvalidArgument, "max entries is negative")
-	}
-	after, err := parseToken(req.GetStartingToken(), volumeTokenPrefix)
+	vols, next, err := d.volumePage(req.GetStartingToken(), req.GetMaxEntries())
 	if err != nil {
 		return nil, err
 	}
-	d.mu.Lock()
-	var vols []volume
-	for _, v := range d.volumes {
-		if v.ID > after {
-			vols = append(vols, v.clone())
-		}
-	}
-	d.mu.Unlock()
-	sort.Slice(vols, func(i, j int) bool { return vols[i].ID < vols[j].ID })
-	resp := &csi.ControllerListVolumeHealthResponse{}
-	if n := int(req.GetMaxEntries()); n > 0 && len(vols) > n {
-		vols = vols[:n]
-		resp.NextToken = volumeTokenPrefix + vols[n-1].ID
-	}
+	resp := &csi.ControllerListVolumeHealthResponse{NextToken: next}
 	for i := range vols {
 		resp.Entries = append(resp.Entries, d.volumeHealth(&vols[i]))
 	}
