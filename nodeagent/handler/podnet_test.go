@@ -26,10 +26,6 @@ import (
 	"github.com/nodevirt/nodevirt/test/guest"
 )
 
-// podnetTable is the nftables table podnet keeps (in the inet and bridge
-// families).
-const podnetTable = "nodevirt_podnet"
-
 // dhcpUserData asks for an address with busybox udhcpc; its script
 // configures the address, prints the lease and pings the gateway.
 const dhcpUserData = `#!/bin/sh
@@ -59,22 +55,18 @@ func podnetConfig(t *testing.T) podnet.Config {
 }
 
 // hostPodnet sets up the test's pod network in the host's network
-// namespace, where libvirtd opens taps: a bridge of its own and podnet's
-// nftables tables (one pair per host, see remove for sharing them with a
-// nodeagent running on this machine).
+// namespace, where libvirtd opens taps: a bridge and nftables tables of
+// its own, beside any other pod network of this host (a lab's or the
+// end-to-end suite's nodeagent).
 type hostPodnet struct {
 	t       *testing.T
 	cfg     podnet.Config
-	inet    string // the inet table found before the test, "" when none
 	forward string // net.ipv4.ip_forward before the test
 }
 
 func newHostPodnet(t *testing.T) *hostPodnet {
 	t.Helper()
 	p := &hostPodnet{t: t, cfg: podnetConfig(t)}
-	if out, err := exec.Command("nft", "list", "table", "inet", podnetTable).Output(); err == nil {
-		p.inet = string(out)
-	}
 	fwd, err := os.ReadFile("/proc/sys/net/ipv4/ip_forward")
 	if err != nil {
 		t.Fatal(err)
@@ -121,38 +113,22 @@ func (p *hostPodnet) start(ctx context.Context) (pn *podnet.Network, stop func()
 	return pn, stop
 }
 
-// remove takes the network away: Teardown when podnet's tables are the
-// test's alone, else only the test's bridge (and the inet table found at
-// the start put back). Another pod network on this host (a lab's or the
-// end-to-end suite's nodeagent) may have started meanwhile: its inet table
-// then names its own bridge, and stays.
+// remove takes the network away. Forwarding must be back as found unless
+// another pod network of the host still needs it.
 func (p *hostPodnet) remove() {
 	t := p.t
 	ctx := context.Background()
-	cur, _ := exec.Command("nft", "list", "table", "inet", podnetTable).Output()
-	ours := p.inet == "" && (len(cur) == 0 || strings.Contains(string(cur), fmt.Sprintf("%q", p.cfg.Bridge)))
-	switch {
-	case ours:
-		pn, err := podnet.New(p.cfg)
-		if err == nil {
-			err = pn.Teardown(ctx)
-		}
-		if err != nil {
-			t.Errorf("pod network teardown: %v", err)
-		}
-		if fwd, _ := os.ReadFile("/proc/sys/net/ipv4/ip_forward"); strings.TrimSpace(string(fwd)) != p.forward {
-			t.Errorf("net.ipv4.ip_forward is %s after the teardown, was %s", strings.TrimSpace(string(fwd)), p.forward)
-		}
-	case p.inet != "" && strings.Contains(string(cur), fmt.Sprintf("%q", p.cfg.Bridge)):
-		script := fmt.Sprintf("add table inet %[1]s\ndelete table inet %[1]s\n%s", podnetTable, p.inet)
-		cmd := exec.Command("nft", "-f", "-")
-		cmd.Stdin = strings.NewReader(script)
-		if out, err := cmd.CombinedOutput(); err != nil {
-			t.Errorf("put back the inet table %s: %v: %s", podnetTable, err, out)
-		}
+	pn, err := podnet.New(p.cfg)
+	if err == nil {
+		err = pn.Teardown(ctx)
 	}
-	if l, err := netlink.LinkByName(p.cfg.Bridge); err == nil && !ours {
-		_ = netlink.LinkDel(l)
+	if err != nil {
+		t.Errorf("pod network teardown: %v", err)
+	}
+	tables, _ := exec.Command("nft", "list", "tables", "inet").Output()
+	others := strings.Contains(string(tables), "nodevirt_podnet_")
+	if fwd, _ := os.ReadFile("/proc/sys/net/ipv4/ip_forward"); !others && strings.TrimSpace(string(fwd)) != p.forward {
+		t.Errorf("net.ipv4.ip_forward is %s after the teardown, was %s", strings.TrimSpace(string(fwd)), p.forward)
 	}
 	if _, err := netlink.LinkByName(p.cfg.Bridge); err == nil {
 		t.Errorf("pod network bridge %s outlived the test", p.cfg.Bridge)
@@ -160,9 +136,9 @@ func (p *hostPodnet) remove() {
 }
 
 // guardedTaps lists the taps in podnet's anti-spoofing map.
-func guardedTaps(t *testing.T) string {
+func guardedTaps(t *testing.T, bridge string) string {
 	t.Helper()
-	out, err := exec.Command("nft", "list", "map", "bridge", podnetTable, "taps").CombinedOutput()
+	out, err := exec.Command("nft", "list", "map", "bridge", podnet.TableName(bridge), "taps").CombinedOutput()
 	if err != nil {
 		t.Fatalf("nft list map: %v: %s", err, out)
 	}
@@ -274,10 +250,10 @@ func TestPodNetwork(t *testing.T) {
 	// anti-spoofing entry went missing: re-adoption puts it back.
 	stop()
 	stopPod()
-	if !strings.Contains(guardedTaps(t), tapDev) {
-		t.Fatalf("tap %s not in the guard map before the restart:\n%s", tapDev, guardedTaps(t))
+	if !strings.Contains(guardedTaps(t, hp.cfg.Bridge), tapDev) {
+		t.Fatalf("tap %s not in the guard map before the restart:\n%s", tapDev, guardedTaps(t, hp.cfg.Bridge))
 	}
-	del := exec.Command("nft", "delete", "element", "bridge", podnetTable, "taps", fmt.Sprintf("{ %q }", tapDev))
+	del := exec.Command("nft", "delete", "element", "bridge", podnet.TableName(hp.cfg.Bridge), "taps", fmt.Sprintf("{ %q }", tapDev))
 	if out, err := del.CombinedOutput(); err != nil {
 		t.Fatalf("%v: %s", err, out)
 	}
@@ -291,9 +267,9 @@ func TestPodNetwork(t *testing.T) {
 		t.Errorf("status.interfaces after the restart %+v, want address %s", got, ip)
 	}
 	deadline := time.Now().Add(30 * time.Second)
-	for !strings.Contains(guardedTaps(t), tapDev) {
+	for !strings.Contains(guardedTaps(t, hp.cfg.Bridge), tapDev) {
 		if time.Now().After(deadline) {
-			t.Fatalf("tap %s not re-adopted (guard map):\n%s", tapDev, guardedTaps(t))
+			t.Fatalf("tap %s not re-adopted (guard map):\n%s", tapDev, guardedTaps(t, hp.cfg.Bridge))
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
@@ -327,7 +303,7 @@ func TestPodNetwork(t *testing.T) {
 	if a := pn.Attachments(); len(a) != 0 {
 		t.Errorf("attachments after the delete: %+v", a)
 	}
-	if strings.Contains(guardedTaps(t), tapDev) {
+	if strings.Contains(guardedTaps(t, hp.cfg.Bridge), tapDev) {
 		t.Errorf("tap %s still in the guard map after the delete", tapDev)
 	}
 }

@@ -62,7 +62,7 @@ func (n *Network) Attach(ctx context.Context, vmiKey, tap string, mac net.Hardwa
 	if err != nil {
 		return nil, fmt.Errorf("attach %s to pod network: %w", vmiKey, err)
 	}
-	if err := runNFT(ctx, nftGuardScript(tap, mac, ip)); err != nil {
+	if err := runNFT(ctx, n.nftGuardScript(tap, mac, ip)); err != nil {
 		if isNew {
 			_, _ = n.allocs.release(vmiKey, tap)
 		}
@@ -87,7 +87,7 @@ func (n *Network) Detach(ctx context.Context, vmiKey, tap string) error {
 		}
 	}
 	for t := range taps {
-		if err := runNFT(ctx, nftUnguardScript(t)); err != nil {
+		if err := runNFT(ctx, n.nftUnguardScript(t)); err != nil {
 			return fmt.Errorf("detach %s from pod network: anti-spoofing rules for %s: %w", vmiKey, t, err)
 		}
 		if err := bridge.DetachTap(ctx, n.tapConf(), t); err != nil {

@@ -18,9 +18,9 @@ import (
 )
 
 // Ensure makes the node's pod network exist: the bridge up with the gateway
-// address, IPv4 forwarding, the nftables table `inet nodevirt_podnet`
+// address, IPv4 forwarding, the nftables table `inet nodevirt_podnet_<bridge>`
 // (masquerade of the subnet's traffic leaving the subnet, forward accept for
-// it) and the base of `bridge nodevirt_podnet` (per-guest anti-spoofing,
+// it) and the base of `bridge nodevirt_podnet_<bridge>` (per-guest anti-spoofing,
 // see nft.go). It is idempotent and repairs what has drifted. It refuses a subnet
 // that overlaps an address or route the node already has elsewhere.
 func (n *Network) Ensure(ctx context.Context) error {
@@ -137,18 +137,23 @@ func (n *Network) ensureBridge() (*netlink.Bridge, error) {
 
 // ensureForwarding switches on IPv4 forwarding. The replies to masqueraded
 // traffic come in on the uplink, so forwarding is needed node-wide
-// (net.ipv4.ip_forward), not only on the bridge. When Ensure is the one that
-// switched it on it leaves a mark, so Teardown can switch it off again.
+// (net.ipv4.ip_forward), not only on the bridge. When a pod network is the
+// one that switched it on it leaves a mark, so the last Teardown of the
+// namespace can switch it off again.
 func (n *Network) ensureForwarding(bridge string) error {
 	cur, err := os.ReadFile("/proc/sys/net/ipv4/ip_forward")
 	if err != nil {
 		return fmt.Errorf("read net.ipv4.ip_forward: %w", err)
 	}
 	if strings.TrimSpace(string(cur)) != "1" {
-		if err := os.MkdirAll(n.stateDir, 0o700); err != nil {
-			return fmt.Errorf("podnet state dir: %w", err)
+		mark, err := forwardMark()
+		if err != nil {
+			return err
 		}
-		if err := os.WriteFile(n.fwdPath(), []byte("net.ipv4.ip_forward was 0 before podnet\n"), 0o600); err != nil {
+		if err := os.MkdirAll(forwardMarkDir, 0o700); err != nil {
+			return fmt.Errorf("record ip_forward: %w", err)
+		}
+		if err := os.WriteFile(mark, []byte("net.ipv4.ip_forward was 0 before the nodevirt pod network\n"), 0o600); err != nil {
 			return fmt.Errorf("record ip_forward: %w", err)
 		}
 		if err := writeSysctl("net/ipv4/ip_forward", "1"); err != nil {
@@ -159,8 +164,38 @@ func (n *Network) ensureForwarding(bridge string) error {
 	return writeSysctl("net/ipv4/conf/"+bridge+"/forwarding", "1")
 }
 
+// restoreForwarding switches IPv4 forwarding off again when a pod network
+// switched it on and no other pod network of the namespace remains.
+func (n *Network) restoreForwarding(ctx context.Context) error {
+	mark, err := forwardMark()
+	if err != nil {
+		return err
+	}
+	if _, err := os.Stat(mark); err != nil {
+		return nil
+	}
+	others, err := n.otherTables(ctx)
+	if err != nil {
+		return err
+	}
+	if len(others) > 0 {
+		n.log.Info("left net.ipv4.ip_forward on for the other pod networks", "tables", others)
+		return nil
+	}
+	if err := writeSysctl("net/ipv4/ip_forward", "0"); err != nil {
+		return err
+	}
+	n.log.Info("restored net.ipv4.ip_forward=0")
+	if err := os.Remove(mark); err != nil {
+		return fmt.Errorf("remove ip_forward mark: %w", err)
+	}
+	_ = os.Remove(forwardMarkDir) // only when no other namespace's mark is in it
+	return nil
+}
+
 // Teardown removes what Ensure and Attach made: the taps still attached,
-// the bridge, the nftables tables, IPv4 forwarding if Ensure switched it on,
+// the bridge, the nftables tables, IPv4 forwarding if a pod network switched
+// it on and this was the namespace's last,
 // and the state files. It is for uninstalling (`make lab-down`), not for
 // agent shutdown: running guests lose their network. What is already gone
 // is success.
@@ -189,15 +224,11 @@ func (n *Network) Teardown(ctx context.Context) error {
 			errs = append(errs, fmt.Errorf("delete bridge %s: %w", n.bridge, err))
 		}
 	}
-	if err := runNFT(ctx, nftDeleteScript()); err != nil {
+	if err := runNFT(ctx, n.nftDeleteScript()); err != nil {
 		errs = append(errs, fmt.Errorf("delete nftables tables: %w", err))
 	}
-	if _, err := os.Stat(n.fwdPath()); err == nil {
-		if err := writeSysctl("net/ipv4/ip_forward", "0"); err != nil {
-			errs = append(errs, err)
-		} else {
-			n.log.Info("restored net.ipv4.ip_forward=0")
-		}
+	if err := n.restoreForwarding(ctx); err != nil {
+		errs = append(errs, err)
 	}
 	if len(errs) > 0 {
 		return fmt.Errorf("podnet teardown: %w", errors.Join(errs...))

@@ -19,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/nodevirt/nodevirt/cni/cnitest"
+	"github.com/nodevirt/nodevirt/nodeagent/podnet"
 )
 
 // inNodeNS marks the re-executed test binary.
@@ -51,6 +52,12 @@ func TestMain(m *testing.M) {
 	}
 	if err := linkUp("lo"); err != nil {
 		fmt.Println(err)
+		os.Exit(1)
+	}
+	// A new namespace copies the host's IPv4 sysctls, so forwarding is
+	// on here whenever it is on the host: start from the kernel default.
+	if err := os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte("0"), 0o644); err != nil {
+		fmt.Println("reset ip_forward:", err)
 		os.Exit(1)
 	}
 	os.Exit(m.Run())
@@ -372,10 +379,11 @@ func readSysctl(t *testing.T, key string) string {
 	return strings.TrimSpace(string(b))
 }
 
-// nftList prints the network's table of family, "" when it is missing.
+// nftList prints the table of family of the pod network on bridge
+// testBridge, "" when it is missing.
 func nftList(t *testing.T, family string) string {
 	t.Helper()
-	out, err := exec.Command("nft", "list", "table", family, "nodevirt_podnet").CombinedOutput()
+	out, err := exec.Command("nft", "list", "table", family, podnet.TableName(testBridge)).CombinedOutput()
 	if err != nil {
 		if strings.Contains(string(out), "No such file") {
 			return ""

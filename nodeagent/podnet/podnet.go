@@ -24,6 +24,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 )
 
@@ -40,8 +41,10 @@ const (
 	// DefaultResolvConf is where the DNS servers for guests are read.
 	DefaultResolvConf = "/etc/resolv.conf"
 
-	// nftTable is the nftables table (family inet) Ensure owns.
-	nftTable = "nodevirt_podnet"
+	// forwardMarkDir holds the forwarding marks (see forwardMark).
+	forwardMarkDir = "/run/nodevirt/podnet"
+	// tablePrefix begins the name of every pod network's nftables tables.
+	tablePrefix = "nodevirt_podnet_"
 )
 
 // Config describes the node's pod network.
@@ -73,6 +76,7 @@ type Config struct {
 // use.
 type Network struct {
 	bridge    string
+	table     string // nftables table name, see TableName
 	subnet    *net.IPNet
 	gateway   net.IP
 	mtu       int
@@ -134,6 +138,7 @@ func New(cfg Config) (*Network, error) {
 	}
 	n := &Network{
 		bridge:    cfg.Bridge,
+		table:     TableName(cfg.Bridge),
 		subnet:    subnet,
 		gateway:   hostAddr(subnet, 1),
 		mtu:       cfg.MTU,
@@ -173,7 +178,22 @@ func (n *Network) Subnet() *net.IPNet {
 
 func (n *Network) allocPath() string { return filepath.Join(n.stateDir, "allocations.json") }
 func (n *Network) tapDir() string    { return filepath.Join(n.stateDir, "taps") }
-func (n *Network) fwdPath() string   { return filepath.Join(n.stateDir, "ip_forward-enabled") }
+
+// forwardMark is the file that says a pod network switched IPv4 forwarding
+// on in this network namespace. It is per namespace rather than per
+// network, so whichever pod network of the host goes last switches it off
+// again, and under /run, so a reboot (which resets the sysctl) forgets it.
+func forwardMark() (string, error) {
+	fi, err := os.Stat("/proc/thread-self/ns/net")
+	if err != nil {
+		return "", fmt.Errorf("network namespace: %w", err)
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !ok {
+		return "", errors.New("network namespace: no inode")
+	}
+	return fmt.Sprintf("%s/ip_forward-enabled-%d", forwardMarkDir, st.Ino), nil
+}
 
 // hostAddr is the i-th address of subnet.
 func hostAddr(subnet *net.IPNet, i uint32) net.IP {

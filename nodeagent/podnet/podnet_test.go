@@ -73,7 +73,7 @@ func TestPodNetwork(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Second)
 	defer cancel()
 	if got := readSysctl(t, "net/ipv4/ip_forward"); got != "0" {
-		t.Fatalf("fresh namespace has ip_forward=%s", got)
+		t.Fatalf("node namespace starts with ip_forward=%s", got)
 	}
 
 	// The outside world: a namespace behind the node's uplink.
@@ -399,5 +399,52 @@ func TestConcurrentAttach(t *testing.T) {
 		if linkExists(fmt.Sprintf("pnc%d", i)) {
 			t.Fatalf("tap pnc%d left after Teardown", i)
 		}
+	}
+}
+
+// TestTwoNetworksShareForwarding: two pod networks of one namespace keep
+// their own tables, and forwarding stays on until the last one goes.
+func TestTwoNetworksShareForwarding(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if got := readSysctl(t, "net/ipv4/ip_forward"); got != "0" {
+		t.Fatalf("node namespace starts with ip_forward=%s", got)
+	}
+	nets := make([]*podnet.Network, 2)
+	for i, br := range []string{"pn-two-a", "pntwob"} {
+		cfg := testConfig(t, t.TempDir())
+		cfg.Bridge, cfg.CIDR = br, fmt.Sprintf("10.246.%d.0/24", i)
+		n, err := podnet.New(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := n.Ensure(ctx); err != nil {
+			t.Fatal(err)
+		}
+		nets[i] = n
+	}
+	a, b := podnet.TableName("pn-two-a"), podnet.TableName("pntwob")
+	if a == b || strings.ContainsAny(a, "-") {
+		t.Fatalf("table names %q and %q: want distinct nft identifiers", a, b)
+	}
+	for _, table := range []string{a, b} {
+		if out, err := exec.Command("nft", "list", "table", "inet", table).CombinedOutput(); err != nil {
+			t.Fatalf("table %s: %v: %s", table, err, out)
+		}
+	}
+	if err := nets[0].Teardown(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := readSysctl(t, "net/ipv4/ip_forward"); got != "1" {
+		t.Fatalf("ip_forward=%s after the first Teardown, want 1 while another pod network remains", got)
+	}
+	if out, err := exec.Command("nft", "list", "table", "inet", b).CombinedOutput(); err != nil {
+		t.Fatalf("the first Teardown took the other network's table: %v: %s", err, out)
+	}
+	if err := nets[1].Teardown(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := readSysctl(t, "net/ipv4/ip_forward"); got != "0" {
+		t.Fatalf("ip_forward=%s after the last Teardown, want 0 as found", got)
 	}
 }
