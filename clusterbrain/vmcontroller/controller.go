@@ -18,6 +18,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
@@ -64,7 +65,32 @@ type Controller struct {
 	// failures remembers each VM's latest start failure until its status
 	// shows it, so a sync that reads a stale cache cannot skip a back-off.
 	failures sync.Map // types.UID → *kubevirtv1.VirtualMachineStartFailure
+	// written holds the VM this controller's latest status write returned
+	// until the cache shows it, so the next sync does not compute from the
+	// older copy and write with its stale resourceVersion (a conflict and
+	// a retry per VM during bursts).
+	written sync.Map // key → writtenVM
+	// creating remembers VMIs created but not yet in the cache, so a sync
+	// in between does not create again nor report the VM stopped.
+	creating sync.Map // key → creation
 }
+
+// writtenVM is a status write: the resourceVersion it replaced and the
+// object the API server returned.
+type writtenVM struct {
+	from string
+	vm   *kubevirtv1.VirtualMachine
+}
+
+// creation is a VMI this controller created for the VM with that UID.
+type creation struct {
+	vmUID types.UID
+	at    time.Time
+}
+
+// creationWait bounds how long a created VMI may take to reach the cache
+// before the controller looks again without it.
+const creationWait = 30 * time.Second
 
 // New builds the controller.
 func New(cfg Config) (*Controller, error) {
@@ -117,7 +143,11 @@ func New(cfg Config) (*Controller, error) {
 			return
 		}
 		if ref := metav1.GetControllerOf(m); ref != nil && ref.Kind == "VirtualMachine" {
-			c.queue.Add(m.GetNamespace() + "/" + ref.Name)
+			key := m.GetNamespace() + "/" + ref.Name
+			if _, ok := obj.(*kubevirtv1.VirtualMachineInstance); ok {
+				c.creating.Delete(key) // the cache has seen it (or its end)
+			}
+			c.queue.Add(key)
 		}
 	}
 	for _, inf := range []cache.SharedIndexInformer{c.vmis, c.dvs} {
@@ -193,11 +223,12 @@ func (c *Controller) Sync(ctx context.Context, key string) (time.Duration, error
 	if err != nil {
 		return 0, nil
 	}
-	obj, ok, err := c.vms.GetStore().GetByKey(key)
-	if err != nil || !ok {
-		return 0, err // gone: the garbage collector removes what it owned
+	orig, ok := c.cachedVM(key)
+	if !ok {
+		c.creating.Delete(key)
+		return 0, nil // gone: the garbage collector removes what it owned
 	}
-	vm := obj.(*kubevirtv1.VirtualMachine).DeepCopy()
+	vm := orig.DeepCopy()
 	log := c.cfg.Log.With("namespace", ns, "name", name)
 
 	var vmi *kubevirtv1.VirtualMachineInstance
@@ -209,7 +240,16 @@ func (c *Controller) Sync(ctx context.Context, key string) (time.Duration, error
 			}
 		}
 	}
-	st := &state{vm: vm, vmi: vmi, rs: runStrategy(vm)}
+	if v, ok := c.creating.Load(key); ok {
+		cr := v.(creation)
+		switch wait := creationWait - c.now().Sub(cr.at); {
+		case vmi != nil || cr.vmUID != vm.UID || wait <= 0:
+			c.creating.Delete(key)
+		case vm.DeletionTimestamp == nil:
+			return wait, nil // the VMI's arrival in the cache brings us back
+		}
+	}
+	st := &state{vm: vm, orig: orig, vmi: vmi, rs: runStrategy(vm)}
 
 	if vm.DeletionTimestamp != nil {
 		if vmi != nil && vmi.DeletionTimestamp == nil {
@@ -241,9 +281,30 @@ func (c *Controller) Sync(ctx context.Context, key string) (time.Duration, error
 	return after, errors.Join(err, c.writeStatus(ctx, st))
 }
 
+// cachedVM is the VM named key as the cache has it, or as this
+// controller's last status write returned it while the cache still shows
+// the version that write replaced.
+func (c *Controller) cachedVM(key string) (*kubevirtv1.VirtualMachine, bool) {
+	obj, ok, _ := c.vms.GetStore().GetByKey(key)
+	if !ok {
+		c.written.Delete(key)
+		return nil, false
+	}
+	vm := obj.(*kubevirtv1.VirtualMachine)
+	if v, ok := c.written.Load(key); ok {
+		w := v.(writtenVM)
+		if w.vm.UID == vm.UID && w.from == vm.ResourceVersion {
+			return w.vm, true
+		}
+		c.written.CompareAndDelete(key, v)
+	}
+	return vm, true
+}
+
 // state is what one sync learns and decides about a VM.
 type state struct {
 	vm       *kubevirtv1.VirtualMachine
+	orig     *kubevirtv1.VirtualMachine // as read, not to be modified
 	vmi      *kubevirtv1.VirtualMachineInstance
 	rs       kubevirtv1.VirtualMachineRunStrategy
 	dvsReady bool   // every DataVolume is usable (or waits for its first consumer)

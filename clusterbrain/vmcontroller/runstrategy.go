@@ -164,6 +164,7 @@ func (c *Controller) start(ctx context.Context, st *state, log *slog.Logger) (ti
 		return 0, fmt.Errorf("create vmi: %w", err)
 	}
 	st.created, st.wantsStart = true, false
+	c.creating.Store(vm.Namespace+"/"+vm.Name, creation{vmUID: vm.UID, at: c.now()})
 	c.recorder.Eventf(vm, corev1.EventTypeNormal, "SuccessfulCreate", "Started the virtual machine by creating the new virtual machine instance %s", vm.Name)
 	log.Debug("vmi created")
 	return 0, nil

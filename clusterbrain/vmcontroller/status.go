@@ -103,10 +103,6 @@ func removeCondition(conds []kubevirtv1.VirtualMachineCondition, t kubevirtv1.Vi
 // writeStatus computes the VM's status from st and writes it when it
 // changed.
 func (c *Controller) writeStatus(ctx context.Context, st *state) error {
-	orig, ok, _ := c.vms.GetStore().GetByKey(st.vm.Namespace + "/" + st.vm.Name)
-	if !ok {
-		return nil
-	}
 	vm := st.vm
 	s := &vm.Status
 	vmi := st.vmi
@@ -126,8 +122,12 @@ func (c *Controller) writeStatus(ctx context.Context, st *state) error {
 	now := metav1.NewTime(c.now())
 	ready := kubevirtv1.VirtualMachineCondition{Type: kubevirtv1.VirtualMachineReady, Status: corev1.ConditionFalse,
 		Reason: "VMINotExists", Message: "VMI does not exist", LastProbeTime: now, LastTransitionTime: now}
-	if live {
+	if live || st.created {
+		// A VMI created in this sync exists: say so now rather than in a
+		// second write once the cache shows it.
 		ready.Reason, ready.Message = "VMINotReady", "VMI is not ready"
+	}
+	if live {
 		if s.Ready {
 			ready.Status, ready.Reason, ready.Message = corev1.ConditionTrue, "", ""
 		}
@@ -154,14 +154,16 @@ func (c *Controller) writeStatus(ctx context.Context, st *state) error {
 	} else {
 		s.Conditions = removeCondition(s.Conditions, kubevirtv1.VirtualMachineFailure)
 	}
-	if equality.Semantic.DeepEqual(orig.(*kubevirtv1.VirtualMachine).Status, vm.Status) {
+	if equality.Semantic.DeepEqual(st.orig.Status, vm.Status) {
 		return nil
 	}
-	if _, err := c.cfg.Virt.VMs.UpdateStatus(ctx, vm); err != nil {
+	got, err := c.cfg.Virt.VMs.UpdateStatus(ctx, vm)
+	if err != nil {
 		if apierrors.IsNotFound(err) {
 			return nil
 		}
 		return fmt.Errorf("update status: %w", err)
 	}
+	c.written.Store(vm.Namespace+"/"+vm.Name, writtenVM{from: st.orig.ResourceVersion, vm: got})
 	return nil
 }

@@ -180,6 +180,10 @@ func bench(ctx context.Context, nVMs, nNodes int) error {
 		return err
 	}
 	baseRSS := rssMiB(child.Process.Pid, "VmRSS")
+	countsBefore, err := requestCounts(ctx, kube)
+	if err != nil {
+		return err
+	}
 
 	start := time.Now()
 	var wg sync.WaitGroup
@@ -227,6 +231,9 @@ func bench(ctx context.Context, nVMs, nNodes int) error {
 	peak := rssMiB(child.Process.Pid, "VmHWM")
 	if bound != nVMs {
 		return fmt.Errorf("only %d of %d vmis bound after %s", bound, nVMs, wall)
+	}
+	if countsAfter, err := requestCounts(ctx, kube); err == nil {
+		printRequestDelta(countsBefore, countsAfter, nVMs)
 	}
 	if err := verify(ctx, virt, kube, nVMs); err != nil {
 		return err

@@ -1,0 +1,84 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"sort"
+	"strconv"
+	"strings"
+
+	"k8s.io/client-go/kubernetes"
+)
+
+// requestCounts reads the API server's apiserver_request_total counters,
+// keyed "VERB resource[/subresource] code", so a run can show how many
+// round trips each object cost.
+func requestCounts(ctx context.Context, kube kubernetes.Interface) (map[string]float64, error) {
+	body, err := kube.CoreV1().RESTClient().Get().AbsPath("/metrics").Stream(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("read apiserver metrics: %w", err)
+	}
+	defer body.Close()
+	return parseRequestCounts(body)
+}
+
+func parseRequestCounts(r io.Reader) (map[string]float64, error) {
+	out := map[string]float64{}
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if !strings.HasPrefix(line, "apiserver_request_total{") {
+			continue
+		}
+		end := strings.LastIndexByte(line, '}')
+		if end < 0 {
+			continue
+		}
+		v, err := strconv.ParseFloat(strings.TrimSpace(line[end+1:]), 64)
+		if err != nil {
+			continue
+		}
+		labels := map[string]string{}
+		for _, kv := range strings.Split(line[len("apiserver_request_total{"):end], ",") {
+			k, val, ok := strings.Cut(kv, "=")
+			if ok {
+				labels[k] = strings.Trim(val, `"`)
+			}
+		}
+		res := labels["resource"]
+		if sub := labels["subresource"]; sub != "" {
+			res += "/" + sub
+		}
+		out[labels["verb"]+" "+res+" "+labels["code"]] += v
+	}
+	return out, sc.Err()
+}
+
+// printRequestDelta writes the requests made between before and after,
+// per object created, to stderr (reads and watches left out).
+func printRequestDelta(before, after map[string]float64, perObjects int) {
+	type row struct {
+		key string
+		n   float64
+	}
+	var rows []row
+	var writes float64
+	for k, v := range after {
+		d := v - before[k]
+		verb := strings.Fields(k)[0]
+		if d <= 0 || verb == "GET" || verb == "LIST" || verb == "WATCH" {
+			continue
+		}
+		rows = append(rows, row{k, d})
+		writes += d
+	}
+	sort.Slice(rows, func(i, j int) bool { return rows[i].n > rows[j].n })
+	fmt.Fprintf(os.Stderr, "api writes during the burst: %.0f (%.2f per vm)\n", writes, writes/float64(perObjects))
+	for _, r := range rows {
+		fmt.Fprintf(os.Stderr, "  %-60s %6.0f  %.2f/vm\n", r.key, r.n, r.n/float64(perObjects))
+	}
+}
