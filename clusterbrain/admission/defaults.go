@@ -25,7 +25,9 @@ func mutateVMI(_ context.Context, req *admissionv1.AdmissionRequest) *admissionv
 }
 
 // DefaultVMISpec fills what KubeVirt defaults: the pod network with a
-// masquerade interface when no network is given, a virtio disk target, the
+// masquerade interface when no network is given, a disk for every volume
+// no disk or filesystem names (instance type examples give none), a virtio
+// disk target, the
 // q35 machine, a 1×1×1 CPU topology and memory request and guest memory
 // from each other.
 func DefaultVMISpec(s *kubevirtv1.VirtualMachineInstanceSpec) {
@@ -35,6 +37,18 @@ func DefaultVMISpec(s *kubevirtv1.VirtualMachineInstanceSpec) {
 		s.Networks = []kubevirtv1.Network{*kubevirtv1.DefaultPodNetwork()}
 		d.Devices.Interfaces = []kubevirtv1.Interface{{Name: "default",
 			InterfaceBindingMethod: kubevirtv1.InterfaceBindingMethod{Masquerade: &kubevirtv1.InterfaceMasquerade{}}}}
+	}
+	named := map[string]bool{}
+	for _, dk := range d.Devices.Disks {
+		named[dk.Name] = true
+	}
+	for _, fs := range d.Devices.Filesystems {
+		named[fs.Name] = true
+	}
+	for _, v := range s.Volumes {
+		if !named[v.Name] {
+			d.Devices.Disks = append(d.Devices.Disks, kubevirtv1.Disk{Name: v.Name})
+		}
 	}
 	for i := range d.Devices.Disks {
 		dk := &d.Devices.Disks[i]

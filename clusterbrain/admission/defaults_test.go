@@ -1,0 +1,40 @@
+package admission_test
+
+import (
+	"testing"
+
+	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/admission"
+)
+
+// TestDefaultVolumeDisks: a volume that no disk or filesystem names gets a
+// virtio disk of its own, as KubeVirt defaults it; named volumes keep
+// theirs.
+func TestDefaultVolumeDisks(t *testing.T) {
+	s := kubevirtv1.VirtualMachineInstanceSpec{
+		Domain: kubevirtv1.DomainSpec{Devices: kubevirtv1.Devices{
+			Disks:       []kubevirtv1.Disk{{Name: "cd", DiskDevice: kubevirtv1.DiskDevice{CDRom: &kubevirtv1.CDRomTarget{Bus: "sata"}}}},
+			Filesystems: []kubevirtv1.Filesystem{{Name: "share", Virtiofs: &kubevirtv1.FilesystemVirtiofs{}}},
+		}},
+		Volumes: []kubevirtv1.Volume{{Name: "rootdisk"}, {Name: "cd"}, {Name: "share"}, {Name: "cloudinit"}},
+	}
+	admission.DefaultVMISpec(&s)
+	var got []string
+	for _, d := range s.Domain.Devices.Disks {
+		bus := ""
+		if d.Disk != nil {
+			bus = string(d.Disk.Bus)
+		}
+		got = append(got, d.Name+":"+bus)
+	}
+	want := []string{"cd:", "rootdisk:virtio", "cloudinit:virtio"}
+	if len(got) != len(want) {
+		t.Fatalf("disks %v, want %v", got, want)
+	}
+	for i := range want {
+		if got[i] != want[i] {
+			t.Fatalf("disks %v, want %v", got, want)
+		}
+	}
+}
