@@ -28,11 +28,16 @@ func CmdDel(args *skel.CmdArgs) error {
 	if err != nil {
 		return err
 	}
-	return Del(context.Background(), n, args)
+	return del(context.Background(), n, args, removeLinkViaHelper)
 }
 
-// Del is CmdDel on a parsed config.
+// Del is CmdDel on a parsed config, for callers that live on after it: the
+// port is deleted in line.
 func Del(ctx context.Context, n *NetConf, args *skel.CmdArgs) error {
+	return del(ctx, n, args, deleteLink)
+}
+
+func del(ctx context.Context, n *NetConf, args *skel.CmdArgs, remove linkRemover) error {
 	st := store{n.StateDir}
 	recPath, err := st.attachmentPath(n.Name, args.ContainerID, args.IfName)
 	if err != nil {
@@ -75,7 +80,7 @@ func Del(ctx context.Context, n *NetConf, args *skel.CmdArgs) error {
 			errs = append(errs, err)
 		}
 	}
-	if err := removeHostSide(ctx, rec); err != nil {
+	if err := removeHostSide(ctx, rec, remove); err != nil {
 		errs = append(errs, err)
 	}
 	if len(errs) == 0 {
@@ -86,14 +91,14 @@ func Del(ctx context.Context, n *NetConf, args *skel.CmdArgs) error {
 
 // removeHostSide removes a record's port and nft chains before returning,
 // so that nothing of the attachment remains when DEL answers.
-func removeHostSide(ctx context.Context, rec *Record) error {
+func removeHostSide(ctx context.Context, rec *Record, remove linkRemover) error {
 	hh, err := netlink.NewHandle(unix.NETLINK_ROUTE)
 	if err != nil {
 		return fmt.Errorf("netlink: %w", err)
 	}
 	defer hh.Close()
 	var errs []error
-	if err := deleteLink(hh, rec.Port); err != nil {
+	if err := remove(hh, rec.Port); err != nil {
 		errs = append(errs, err)
 	}
 	if rec.SpoofChain != "" {
@@ -311,7 +316,7 @@ func GC(ctx context.Context, n *NetConf, stdin []byte) error {
 				recErrs = append(recErrs, err)
 			}
 		}
-		if err := removeHostSide(ctx, rec); err != nil {
+		if err := removeHostSide(ctx, rec, deleteLink); err != nil {
 			recErrs = append(recErrs, err)
 		}
 		if len(recErrs) == 0 {
