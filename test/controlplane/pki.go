@@ -1,26 +1,28 @@
 package controlplane
 
 import (
-	"crypto/ecdsa"
-	"crypto/elliptic"
+	"crypto"
 	"crypto/rand"
 	"crypto/rsa"
 	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/pem"
 	"fmt"
-	"math/big"
 	"net"
 	"os"
 	"path/filepath"
 	"time"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/certs"
 )
 
-// CA is a certificate authority kept as PEM files in a directory.
+// CA is a certificate authority kept as PEM files in a directory; a thin
+// wrapper of the project's PKI package (clusterbrain/certs) for the control
+// plane's identities.
 type CA struct {
 	Cert    *x509.Certificate
-	Key     *ecdsa.PrivateKey
+	Key     crypto.Signer
 	CertPEM []byte
+	ca      *certs.CA
 }
 
 // CertRequest describes a certificate signed by a CA.
@@ -34,31 +36,15 @@ type CertRequest struct {
 	Validity     time.Duration
 }
 
+func wrap(ca *certs.CA) *CA { return &CA{Cert: ca.Cert, Key: ca.Key, CertPEM: ca.CertPEM, ca: ca} }
+
 // NewCA creates a self-signed CA valid for validity.
 func NewCA(name string, validity time.Duration) (*CA, error) {
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		return nil, fmt.Errorf("generate ca key: %w", err)
-	}
-	now := time.Now()
-	tmpl := &x509.Certificate{
-		SerialNumber:          serial(),
-		Subject:               pkix.Name{CommonName: name},
-		NotBefore:             now.Add(-time.Hour),
-		NotAfter:              now.Add(validity),
-		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature | x509.KeyUsageCRLSign,
-		BasicConstraintsValid: true,
-		IsCA:                  true,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		return nil, fmt.Errorf("sign ca %s: %w", name, err)
-	}
-	cert, err := x509.ParseCertificate(der)
+	ca, err := certs.CreateCA(name, validity, time.Now())
 	if err != nil {
 		return nil, err
 	}
-	return &CA{Cert: cert, Key: key, CertPEM: pemBlock("CERTIFICATE", der)}, nil
+	return wrap(ca), nil
 }
 
 // LoadCA reads a CA written by WriteFiles.
@@ -71,66 +57,30 @@ func LoadCA(certFile, keyFile string) (*CA, error) {
 	if err != nil {
 		return nil, err
 	}
-	cb, _ := pem.Decode(certPEM)
-	kb, _ := pem.Decode(keyPEM)
-	if cb == nil || kb == nil {
-		return nil, fmt.Errorf("load ca %s: no pem data", certFile)
-	}
-	cert, err := x509.ParseCertificate(cb.Bytes)
+	ca, err := certs.ParseCA(certPEM, keyPEM)
 	if err != nil {
 		return nil, fmt.Errorf("load ca %s: %w", certFile, err)
 	}
-	key, err := x509.ParseECPrivateKey(kb.Bytes)
-	if err != nil {
-		return nil, fmt.Errorf("load ca key %s: %w", keyFile, err)
-	}
-	return &CA{Cert: cert, Key: key, CertPEM: certPEM}, nil
+	return wrap(ca), nil
 }
 
 // Sign issues a certificate and returns its PEM and its key's PEM.
 func (ca *CA) Sign(req CertRequest) (certPEM, keyPEM []byte, err error) {
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		return nil, nil, fmt.Errorf("generate key for %s: %w", req.CommonName, err)
-	}
-	validity := req.Validity
-	if validity == 0 {
-		validity = 365 * 24 * time.Hour
-	}
-	now := time.Now()
-	tmpl := &x509.Certificate{
-		SerialNumber: serial(),
-		Subject:      pkix.Name{CommonName: req.CommonName, Organization: req.Organization},
-		NotBefore:    now.Add(-time.Hour),
-		NotAfter:     now.Add(validity),
-		KeyUsage:     x509.KeyUsageDigitalSignature | x509.KeyUsageKeyEncipherment,
-		DNSNames:     req.DNSNames,
-		IPAddresses:  req.IPs,
-	}
-	if req.Server {
-		tmpl.ExtKeyUsage = append(tmpl.ExtKeyUsage, x509.ExtKeyUsageServerAuth)
-	}
-	if req.Client {
-		tmpl.ExtKeyUsage = append(tmpl.ExtKeyUsage, x509.ExtKeyUsageClientAuth)
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.Cert, &key.PublicKey, ca.Key)
-	if err != nil {
-		return nil, nil, fmt.Errorf("sign %s: %w", req.CommonName, err)
-	}
-	kder, err := x509.MarshalECPrivateKey(key)
+	kp, err := ca.ca.Issue(certs.Leaf{CommonName: req.CommonName, Organization: req.Organization,
+		DNSNames: req.DNSNames, IPs: req.IPs, Server: req.Server, Client: req.Client, Duration: req.Validity})
 	if err != nil {
 		return nil, nil, err
 	}
-	return pemBlock("CERTIFICATE", der), pemBlock("EC PRIVATE KEY", kder), nil
+	return kp.CertPEM, kp.KeyPEM, nil
 }
 
 // KeyPEM returns the CA key as PEM.
 func (ca *CA) KeyPEM() []byte {
-	der, err := x509.MarshalECPrivateKey(ca.Key)
+	kp, err := ca.ca.KeyPair()
 	if err != nil {
-		panic(err) // a P-256 key always marshals
+		panic(err) // a key this package generated or parsed always encodes
 	}
-	return pemBlock("EC PRIVATE KEY", der)
+	return kp.KeyPEM
 }
 
 // pki is the set of files the control plane needs, all under one directory.
@@ -196,24 +146,12 @@ func (p pki) generate() error {
 	if err != nil {
 		return err
 	}
-	files["sa.key"] = pemBlock("RSA PRIVATE KEY", x509.MarshalPKCS1PrivateKey(saKey))
-	files["sa.pub"] = pemBlock("PUBLIC KEY", pub)
+	files["sa.key"] = pem.EncodeToMemory(&pem.Block{Type: certs.BlockRSAKey, Bytes: x509.MarshalPKCS1PrivateKey(saKey)})
+	files["sa.pub"] = pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: pub})
 	for name, data := range files {
 		if err := os.WriteFile(p.path(name), data, 0o600); err != nil {
 			return err
 		}
 	}
 	return nil
-}
-
-func pemBlock(typ string, der []byte) []byte {
-	return pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der})
-}
-
-func serial() *big.Int {
-	n, err := rand.Int(rand.Reader, new(big.Int).Lsh(big.NewInt(1), 62))
-	if err != nil {
-		panic(err) // crypto/rand never fails on Linux
-	}
-	return n
 }

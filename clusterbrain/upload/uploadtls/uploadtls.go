@@ -1,24 +1,17 @@
-// Package uploadtls holds the small certificate authority of uploads: one
-// CA, kept in a Secret in the brain's namespace, from which the brain mints
+// Package uploadtls holds the node CA: one CA, kept in a Secret in the
+// brain's namespace that only the brain reads, from which the brain mints
 // the serving certificates of its upload API and upload proxy and its
-// client certificate, and each nodeagent mints the serving certificate of
-// its upload endpoint. The proxy and the nodeagents trust only this CA for
-// each other (mutual TLS).
+// client certificates towards the nodes, and signs each nodeagent's own
+// certificate (requested by CSR, see clusterbrain/nodecerts). The brain and
+// the nodeagents trust only this CA for each other (mutual TLS).
 package uploadtls
 
 import (
 	"context"
-	"crypto"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
 	"errors"
 	"fmt"
-	"math/big"
 	"net"
 	"time"
 
@@ -26,6 +19,8 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/certs"
 )
 
 const (
@@ -42,11 +37,13 @@ const (
 	leafValidity = 365 * 24 * time.Hour
 )
 
-// CA is the upload certificate authority.
+// CA is the upload certificate authority (the node CA): it signs the
+// brain's upload and subresource certificates and, through the brain's
+// node certificate signer, the nodes' certificates.
 type CA struct {
 	Cert    *x509.Certificate
 	CertPEM []byte
-	key     crypto.Signer
+	ca      *certs.CA
 }
 
 // EnsureCA returns the CA stored in namespace, creating it when missing
@@ -56,7 +53,11 @@ func EnsureCA(ctx context.Context, kube kubernetes.Interface, namespace string) 
 	if err == nil || !apierrors.IsNotFound(err) {
 		return ca, err
 	}
-	certPEM, keyPEM, err := newCA()
+	fresh, err := certs.CreateCA("nodevirt-upload-ca", caValidity, time.Now())
+	if err != nil {
+		return nil, err
+	}
+	kp, err := fresh.KeyPair()
 	if err != nil {
 		return nil, err
 	}
@@ -64,7 +65,7 @@ func EnsureCA(ctx context.Context, kube kubernetes.Interface, namespace string) 
 		ObjectMeta: metav1.ObjectMeta{Name: CASecretName, Namespace: namespace,
 			Labels: map[string]string{"app.kubernetes.io/managed-by": "nodevirt"}},
 		Type: corev1.SecretTypeTLS,
-		Data: map[string][]byte{corev1.TLSCertKey: certPEM, corev1.TLSPrivateKeyKey: keyPEM},
+		Data: map[string][]byte{corev1.TLSCertKey: kp.CertPEM, corev1.TLSPrivateKeyKey: kp.KeyPEM},
 	}
 	_, err = kube.CoreV1().Secrets(namespace).Create(ctx, secret, metav1.CreateOptions{})
 	if err != nil && !apierrors.IsAlreadyExists(err) {
@@ -74,7 +75,7 @@ func EnsureCA(ctx context.Context, kube kubernetes.Interface, namespace string) 
 }
 
 // LoadCA reads the CA stored in namespace; the error is a NotFound API
-// error while the brain has not created it.
+// error while the brain has not created it. Only the brain may read it.
 func LoadCA(ctx context.Context, kube kubernetes.Interface, namespace string) (*CA, error) {
 	s, err := kube.CoreV1().Secrets(namespace).Get(ctx, CASecretName, metav1.GetOptions{})
 	if err != nil {
@@ -85,93 +86,28 @@ func LoadCA(ctx context.Context, kube kubernetes.Interface, namespace string) (*
 
 // ParseCA builds a CA from PEM data.
 func ParseCA(certPEM, keyPEM []byte) (*CA, error) {
-	pair, err := tls.X509KeyPair(certPEM, keyPEM)
+	ca, err := certs.ParseCA(certPEM, keyPEM)
 	if err != nil {
-		return nil, fmt.Errorf("upload ca: %w", err)
+		return nil, fmt.Errorf("upload %w", err)
 	}
-	cert, err := x509.ParseCertificate(pair.Certificate[0])
-	if err != nil {
-		return nil, fmt.Errorf("upload ca: %w", err)
-	}
-	key, ok := pair.PrivateKey.(crypto.Signer)
-	if !ok || !cert.IsCA {
-		return nil, errors.New("upload ca: not a certificate authority")
-	}
-	return &CA{Cert: cert, CertPEM: certPEM, key: key}, nil
+	return &CA{Cert: ca.Cert, CertPEM: ca.CertPEM, ca: ca}, nil
 }
 
+// Authority is the CA as the PKI package's signer.
+func (ca *CA) Authority() *certs.CA { return ca.ca }
+
 // Pool is a pool holding only the CA.
-func (ca *CA) Pool() *x509.CertPool {
-	p := x509.NewCertPool()
-	p.AddCert(ca.Cert)
-	return p
-}
+func (ca *CA) Pool() *x509.CertPool { return ca.ca.Pool() }
 
 // Issue mints a leaf certificate for commonName: a client certificate when
 // client is set, else a serving certificate for dnsNames and ips.
 func (ca *CA) Issue(commonName string, dnsNames []string, ips []net.IP, client bool) (tls.Certificate, error) {
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		return tls.Certificate{}, err
-	}
-	now := time.Now()
-	tmpl := &x509.Certificate{
-		SerialNumber: serial(),
-		Subject:      pkix.Name{CommonName: commonName},
-		NotBefore:    now.Add(-5 * time.Minute),
-		NotAfter:     now.Add(leafValidity),
-		KeyUsage:     x509.KeyUsageDigitalSignature,
-		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-		DNSNames:     dnsNames,
-		IPAddresses:  ips,
-	}
-	if client {
-		tmpl.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.Cert, key.Public(), ca.key)
+	c, err := ca.ca.IssueTLS(certs.Leaf{CommonName: commonName, DNSNames: dnsNames, IPs: ips,
+		Server: !client, Client: client, Duration: leafValidity})
 	if err != nil {
 		return tls.Certificate{}, fmt.Errorf("issue %s: %w", commonName, err)
 	}
-	leaf, err := x509.ParseCertificate(der)
-	if err != nil {
-		return tls.Certificate{}, err
-	}
-	return tls.Certificate{Certificate: [][]byte{der, ca.Cert.Raw}, PrivateKey: key, Leaf: leaf}, nil
-}
-
-func newCA() (certPEM, keyPEM []byte, err error) {
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		return nil, nil, err
-	}
-	now := time.Now()
-	tmpl := &x509.Certificate{
-		SerialNumber:          serial(),
-		Subject:               pkix.Name{CommonName: "nodevirt-upload-ca"},
-		NotBefore:             now.Add(-5 * time.Minute),
-		NotAfter:              now.Add(caValidity),
-		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature,
-		BasicConstraintsValid: true,
-		IsCA:                  true,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, key.Public(), key)
-	if err != nil {
-		return nil, nil, err
-	}
-	keyDER, err := x509.MarshalPKCS8PrivateKey(key)
-	if err != nil {
-		return nil, nil, err
-	}
-	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
-		pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: keyDER}), nil
-}
-
-func serial() *big.Int {
-	n, err := rand.Int(rand.Reader, new(big.Int).Lsh(big.NewInt(1), 120))
-	if err != nil {
-		panic(err) // the system's random source failed
-	}
-	return n
+	return c, nil
 }
 
 // HostIP returns the first global unicast IPv4 address of this host, the
