@@ -21,6 +21,18 @@ import (
 type ipam struct {
 	typ  string
 	path string
+
+	// native, when set, serves host-local in-process for one attachment.
+	native           *hostLocal
+	containerID, ifc string
+}
+
+// serveNative lets host-local configs it can serve bypass the binary.
+func (p *ipam) serveNative(stdin []byte, envArgs, containerID, ifName string) {
+	if p.typ == hostLocalType {
+		p.native = nativeHostLocal(stdin, envArgs)
+		p.containerID, p.ifc = containerID, ifName
+	}
 }
 
 func newIPAM(typ string) (*ipam, error) {
@@ -79,6 +91,13 @@ func (p *ipam) downgrade(ctx context.Context, stdin []byte, n *NetConf) ([]byte,
 
 // add allocates addresses; it returns them and the stdin the plugin took.
 func (p *ipam) add(ctx context.Context, stdin []byte, n *NetConf) (*current.Result, []byte, error) {
+	if p.native != nil {
+		res, err := p.native.add(p.containerID, p.ifc)
+		if err != nil {
+			return nil, nil, fmt.Errorf("ipam %s add: %w", p.typ, err)
+		}
+		return res, stdin, nil
+	}
 	r, err := invoke.ExecPluginWithResult(ctx, p.path, stdin, &invoke.DelegateArgs{Command: "ADD"}, nil)
 	if isIncompatible(err) {
 		if b, ok, derr := p.downgrade(ctx, stdin, n); derr != nil {
@@ -104,6 +123,18 @@ func (p *ipam) add(ctx context.Context, stdin []byte, n *NetConf) (*current.Resu
 // run calls a verb without result (DEL, CHECK) with the plugin's own
 // environment args, downgrading the version when needed.
 func (p *ipam) run(ctx context.Context, verb string, stdin []byte, n *NetConf, args invoke.CNIArgs) error {
+	if p.native != nil && (verb == "DEL" || verb == "CHECK") {
+		var err error
+		if verb == "DEL" {
+			err = p.native.release(p.containerID, p.ifc)
+		} else {
+			err = p.native.check(p.containerID, p.ifc)
+		}
+		if err != nil {
+			return fmt.Errorf("ipam %s %s: %w", p.typ, verb, err)
+		}
+		return nil
+	}
 	if args == nil {
 		args = &invoke.DelegateArgs{Command: verb}
 	}

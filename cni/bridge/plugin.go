@@ -116,6 +116,7 @@ func Add(ctx context.Context, n *NetConf, args *skel.CmdArgs) (_ *current.Result
 	if err != nil {
 		return nil, err
 	}
+	im.serveNative(args.StdinData, args.Args, args.ContainerID, args.IfName)
 	ipres, ipamStdin, err := im.add(ctx, args.StdinData, n)
 	if err != nil {
 		return nil, err

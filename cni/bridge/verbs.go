@@ -74,6 +74,7 @@ func del(ctx context.Context, n *NetConf, args *skel.CmdArgs, remove linkRemover
 			if len(rec.IPAMConfig) > 0 {
 				stdin, conf = rec.IPAMConfig, nil
 			}
+			im.serveNative(stdin, args.Args, args.ContainerID, args.IfName)
 			err = im.run(ctx, "DEL", stdin, conf, nil)
 		}
 		if err != nil {
@@ -140,6 +141,7 @@ func Check(ctx context.Context, n *NetConf, args *skel.CmdArgs) error {
 		if err != nil {
 			return err
 		}
+		im.serveNative(args.StdinData, args.Args, args.ContainerID, args.IfName)
 		if err := im.run(ctx, "CHECK", args.StdinData, n, nil); err != nil {
 			return err
 		}
@@ -308,6 +310,7 @@ func GC(ctx context.Context, n *NetConf, stdin []byte) error {
 		if rec.IPAMType != "" && len(rec.IPAMConfig) > 0 {
 			im, err := newIPAM(rec.IPAMType)
 			if err == nil {
+				im.serveNative(rec.IPAMConfig, "", rec.ContainerID, rec.IfName)
 				args := &invoke.Args{Command: "DEL", ContainerID: rec.ContainerID, IfName: rec.IfName,
 					Path: os.Getenv("CNI_PATH")}
 				err = im.run(ctx, "DEL", rec.IPAMConfig, nil, args)

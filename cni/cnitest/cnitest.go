@@ -192,14 +192,17 @@ func (r *Runtime) GC(ctx context.Context, conf []byte, valid []types.GCAttachmen
 	})
 }
 
-// BuildPlugin builds the cnv-bridge binary into dir and links Debian's
+// BuildPlugin builds the cnv-bridge binary (static) into dir and links Debian's
 // reference plugins (host-local, static, bridge) beside it, returning dir.
 func BuildPlugin(ctx context.Context, dir string) (string, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return "", err
 	}
+	// Static, as CNI plugins ship: no dynamic loader on each of the plugin's
+	// (and its unregistration helper's) process starts.
 	cmd := exec.CommandContext(ctx, "go", "build", "-o", filepath.Join(dir, "cnv-bridge"),
 		"github.com/nodevirt/nodevirt/cni/cmd/cnv-bridge")
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if out, err := cmd.CombinedOutput(); err != nil {
 		return "", fmt.Errorf("build cnv-bridge: %w: %s", err, out)
 	}
