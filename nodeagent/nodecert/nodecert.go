@@ -1,0 +1,320 @@
+// Package nodecert gets and renews a nodeagent's own certificate: the key
+// is made on the node and never leaves it; the certificate is requested
+// through a certificates.k8s.io/v1 CertificateSigningRequest for the
+// brain's signer (clusterbrain/nodecerts), named system:node:<node> in
+// group nodevirt:nodes. The answer carries the node CA after the leaf; the
+// node trusts that CA for the brain's client certificates. Both are kept in
+// a directory so a restarted agent serves at once, and handed to TLS
+// servers through callbacks so a renewal needs no restart.
+package nodecert
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"sync/atomic"
+	"time"
+
+	certificatesv1 "k8s.io/api/certificates/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/certs"
+	"github.com/nodevirt/nodevirt/clusterbrain/nodecerts"
+	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
+)
+
+// Files in Config.Dir.
+const (
+	KeyFile  = "node.key"
+	CertFile = "node.crt" // leaf then CA, as the signer answered
+)
+
+// Config configures a Source.
+type Config struct {
+	Kube     kubernetes.Interface
+	NodeName string
+	// Dir keeps the key and the certificate (0700, created when missing).
+	Dir string
+	// DNSNames are added to the node's name (default nodecerts.SharedNames).
+	DNSNames []string
+	// IPs are requested too; the signer allows only the Node's addresses.
+	IPs []net.IP
+	// Duration is the lifetime asked for (default 24h, at least 10 minutes).
+	Duration time.Duration
+	// RenewBefore renews that long before expiry (default: at two thirds of
+	// the lifetime).
+	RenewBefore time.Duration
+	// Wait bounds one request's wait for the signer (default 2 minutes).
+	Wait time.Duration
+	Log  *slog.Logger
+}
+
+func (c *Config) defaults() error {
+	if c.Kube == nil || c.NodeName == "" || c.Dir == "" {
+		return errors.New("nodecert: kube client, node name and directory are required")
+	}
+	if c.DNSNames == nil {
+		c.DNSNames = nodecerts.SharedNames
+	}
+	if c.Duration == 0 {
+		c.Duration = 24 * time.Hour
+	}
+	if c.Duration < 10*time.Minute {
+		return errors.New("nodecert: duration must be at least 10 minutes")
+	}
+	if c.Wait == 0 {
+		c.Wait = 2 * time.Minute
+	}
+	if c.Log == nil {
+		c.Log = slog.Default()
+	}
+	return nil
+}
+
+// issued is one certificate with its key and the CA that signed it.
+type issued struct {
+	tls  *tls.Certificate
+	leaf *x509.Certificate
+	ca   *x509.CertPool
+}
+
+// Source holds the node's current certificate.
+type Source struct {
+	cfg Config
+	log *slog.Logger
+	cur atomic.Pointer[issued]
+}
+
+// New validates cfg and loads the stored certificate, if any and valid.
+func New(cfg Config) (*Source, error) {
+	if err := cfg.defaults(); err != nil {
+		return nil, err
+	}
+	s := &Source{cfg: cfg, log: cfg.Log.With("role", "node-certificate", "node", cfg.NodeName)}
+	if err := os.MkdirAll(cfg.Dir, 0o700); err != nil {
+		return nil, fmt.Errorf("nodecert: %w", err)
+	}
+	if err := s.load(); err != nil && !errors.Is(err, os.ErrNotExist) {
+		s.log.Warn("stored node certificate unusable, requesting a new one", "err", err)
+	}
+	return s, nil
+}
+
+func (s *Source) load() error {
+	certPEM, err := os.ReadFile(filepath.Join(s.cfg.Dir, CertFile))
+	if err != nil {
+		return err
+	}
+	keyPEM, err := os.ReadFile(filepath.Join(s.cfg.Dir, KeyFile))
+	if err != nil {
+		return err
+	}
+	is, err := parse(certPEM, keyPEM)
+	if err != nil {
+		return err
+	}
+	if !time.Now().Before(is.leaf.NotAfter) {
+		return fmt.Errorf("stored certificate expired at %s", is.leaf.NotAfter)
+	}
+	if is.leaf.Subject.CommonName != rbac.NodeUser(s.cfg.NodeName) {
+		return fmt.Errorf("stored certificate is for %q", is.leaf.Subject.CommonName)
+	}
+	s.cur.Store(is)
+	return nil
+}
+
+func parse(certPEM, keyPEM []byte) (*issued, error) {
+	chain, err := certs.ParseCertificates(certPEM)
+	if err != nil {
+		return nil, err
+	}
+	if len(chain) < 2 {
+		return nil, errors.New("certificate without its ca")
+	}
+	c, err := tls.X509KeyPair(certPEM, keyPEM)
+	if err != nil {
+		return nil, err
+	}
+	c.Leaf = chain[0]
+	pool := x509.NewCertPool()
+	pool.AddCert(chain[len(chain)-1])
+	return &issued{tls: &c, leaf: chain[0], ca: pool}, nil
+}
+
+// Name implements the daemon role.
+func (s *Source) Name() string { return "node-certificate" }
+
+// Run requests a certificate when there is none or it is due, and again
+// before each expiry, until ctx ends. Failed requests are retried.
+func (s *Source) Run(ctx context.Context) error {
+	retry := 2 * time.Second
+	for {
+		wait := time.Duration(0)
+		if cur := s.cur.Load(); cur != nil {
+			wait = time.Until(certs.RenewAt(cur.leaf, s.cfg.RenewBefore))
+		}
+		if wait > 0 {
+			select {
+			case <-ctx.Done():
+				return nil
+			case <-time.After(wait):
+			}
+		}
+		if err := s.Request(ctx); err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			s.log.Error("node certificate request failed", "err", err, "retry", retry)
+			select {
+			case <-ctx.Done():
+				return nil
+			case <-time.After(retry):
+			}
+			retry = min(retry*2, time.Minute)
+			continue
+		}
+		retry = 2 * time.Second
+	}
+}
+
+// Request makes a new key, asks the signer for its certificate, stores both
+// and starts serving them.
+func (s *Source) Request(ctx context.Context) error {
+	key, err := certs.GenerateKey()
+	if err != nil {
+		return err
+	}
+	user := rbac.NodeUser(s.cfg.NodeName)
+	dns := append([]string{s.cfg.NodeName}, s.cfg.DNSNames...)
+	req, err := certs.NewCSR(key, pkix.Name{CommonName: user, Organization: []string{rbac.NodesGroup}}, dns, s.cfg.IPs)
+	if err != nil {
+		return err
+	}
+	secs := int32(s.cfg.Duration / time.Second)
+	api := s.cfg.Kube.CertificatesV1().CertificateSigningRequests()
+	csr, err := api.Create(ctx, &certificatesv1.CertificateSigningRequest{
+		ObjectMeta: metav1.ObjectMeta{GenerateName: "node-" + s.cfg.NodeName + "-",
+			Labels: map[string]string{"app.kubernetes.io/managed-by": "nodevirt", "nodevirt.io/node": s.cfg.NodeName}},
+		Spec: certificatesv1.CertificateSigningRequestSpec{Request: req, SignerName: nodecerts.SignerName,
+			ExpirationSeconds: &secs, Usages: []certificatesv1.KeyUsage{certificatesv1.UsageDigitalSignature,
+				certificatesv1.UsageKeyEncipherment, certificatesv1.UsageServerAuth, certificatesv1.UsageClientAuth}},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		return fmt.Errorf("create certificate signing request: %w", err)
+	}
+	log := s.log.With("csr", csr.Name)
+	log.Info("node certificate requested")
+	certPEM, err := s.await(ctx, csr.Name)
+	if err != nil {
+		return fmt.Errorf("csr %s: %w", csr.Name, err)
+	}
+	keyPEM, err := certs.EncodeKey(key)
+	if err != nil {
+		return err
+	}
+	is, err := parse(certPEM, keyPEM)
+	if err != nil {
+		return fmt.Errorf("csr %s: issued certificate: %w", csr.Name, err)
+	}
+	if is.leaf.Subject.CommonName != user {
+		return fmt.Errorf("csr %s: issued for %q", csr.Name, is.leaf.Subject.CommonName)
+	}
+	if err := writeFile(filepath.Join(s.cfg.Dir, KeyFile), keyPEM); err != nil {
+		return err
+	}
+	if err := writeFile(filepath.Join(s.cfg.Dir, CertFile), certPEM); err != nil {
+		return err
+	}
+	s.cur.Store(is)
+	log.Info("node certificate issued", "notAfter", is.leaf.NotAfter.UTC().Format(time.RFC3339))
+	return nil
+}
+
+// await polls the request until it is issued, denied or failed.
+func (s *Source) await(ctx context.Context, name string) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.Wait)
+	defer cancel()
+	api := s.cfg.Kube.CertificatesV1().CertificateSigningRequests()
+	tick := 200 * time.Millisecond
+	for {
+		csr, err := api.Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return nil, err
+		}
+		for _, c := range csr.Status.Conditions {
+			if (c.Type == certificatesv1.CertificateDenied || c.Type == certificatesv1.CertificateFailed) && c.Status == corev1.ConditionTrue {
+				return nil, fmt.Errorf("%s: %s: %s", c.Type, c.Reason, c.Message)
+			}
+		}
+		if len(csr.Status.Certificate) > 0 {
+			return csr.Status.Certificate, nil
+		}
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("not signed within %s (is the brain running?): %w", s.cfg.Wait, ctx.Err())
+		case <-time.After(tick):
+		}
+		tick = min(tick*2, 2*time.Second)
+	}
+}
+
+func writeFile(path string, data []byte) error {
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, data, 0o600); err != nil {
+		return err
+	}
+	return os.Rename(tmp, path)
+}
+
+// Ready reports whether a certificate is held.
+func (s *Source) Ready() bool { return s.cur.Load() != nil }
+
+// Leaf returns the current certificate, nil before the first.
+func (s *Source) Leaf() *x509.Certificate {
+	if cur := s.cur.Load(); cur != nil {
+		return cur.leaf
+	}
+	return nil
+}
+
+var errNone = errors.New("no node certificate yet")
+
+// GetCertificate serves the current certificate (tls.Config.GetCertificate).
+func (s *Source) GetCertificate(*tls.ClientHelloInfo) (*tls.Certificate, error) {
+	if cur := s.cur.Load(); cur != nil {
+		return cur.tls, nil
+	}
+	return nil, errNone
+}
+
+// GetClientCertificate presents the current certificate as a client.
+func (s *Source) GetClientCertificate(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
+	return s.GetCertificate(nil)
+}
+
+// ServerTLS is a server configuration that serves the current certificate
+// and requires client certificates from the node CA of the current
+// certificate; nextProtos are offered in ALPN.
+func (s *Source) ServerTLS(nextProtos ...string) *tls.Config {
+	base := &tls.Config{MinVersion: tls.VersionTLS12, ClientAuth: tls.RequireAndVerifyClientCert,
+		NextProtos: slices.Clone(nextProtos)}
+	base.GetConfigForClient = func(*tls.ClientHelloInfo) (*tls.Config, error) {
+		cur := s.cur.Load()
+		if cur == nil {
+			return nil, errNone
+		}
+		return &tls.Config{MinVersion: tls.VersionTLS12, ClientAuth: tls.RequireAndVerifyClientCert,
+			Certificates: []tls.Certificate{*cur.tls}, ClientCAs: cur.ca, NextProtos: base.NextProtos}, nil
+	}
+	return base
+}
