@@ -194,14 +194,30 @@ func macs(v *kubevirtv1.VirtualMachine) []string {
 	return out
 }
 
-func countAllocations(t *testing.T, e env) int {
+// persisted lists every persisted address with its owner's name.
+func persisted(t *testing.T, e env) map[string][]string {
 	t.Helper()
 	st, _ := newStore(e.rc)
 	items, err := st.list(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}
-	return len(items)
+	out := map[string][]string{}
+	for _, it := range items {
+		if !it.IsBlock() {
+			out[it.Spec.MAC] = append(out[it.Spec.MAC], it.Spec.VMName)
+			continue
+		}
+		for _, en := range it.Spec.Entries {
+			out[en.MAC] = append(out[en.MAC], en.VMName)
+		}
+	}
+	return out
+}
+
+func countAllocations(t *testing.T, e env) int {
+	t.Helper()
+	return len(persisted(t, e))
 }
 
 func TestAdmissionAssignsHonoursRefusesAndFrees(t *testing.T) {
@@ -382,14 +398,13 @@ func TestBurstWithBrainKilled(t *testing.T) {
 	leaked := countAllocations(t, e) - 2*total
 	t.Logf("%d vms, %d failed attempts, %d allocations beyond the vms' before reconciliation", total, failures.Load(), leaked)
 	startReconciler(t, e, 2*time.Second)
-	st, _ := newStore(e.rc)
 	err = wait.PollUntilContextTimeout(ctx, 250*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
-		items, err := st.list(ctx)
-		if err != nil || len(items) != 2*total {
+		items := persisted(t, e)
+		if len(items) != 2*total {
 			return false, nil
 		}
-		for _, it := range items {
-			if owner[it.Spec.MAC] != it.Spec.VMName {
+		for mac, holders := range items {
+			if len(holders) != 1 || owner[mac] != holders[0] {
 				return false, nil
 			}
 		}
@@ -400,5 +415,72 @@ func TestBurstWithBrainKilled(t *testing.T) {
 	}
 	if errors.Is(err, context.Canceled) {
 		t.Fatal(err)
+	}
+}
+
+// TestTwoPoolsNeverShareAnAddress runs two pools (two brains) assigning
+// at once into the same blocks, so their group commits conflict; every
+// address handed out must be distinct and persisted for its VM.
+func TestTwoPoolsNeverShareAnAddress(t *testing.T) {
+	e := setup(t)
+	cleanupPool(t, e)
+	setRange(t, e, "02:ee:00:00:00:00", "02:ee:00:00:03:ff")
+	var pools []*Pool
+	for i := 0; i < 2; i++ {
+		p, err := New(Config{RestConfig: e.rc, Virt: e.virt, Namespace: e.ns, Log: e.log})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() { defer close(done); _ = p.Run(ctx) }()
+		t.Cleanup(func() { cancel(); <-done })
+		<-p.synced
+		waitRange(t, p, "02:ee:00:00:00:00")
+		pools = append(pools, p)
+	}
+	const total = 300
+	var mu sync.Mutex
+	owner := map[string]string{}
+	var dups []string
+	var wg sync.WaitGroup
+	errs := make(chan error, total)
+	for i := 0; i < total; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			v := vm(e.ns, fmt.Sprintf("two-%03d", i), "bridge", "masquerade")
+			ops, err := pools[i%2].Assign(context.Background(), v, nil, false)
+			if err != nil {
+				errs <- err
+				return
+			}
+			ifaces := ops[0].Value.([]kubevirtv1.Interface)
+			mu.Lock()
+			defer mu.Unlock()
+			for _, iface := range ifaces {
+				if o, dup := owner[iface.MacAddress]; dup {
+					dups = append(dups, iface.MacAddress+" "+o+" "+v.Name)
+				}
+				owner[iface.MacAddress] = v.Name
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Errorf("assign: %v", err)
+	}
+	if len(dups) > 0 {
+		t.Fatalf("addresses handed out twice: %v", dups)
+	}
+	if len(owner) != 2*total {
+		t.Fatalf("%d addresses for %d interfaces", len(owner), 2*total)
+	}
+	got := persisted(t, e)
+	for mac, name := range owner {
+		if h := got[mac]; len(h) != 1 || h[0] != name {
+			t.Errorf("address %s persisted for %v, handed to %s", mac, h, name)
+		}
 	}
 }

@@ -1,9 +1,11 @@
 // Package macpool is the kubemacpool role: every bridge or masquerade
 // interface of a VirtualMachine gets a unique MAC address from the
-// configured range when the VM is admitted. Each address is persisted as a
-// MACAllocation named after it before the VM is admitted — creating that
-// object is the uniqueness check — so no crash at any point can hand one
-// address out twice; a reconciler frees allocations no VM uses any more.
+// configured range when the VM is admitted. Addresses are persisted in
+// block MACAllocations (one object per aligned run of 256 addresses,
+// written with its resourceVersion as precondition — the uniqueness check)
+// before the VM is admitted, so no crash at any point can hand one address
+// out twice; concurrent admissions share one write per block (group
+// commit, see commit.go); a reconciler frees entries no VM uses any more.
 package macpool
 
 import (
@@ -14,8 +16,6 @@ import (
 	"sync"
 	"time"
 
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 	kubevirtv1 "kubevirt.io/api/core/v1"
@@ -69,10 +69,14 @@ type Pool struct {
 	ranges *rangeSource
 	synced chan struct{}
 
+	reqs chan *commitReq
+
 	mu     sync.Mutex
 	rng    Range
 	cursor uint64
-	fresh  map[uint64]time.Time // claimed here, perhaps not yet in the informer
+	// latest is this pool's own newest copy of blocks it wrote or re-read
+	// (nil: known not to exist), until the informer catches up.
+	latest map[string]*macv1alpha1.MACAllocation
 
 	// crashAfterPersist, in tests, makes an admission fail right after its
 	// allocations are persisted, as if the brain died there.
@@ -88,31 +92,19 @@ func New(cfg Config) (*Pool, error) {
 	if err != nil {
 		return nil, err
 	}
-	p := &Pool{cfg: cfg, store: st, allocs: st.informer(0), rng: DefaultRange, fresh: map[uint64]time.Time{},
-		synced: make(chan struct{})}
+	p := &Pool{cfg: cfg, store: st, allocs: st.informer(0), rng: DefaultRange, reqs: make(chan *commitReq),
+		latest: map[string]*macv1alpha1.MACAllocation{}, synced: make(chan struct{})}
 	p.ranges = newRangeSource(cfg.Virt, cfg.Namespace, cfg.HyperConverged, p.setRange)
 	_, _ = p.allocs.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc: func(obj any) { p.forget(obj) },
-		DeleteFunc: func(obj any) {
-			if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
-				obj = d.Obj
-			}
-			p.forget(obj)
-		},
+		AddFunc:    func(obj any) { p.observe(obj) },
+		UpdateFunc: func(_, obj any) { p.observe(obj) },
 	})
 	return p, nil
 }
 
-// forget drops a local claim once the informer reflects the allocation.
-func (p *Pool) forget(obj any) {
-	a, ok := obj.(*macv1alpha1.MACAllocation)
-	if !ok {
-		return
-	}
-	if m, err := ParseMAC(a.Spec.MAC); err == nil {
-		p.mu.Lock()
-		delete(p.fresh, m)
-		p.mu.Unlock()
+func (p *Pool) observe(obj any) {
+	if a, ok := obj.(*macv1alpha1.MACAllocation); ok && a.IsBlock() {
+		p.observed(a)
 	}
 }
 
@@ -139,6 +131,7 @@ func (p *Pool) Run(ctx context.Context) error {
 	if !p.ranges.run(ctx) || !cache.WaitForCacheSync(ctx.Done(), p.allocs.HasSynced) {
 		return ctx.Err()
 	}
+	go p.runCommitter(ctx)
 	close(p.synced)
 	<-ctx.Done()
 	return nil
@@ -157,7 +150,15 @@ func (p *Pool) Usage() Usage {
 	r := p.Range()
 	u := Usage{Range: r, Total: r.Size()}
 	for _, obj := range p.allocs.GetStore().List() {
-		m, err := ParseMAC(obj.(*macv1alpha1.MACAllocation).Spec.MAC)
+		u.count(r, obj.(*macv1alpha1.MACAllocation))
+	}
+	return u
+}
+
+// count adds the addresses a records.
+func (u *Usage) count(r Range, a *macv1alpha1.MACAllocation) {
+	for _, mac := range addresses(a) {
+		m, err := ParseMAC(mac)
 		if err != nil {
 			continue
 		}
@@ -167,7 +168,19 @@ func (p *Pool) Usage() Usage {
 			u.Outside++
 		}
 	}
-	return u
+}
+
+// addresses lists the addresses a records: a block's entries, or a
+// single-address record's own.
+func addresses(a *macv1alpha1.MACAllocation) []string {
+	if !a.IsBlock() {
+		return []string{a.Spec.MAC}
+	}
+	out := make([]string, len(a.Spec.Entries))
+	for i, e := range a.Spec.Entries {
+		out[i] = e.MAC
+	}
+	return out
 }
 
 // Owner identifies the VM an address is for.
@@ -180,136 +193,21 @@ func (o Owner) String() string { return o.Namespace + "/" + o.Name }
 // ErrExhausted is returned when every address of the range is taken.
 var ErrExhausted = errors.New("mac pool exhausted")
 
-func (p *Pool) takenLocked(m uint64, now time.Time) bool {
-	if t, ok := p.fresh[m]; ok && now.Sub(t) < 2*time.Minute {
-		return true
-	}
-	_, ok, _ := p.allocs.GetStore().GetByKey(macv1alpha1.NameFor(hwOf(m)))
-	return ok
-}
-
-// next picks an address that looks free and claims it locally.
-func (p *Pool) next(now time.Time) (uint64, Range, error) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	r := p.rng
-	size := r.Size()
-	for i := uint64(0); i < size; i++ {
-		m := r.Start + (p.cursor+i)%size
-		if !p.takenLocked(m, now) {
-			p.cursor = (m - r.Start + 1) % size
-			p.fresh[m] = now
-			return m, r, nil
-		}
-	}
-	return 0, r, fmt.Errorf("%w: all %d addresses of %s are in use", ErrExhausted, size, r)
-}
-
-func newAllocation(m uint64, o Owner, iface string) *macv1alpha1.MACAllocation {
-	return &macv1alpha1.MACAllocation{
-		TypeMeta:   metav1.TypeMeta{APIVersion: macv1alpha1.SchemeGroupVersion.String(), Kind: "MACAllocation"},
-		ObjectMeta: metav1.ObjectMeta{Name: macv1alpha1.NameFor(hwOf(m)), Labels: map[string]string{"app.kubernetes.io/managed-by": "nodevirt"}},
-		Spec:       macv1alpha1.MACAllocationSpec{MAC: FormatMAC(m), Namespace: o.Namespace, VMName: o.Name, Interface: iface},
-	}
-}
-
-// allocate persists a fresh address for o. dryRun picks one without
-// persisting it.
-func (p *Pool) allocate(ctx context.Context, o Owner, iface string, dryRun bool) (*macv1alpha1.MACAllocation, error) {
-	for attempt := 0; ; attempt++ {
-		m, r, err := p.next(time.Now())
-		if err != nil {
-			return nil, err
-		}
-		a := newAllocation(m, o, iface)
-		if dryRun {
-			p.mu.Lock()
-			delete(p.fresh, m)
-			p.mu.Unlock()
-			return a, nil
-		}
-		created, err := p.store.create(ctx, a)
-		if err == nil {
-			return created, nil
-		}
-		if !apierrors.IsAlreadyExists(err) {
-			p.mu.Lock()
-			delete(p.fresh, m)
-			p.mu.Unlock()
-			return nil, fmt.Errorf("persist mac %s: %w", FormatMAC(m), err)
-		}
-		// Taken by another brain or not yet in our informer: keep the local
-		// claim so we skip it, and go on.
-		if uint64(attempt) > r.Size() {
-			return nil, fmt.Errorf("%w: all %d addresses of %s are in use", ErrExhausted, r.Size(), r)
-		}
-	}
-}
-
-// claim persists an explicitly requested address for o; it fails when
-// another VM holds it.
-func (p *Pool) claim(ctx context.Context, m uint64, o Owner, iface string, dryRun bool) (*macv1alpha1.MACAllocation, error) {
-	a := newAllocation(m, o, iface)
-	if dryRun {
-		if cur, ok, _ := p.allocs.GetStore().GetByKey(a.Name); ok && !ownedBy(cur.(*macv1alpha1.MACAllocation), o) {
-			return nil, inUse(m, cur.(*macv1alpha1.MACAllocation))
-		}
-		return a, nil
-	}
-	created, err := p.store.create(ctx, a)
-	if err == nil {
-		return created, nil
-	}
-	if !apierrors.IsAlreadyExists(err) {
-		return nil, fmt.Errorf("persist mac %s: %w", FormatMAC(m), err)
-	}
-	cur, err := p.store.get(ctx, a.Name)
-	if err != nil {
-		return nil, fmt.Errorf("read allocation of mac %s: %w", FormatMAC(m), err)
-	}
-	if ownedBy(cur, o) {
-		return nil, nil // already ours (a retried create or an update)
-	}
-	if !p.stale(ctx, cur) {
-		return nil, inUse(m, cur)
-	}
-	// The holder is gone for longer than the grace: take it over, guarded
-	// by resourceVersion against a concurrent taker.
-	cur = cur.DeepCopy()
-	cur.Spec = a.Spec
-	updated, err := p.store.update(ctx, cur)
-	if err != nil {
-		return nil, fmt.Errorf("mac address %s is being claimed concurrently: %w", FormatMAC(m), err)
-	}
-	return updated, nil
-}
-
 func ownedBy(a *macv1alpha1.MACAllocation, o Owner) bool {
 	return o.Name != "" && a.Spec.Namespace == o.Namespace && a.Spec.VMName == o.Name
 }
 
-func inUse(m uint64, a *macv1alpha1.MACAllocation) error {
-	holder := a.Spec.Namespace + "/" + a.Spec.VMName
-	if a.Spec.VMName == "" {
-		holder = "a virtual machine being created in namespace " + a.Spec.Namespace
-	}
-	return fmt.Errorf("mac address %s is already in use by %s", FormatMAC(m), holder)
-}
+// takenError says an explicitly requested address belongs to another VM.
+type takenError struct{ msg string }
 
-// stale reports whether a is older than the grace and its named holder no
-// longer has the address (checked against the API, not a cache).
-func (p *Pool) stale(ctx context.Context, a *macv1alpha1.MACAllocation) bool {
-	if a.Spec.VMName == "" || time.Since(allocatedAt(a)) < p.cfg.Grace {
-		return false
+func (e *takenError) Error() string { return e.msg }
+
+func inUse(m uint64, namespace, vmName string) error {
+	holder := namespace + "/" + vmName
+	if vmName == "" {
+		holder = "a virtual machine being created in namespace " + namespace
 	}
-	vm, err := p.cfg.Virt.VMs.Get(ctx, a.Spec.Namespace, a.Spec.VMName)
-	if apierrors.IsNotFound(err) {
-		return true
-	}
-	if err != nil {
-		return false
-	}
-	return !hasMAC(vm, a.Spec.MAC)
+	return &takenError{msg: fmt.Sprintf("mac address %s is already in use by %s", FormatMAC(m), holder)}
 }
 
 // allocatedAt is when a last changed hands.
@@ -344,16 +242,6 @@ func vmMACs(vm *kubevirtv1.VirtualMachine) []string {
 		}
 	}
 	return out
-}
-
-// release deletes allocations made by a failed admission (best effort;
-// the reconciler frees whatever is left).
-func (p *Pool) release(ctx context.Context, made []*macv1alpha1.MACAllocation) {
-	for _, a := range made {
-		if err := p.store.delete(ctx, a); err != nil && !apierrors.IsNotFound(err) {
-			p.cfg.Log.Warn("release mac", "mac", a.Spec.MAC, "err", err)
-		}
-	}
 }
 
 func hwOf(m uint64) []byte {
@@ -393,14 +281,8 @@ func ReadUsage(ctx context.Context, cfg Config) (Usage, error) {
 		return Usage{}, fmt.Errorf("list mac allocations: %w", err)
 	}
 	u := Usage{Range: r, Total: r.Size()}
-	for _, a := range items {
-		if m, err := ParseMAC(a.Spec.MAC); err == nil {
-			if r.Contains(m) {
-				u.Used++
-			} else {
-				u.Outside++
-			}
-		}
+	for i := range items {
+		u.count(r, &items[i])
 	}
 	return u, nil
 }

@@ -56,7 +56,10 @@ func NewReconciler(cfg Config) (*Reconciler, error) {
 		if vm, ok := obj.(*kubevirtv1.VirtualMachine); ok {
 			for _, m := range vmMACs(vm) {
 				if hw, err := ParseMAC(m); err == nil {
-					r.queue.Add(macv1alpha1.NameFor(hwOf(hw)))
+					r.queue.Add(macv1alpha1.BlockName(hw))
+					if _, ok, _ := r.allocs.GetStore().GetByKey(macv1alpha1.NameFor(hwOf(hw))); ok {
+						r.queue.Add(macv1alpha1.NameFor(hwOf(hw))) // a single-address record
+					}
 				}
 			}
 		}
@@ -100,6 +103,80 @@ func (r *Reconciler) Run(ctx context.Context) error {
 	return nil
 }
 
+// syncBlock records the owners of a block's entries and frees the entries
+// no VM has used for longer than the grace, in one write.
+func (r *Reconciler) syncBlock(ctx context.Context, a *macv1alpha1.MACAllocation) (time.Duration, error) {
+	var after time.Duration
+	later := func(d time.Duration) {
+		if after == 0 || d < after {
+			after = d
+		}
+	}
+	keep := make([]macv1alpha1.MACEntry, 0, len(a.Spec.Entries))
+	changed := false
+	var freed []macv1alpha1.MACEntry
+	for _, e := range a.Spec.Entries {
+		users, err := r.vms.GetIndexer().ByIndex(macIndex, e.MAC)
+		if err != nil {
+			return 0, err
+		}
+		if len(users) > 1 {
+			// Cannot happen through the webhook; report loudly if it does.
+			r.cfg.Log.Error("mac address used by several vms", "mac", e.MAC, "vms", len(users))
+		}
+		if len(users) > 0 {
+			vm := users[0].(*kubevirtv1.VirtualMachine)
+			for _, u := range users {
+				if v := u.(*kubevirtv1.VirtualMachine); v.Namespace == e.Namespace && v.Name == e.VMName {
+					vm = v
+				}
+			}
+			// The owner is recorded once it is known; a UID alone is not
+			// worth a write during a burst.
+			if e.Namespace != vm.Namespace || e.VMName != vm.Name || (e.VMUID != vm.UID && e.VMUID != "") {
+				e.Namespace, e.VMName, e.VMUID = vm.Namespace, vm.Name, vm.UID
+				changed = true
+			}
+			keep = append(keep, e)
+			continue
+		}
+		if age := time.Since(e.Since.Time); age < r.cfg.Grace {
+			later(r.cfg.Grace - age + 100*time.Millisecond)
+			keep = append(keep, e)
+			continue
+		}
+		// The cache says nobody: confirm with the API before freeing.
+		if e.VMName != "" {
+			vm, err := r.cfg.Virt.VMs.Get(ctx, e.Namespace, e.VMName)
+			if err == nil && hasMAC(vm, e.MAC) {
+				later(r.cfg.Grace)
+				keep = append(keep, e)
+				continue
+			}
+			if err != nil && !apierrors.IsNotFound(err) {
+				return 0, err
+			}
+		}
+		changed = true
+		freed = append(freed, e)
+	}
+	if !changed {
+		return after, nil
+	}
+	upd := a.DeepCopy()
+	upd.Spec.Entries = keep
+	if _, err := r.store.update(ctx, upd); err != nil {
+		if apierrors.IsConflict(err) || apierrors.IsNotFound(err) {
+			return 200 * time.Millisecond, nil // the newer version comes through the informer
+		}
+		return 0, fmt.Errorf("update mac block %s: %w", a.Name, err)
+	}
+	for _, e := range freed {
+		r.cfg.Log.Info("mac freed", "mac", e.MAC, "namespace", e.Namespace, "name", e.VMName)
+	}
+	return after, nil
+}
+
 func (r *Reconciler) processNext(ctx context.Context) bool {
 	key, quit := r.queue.Get()
 	if quit {
@@ -129,6 +206,9 @@ func (r *Reconciler) Sync(ctx context.Context, key string) (time.Duration, error
 		return 0, err
 	}
 	a := obj.(*macv1alpha1.MACAllocation)
+	if a.IsBlock() {
+		return r.syncBlock(ctx, a)
+	}
 	users, err := r.vms.GetIndexer().ByIndex(macIndex, a.Spec.MAC)
 	if err != nil {
 		return 0, err

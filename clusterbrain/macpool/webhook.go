@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
-	"sync"
 	"time"
 
 	admissionv1 "k8s.io/api/admission/v1"
@@ -15,7 +14,6 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
-	macv1alpha1 "github.com/nodevirt/nodevirt/clusterbrain/macpool/api/v1alpha1"
 )
 
 // WebhookPath is where the brain serves the MAC webhook.
@@ -100,8 +98,9 @@ var errTaken = errors.New("mac address taken")
 
 // Assign persists an address for every bridge or masquerade interface of
 // vm without one and for every explicitly requested address old did not
-// already have, and returns the JSON patch that writes them into vm. On
-// error nothing of this call stays allocated.
+// already have, and returns the JSON patch that writes them into vm. All
+// of them are persisted by one group commit; on error nothing of this call
+// stays allocated beyond what the reconciler frees after the grace.
 func (p *Pool) Assign(ctx context.Context, vm, old *kubevirtv1.VirtualMachine, dryRun bool) ([]admission.PatchOp, error) {
 	if vm.Spec.Template == nil {
 		return nil, nil
@@ -116,74 +115,80 @@ func (p *Pool) Assign(ctx context.Context, vm, old *kubevirtv1.VirtualMachine, d
 	ifaces := vm.Spec.Template.Spec.Domain.Devices.Interfaces
 	out := make([]kubevirtv1.Interface, len(ifaces))
 	copy(out, ifaces)
-	var made []*macv1alpha1.MACAllocation
-	fail := func(err error) ([]admission.PatchOp, error) {
-		if !dryRun {
-			p.release(context.WithoutCancel(ctx), made)
-		}
-		return nil, err
-	}
 	seen := map[string]string{}
-	var auto []int // interfaces that get a fresh address
+	var wants []want
+	var at []int // interface index of each want
+	auto := false
 	for i := range out {
 		iface := &out[i]
 		if iface.MacAddress != "" {
 			m, err := ParseMAC(iface.MacAddress)
 			if err != nil {
-				return fail(fmt.Errorf("spec.template.spec.domain.devices.interfaces[%d].macAddress: %q: %w", i, iface.MacAddress, err))
+				return nil, fmt.Errorf("spec.template.spec.domain.devices.interfaces[%d].macAddress: %q: %w", i, iface.MacAddress, err)
 			}
 			mac := FormatMAC(m)
 			if other, dup := seen[mac]; dup {
-				return fail(fmt.Errorf("%w: mac address %s is requested by both interfaces %s and %s", errTaken, mac, other, iface.Name))
+				return nil, fmt.Errorf("%w: mac address %s is requested by both interfaces %s and %s", errTaken, mac, other, iface.Name)
 			}
 			seen[mac] = iface.Name
-			if had[mac] {
-				continue
-			}
-			a, err := p.claim(ctx, m, o, iface.Name, dryRun)
-			if err != nil {
-				return fail(fmt.Errorf("%w: %w", errTaken, err))
-			}
-			if a != nil && !dryRun {
-				made = append(made, a)
+			if !had[mac] {
+				wants, at = append(wants, want{mac: m, iface: iface.Name}), append(at, i)
 			}
 			continue
 		}
 		if iface.Bridge != nil || iface.Masquerade != nil {
-			auto = append(auto, i)
+			wants, at = append(wants, want{iface: iface.Name}), append(at, i)
+			auto = true
 		}
 	}
-	// Fresh addresses are persisted in parallel: one round trip per VM.
-	got := make([]*macv1alpha1.MACAllocation, len(auto))
-	errs := make([]error, len(auto))
-	var wg sync.WaitGroup
-	for j, i := range auto {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			got[j], errs[j] = p.allocate(ctx, o, out[i].Name, dryRun)
-		}()
+	if len(wants) == 0 {
+		return nil, nil
 	}
-	wg.Wait()
-	for j, i := range auto {
-		if got[j] != nil && !dryRun {
-			made = append(made, got[j])
-		}
-		if errs[j] == nil {
-			out[i].MacAddress = got[j].Spec.MAC
-		}
+	var got []uint64
+	var err error
+	if dryRun {
+		got, err = p.dryPlan(ctx, o, wants)
+	} else {
+		got, err = p.commit(ctx, o, wants)
 	}
-	for j, i := range auto {
-		if errs[j] != nil {
-			return fail(fmt.Errorf("interface %s: %w", out[i].Name, errs[j]))
+	if err != nil {
+		if errors.Is(err, ErrExhausted) {
+			return nil, err
 		}
+		var taken *takenError
+		if errors.As(err, &taken) {
+			return nil, fmt.Errorf("%w: %w", errTaken, err)
+		}
+		return nil, err
 	}
-	changed := len(auto) > 0
 	if p.crashAfterPersist != nil && p.crashAfterPersist() {
 		return nil, errors.New("simulated crash after persisting allocations")
 	}
-	if !changed {
+	if !auto {
 		return nil, nil
 	}
+	for j, i := range at {
+		if wants[j].mac == 0 {
+			out[i].MacAddress = FormatMAC(got[j])
+		}
+	}
 	return []admission.PatchOp{{Op: "replace", Path: "/spec/template/spec/domain/devices/interfaces", Value: out}}, nil
+}
+
+// dryPlan picks addresses for wants as a commit would, persisting nothing.
+func (p *Pool) dryPlan(ctx context.Context, o Owner, wants []want) ([]uint64, error) {
+	r := &commitReq{owner: o, wants: wants, got: make([]uint64, len(wants))}
+	rd := &round{p: p, ctx: ctx, now: metav1.Now(), blocks: map[string]*workBlock{}, setHere: map[uint64]bool{}}
+	p.mu.Lock()
+	rng, cursor := p.rng, p.cursor
+	p.mu.Unlock()
+	if err := rd.plan(r, rng, &cursor); err != nil {
+		return nil, err
+	}
+	for i, m := range r.next {
+		if m != 0 {
+			r.got[i] = m
+		}
+	}
+	return r.got, nil
 }

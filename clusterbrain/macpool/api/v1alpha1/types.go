@@ -1,7 +1,13 @@
 // Package v1alpha1 holds MACAllocation (macallocations.nodevirt.io), the
-// persisted record of one MAC address handed out by the MAC pool. Its name
-// is the address itself ("02-00-00-00-00-2a"), so creating it is the
-// cluster-wide uniqueness check.
+// persisted record of MAC addresses handed out by the MAC pool. The pool
+// writes blocks: one object per aligned run of BlockSize addresses, named
+// after its first address ("block-02-00-00-00-01-00"), whose
+// spec.entries list the addresses of the run that are taken; every change
+// is a write of that one object guarded by its resourceVersion, so two
+// writers can never both take one address, and one write records a whole
+// group of admissions. An object without entries whose name is an address
+// ("02-00-00-00-00-2a") records that single address (the earlier format,
+// still honoured).
 package v1alpha1
 
 import (
@@ -37,7 +43,47 @@ type MACAllocationSpec struct {
 	VMUID types.UID `json:"vmUID,omitempty"`
 	// Interface is the VM interface the address was given to.
 	Interface string `json:"interface,omitempty"`
+	// Entries, on a block, are its taken addresses (MAC is then the
+	// block's first address and the owner fields are empty).
+	Entries []MACEntry `json:"entries,omitempty"`
 }
+
+// MACEntry is one taken address of a block.
+type MACEntry struct {
+	// MAC is the address, lower case with colons.
+	MAC string `json:"mac"`
+	// Namespace and VMName name the owning VirtualMachine (VMName empty
+	// while the VM has only a generateName).
+	Namespace string    `json:"namespace"`
+	VMName    string    `json:"vmName,omitempty"`
+	VMUID     types.UID `json:"vmUID,omitempty"`
+	Interface string    `json:"interface,omitempty"`
+	// Since is when the address was taken by this owner.
+	Since metav1.Time `json:"since"`
+}
+
+// BlockBits is log2 of BlockSize.
+const BlockBits = 8
+
+// BlockSize is how many addresses one block object records.
+const BlockSize = 1 << BlockBits
+
+// BlockPrefix starts the name of every block object.
+const BlockPrefix = "block-"
+
+// BlockName returns the name of the block object holding mac.
+func BlockName(mac uint64) string {
+	base := mac &^ (BlockSize - 1)
+	hw := make(net.HardwareAddr, 6)
+	for i := 5; i >= 0; i-- {
+		hw[i] = byte(base)
+		base >>= 8
+	}
+	return BlockPrefix + NameFor(hw)
+}
+
+// IsBlock reports whether a is a block object.
+func (a *MACAllocation) IsBlock() bool { return strings.HasPrefix(a.Name, BlockPrefix) }
 
 // MACAllocationList is a list of MACAllocation.
 type MACAllocationList struct {
@@ -72,6 +118,13 @@ func (in *MACAllocation) DeepCopyInto(out *MACAllocation) {
 	*out = *in
 	out.TypeMeta = in.TypeMeta
 	in.ObjectMeta.DeepCopyInto(&out.ObjectMeta)
+	if in.Spec.Entries != nil {
+		out.Spec.Entries = make([]MACEntry, len(in.Spec.Entries))
+		for i := range in.Spec.Entries {
+			out.Spec.Entries[i] = in.Spec.Entries[i]
+			in.Spec.Entries[i].Since.DeepCopyInto(&out.Spec.Entries[i].Since)
+		}
+	}
 }
 
 // DeepCopy returns a copy.
