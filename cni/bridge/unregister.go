@@ -75,7 +75,9 @@ func removeLinkViaHelper(h *netlink.Handle, name string) error {
 		return deleteLink(h, name)
 	}
 	cmd := exec.Command(self)
-	cmd.Env = []string{unregisterEnv + "=" + strconv.Itoa(idx)}
+	// One P and no GC: the helper makes a single syscall, and every thread
+	// its runtime would start costs CPU the next plugin call could use.
+	cmd.Env = []string{unregisterEnv + "=" + strconv.Itoa(idx), "GOMAXPROCS=1", "GOGC=off"}
 	// stdio on /dev/null: the runtime reading our stdout must not wait for it.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	if err := cmd.Start(); err != nil {
