@@ -2,7 +2,9 @@ package macpool
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"os"
 	"strconv"
 	"sync"
 	"time"
@@ -20,6 +22,8 @@ import (
 // its addresses succeeded, so what it returns is persisted; a conflict
 // (another brain, the reconciler) re-reads the block and retries the
 // requests that depended on it.
+
+var debugCommit = os.Getenv("NODEVIRT_DEBUG_COMMIT") != ""
 
 // maxBatch bounds the requests one commit round takes.
 const maxBatch = 256
@@ -60,7 +64,17 @@ func (p *Pool) commit(ctx context.Context, o Owner, wants []want) ([]uint64, err
 	}
 }
 
-// runCommitter serves commit requests until ctx ends.
+// committers is how many commit rounds may be writing at once; rounds
+// in flight never share a block.
+const committers = 8
+
+// runCommitters serves commit requests until ctx ends.
+func (p *Pool) runCommitters(ctx context.Context) {
+	for i := 0; i < committers; i++ {
+		go p.runCommitter(ctx)
+	}
+}
+
 func (p *Pool) runCommitter(ctx context.Context) {
 	for {
 		var batch []*commitReq
@@ -117,6 +131,10 @@ type round struct {
 	blocks map[string]*workBlock
 	// setHere are the addresses taken in this round (not yet persisted).
 	setHere map[uint64]bool
+	// rewind is where the next round starts looking when this one
+	// skipped a block busy in another round.
+	skipped bool
+	rewind  uint64
 }
 
 func (rd *round) block(m uint64) *workBlock {
@@ -196,6 +214,9 @@ func (rd *round) plan(r *commitReq, rng Range, cursor *uint64) error {
 		if l := rd.p.legacy(m); l != nil && !ownedBy(l, r.owner) {
 			return fail(inUse(m, l.Spec.Namespace, l.Spec.VMName))
 		}
+		if rd.busy(m) {
+			return fail(errBusy)
+		}
 		w := rd.block(m)
 		if j, ok := w.taken[m]; ok {
 			cur := w.obj.Spec.Entries[j]
@@ -220,6 +241,15 @@ func (rd *round) plan(r *commitReq, rng Range, cursor *uint64) error {
 		found := false
 		for n := uint64(0); n < size; n++ {
 			m := rng.Start + (*cursor+n)%size
+			if rd.busy(m) {
+				if !rd.skipped {
+					// Later rounds come back here once it is written, so
+					// blocks fill up instead of one new block per round.
+					rd.skipped, rd.rewind = true, max(m&^(macv1alpha1.BlockSize-1), rng.Start)-rng.Start
+				}
+				n += m | (macv1alpha1.BlockSize - 1) - m // the rest of the block
+				continue
+			}
 			if _, taken := rd.block(m).taken[m]; taken || rd.p.legacy(m) != nil {
 				continue
 			}
@@ -243,25 +273,54 @@ func (p *Pool) commitBatch(ctx context.Context, batch []*commitReq) {
 	pending := batch
 	for attempt := 0; len(pending) > 0; attempt++ {
 		rd := &round{p: p, ctx: ctx, now: metav1.Now(), blocks: map[string]*workBlock{}, setHere: map[uint64]bool{}}
+		var planned, waiting []*commitReq
+		p.planMu.Lock()
 		p.mu.Lock()
 		rng, cursor := p.rng, p.cursor
 		p.mu.Unlock()
-		var planned []*commitReq
 		for _, r := range pending {
-			if err := rd.plan(r, rng, &cursor); err != nil {
+			err := rd.plan(r, rng, &cursor)
+			switch {
+			case errors.Is(err, errBusy):
+				waiting = append(waiting, r)
+			case err != nil:
 				r.err = err
 				close(r.done)
-				continue
+			default:
+				planned = append(planned, r)
 			}
-			planned = append(planned, r)
+		}
+		if rd.skipped {
+			cursor = rd.rewind
 		}
 		p.mu.Lock()
 		if p.rng == rng {
 			p.cursor = cursor
 		}
+		var mine []string
+		for name, w := range rd.blocks {
+			if w.dirty {
+				p.busy[name] = true
+				mine = append(mine, name)
+			}
+		}
 		p.mu.Unlock()
+		p.planMu.Unlock()
+		t0 := time.Now()
 		failed := p.writeBlocks(ctx, rd)
-		pending = nil
+		p.mu.Lock()
+		for _, name := range mine {
+			delete(p.busy, name)
+		}
+		p.mu.Unlock()
+		if debugCommit {
+			p.cfg.Log.Warn("commit round", "requests", len(planned), "blocks", len(rd.blocks), "failed", len(failed), "took", time.Since(t0))
+		}
+		pending = waiting
+		if len(waiting) > 0 {
+			attempt-- // waiting for a block is not a failed round
+			time.Sleep(5 * time.Millisecond)
+		}
 		for _, r := range planned {
 			var err error
 			for i, m := range r.next {
@@ -407,4 +466,19 @@ func (p *Pool) staleEntry(ctx context.Context, e macv1alpha1.MACEntry) bool {
 		return false
 	}
 	return !hasMAC(vm, e.MAC)
+}
+
+// errBusy: an explicitly requested address is in a block another round
+// is writing; the request waits for the next round.
+var errBusy = errors.New("mac block busy")
+
+// busy reports whether another round is writing the block of m.
+func (rd *round) busy(m uint64) bool {
+	name := macv1alpha1.BlockName(m)
+	if _, mine := rd.blocks[name]; mine {
+		return false
+	}
+	rd.p.mu.Lock()
+	defer rd.p.mu.Unlock()
+	return rd.p.busy[name]
 }

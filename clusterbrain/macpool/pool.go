@@ -1,7 +1,7 @@
 // Package macpool is the kubemacpool role: every bridge or masquerade
 // interface of a VirtualMachine gets a unique MAC address from the
 // configured range when the VM is admitted. Addresses are persisted in
-// block MACAllocations (one object per aligned run of 256 addresses,
+// block MACAllocations (one object per aligned run of 64 addresses,
 // written with its resourceVersion as precondition — the uniqueness check)
 // before the VM is admitted, so no crash at any point can hand one address
 // out twice; concurrent admissions share one write per block (group
@@ -70,6 +70,8 @@ type Pool struct {
 	synced chan struct{}
 
 	reqs chan *commitReq
+	// planMu makes commit rounds choose addresses one at a time.
+	planMu sync.Mutex
 
 	mu     sync.Mutex
 	rng    Range
@@ -77,6 +79,7 @@ type Pool struct {
 	// latest is this pool's own newest copy of blocks it wrote or re-read
 	// (nil: known not to exist), until the informer catches up.
 	latest map[string]*macv1alpha1.MACAllocation
+	busy   map[string]bool // blocks a commit round is writing
 
 	// crashAfterPersist, in tests, makes an admission fail right after its
 	// allocations are persisted, as if the brain died there.
@@ -93,7 +96,7 @@ func New(cfg Config) (*Pool, error) {
 		return nil, err
 	}
 	p := &Pool{cfg: cfg, store: st, allocs: st.informer(0), rng: DefaultRange, reqs: make(chan *commitReq),
-		latest: map[string]*macv1alpha1.MACAllocation{}, synced: make(chan struct{})}
+		latest: map[string]*macv1alpha1.MACAllocation{}, busy: map[string]bool{}, synced: make(chan struct{})}
 	p.ranges = newRangeSource(cfg.Virt, cfg.Namespace, cfg.HyperConverged, p.setRange)
 	_, _ = p.allocs.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { p.observe(obj) },
@@ -131,7 +134,7 @@ func (p *Pool) Run(ctx context.Context) error {
 	if !p.ranges.run(ctx) || !cache.WaitForCacheSync(ctx.Done(), p.allocs.HasSynced) {
 		return ctx.Err()
 	}
-	go p.runCommitter(ctx)
+	p.runCommitters(ctx)
 	close(p.synced)
 	<-ctx.Done()
 	return nil

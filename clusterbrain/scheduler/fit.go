@@ -88,6 +88,7 @@ type nodeState struct {
 	cpu    int64
 	mem    int64
 	ext    map[corev1.ResourceName]int64
+	anti   int // placed VMIs with required anti-affinity
 }
 
 func newNodeState(n *corev1.Node) *nodeState {
@@ -95,6 +96,9 @@ func newNodeState(n *corev1.Node) *nodeState {
 }
 
 func (s *nodeState) add(p placed) {
+	if len(p.anti) > 0 {
+		s.anti++
+	}
 	s.placed = append(s.placed, p)
 	s.cpu += p.demand.cpu
 	s.mem += p.demand.mem
@@ -124,6 +128,9 @@ type request struct {
 	volumes   []*corev1.NodeSelector // each must match (bound PVs, allowed topologies)
 	pinned    string                 // a PVC already selected this node
 	allowEmul bool
+	// placedAnti: some placed VMI has required anti-affinity (else the
+	// walk over placed VMIs is skipped for VMIs without affinity terms).
+	placedAnti bool
 }
 
 // filter returns why node cannot take req (nil: it can). all is every
@@ -230,6 +237,9 @@ func interVMI(req *request, st *nodeState, all []*nodeState) string {
 	var anti *corev1.PodAntiAffinity
 	if a := vmi.Spec.Affinity; a != nil {
 		aff, anti = a.PodAffinity, a.PodAntiAffinity
+	}
+	if aff == nil && anti == nil && !req.placedAnti {
+		return ""
 	}
 	for _, other := range all {
 		for _, p := range other.placed {

@@ -71,6 +71,9 @@ type Scheduler struct {
 	events   record.EventBroadcaster
 	sem      chan struct{}
 
+	memoMu sync.Mutex
+	memo   map[types.UID]placedMemo // bound VMIs' placements by UID
+
 	mu      sync.Mutex
 	assumed map[types.UID]assumption
 	waiting map[string]bool // unschedulable VMIs, retried on cluster changes
@@ -123,6 +126,7 @@ func New(cfg Config) (*Scheduler, error) {
 			workqueue.TypedRateLimitingQueueConfig[string]{Name: "scheduler"}),
 		sem:     make(chan struct{}, cfg.Binders),
 		assumed: map[types.UID]assumption{},
+		memo:    map[types.UID]placedMemo{},
 		waiting: map[string]bool{},
 	}
 	// Register the listers' informers with the factory.
@@ -155,6 +159,9 @@ func New(cfg Config) (*Scheduler, error) {
 				s.mu.Lock()
 				delete(s.assumed, vmi.UID)
 				s.mu.Unlock()
+				s.memoMu.Lock()
+				delete(s.memo, vmi.UID)
+				s.memoMu.Unlock()
 				s.retryWaiting()
 			}
 		},
@@ -164,7 +171,11 @@ func New(cfg Config) (*Scheduler, error) {
 		UpdateFunc: func(any, any) { s.retryWaiting() },
 	}
 	_, _ = s.nodes.AddEventHandler(retry)
-	_, _ = s.nads.AddEventHandler(retry)
+	_, _ = s.nads.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		// A NAD's resource name is part of the memoised demands.
+		AddFunc:    func(any) { s.forgetPlacements(); s.retryWaiting() },
+		UpdateFunc: func(any, any) { s.forgetPlacements(); s.retryWaiting() },
+	})
 	_, _ = f.Core().V1().PersistentVolumeClaims().Informer().AddEventHandler(retry)
 	_, _ = f.Core().V1().PersistentVolumes().Informer().AddEventHandler(retry)
 	return s, nil
@@ -332,6 +343,12 @@ func (s *Scheduler) decide(vmi *kubevirtv1.VirtualMachineInstance) (string, []*c
 		return fail(err.Error(), nil)
 	}
 	req := &request{vmi: vmi, demand: d, allowEmul: s.allowEmulation()}
+	for _, st := range states {
+		if st.anti > 0 {
+			req.placedAnti = true
+			break
+		}
+	}
 	wffc, err := s.volumeConstraints(vmi, req)
 	if err != nil {
 		return fail(err.Error(), nil)
@@ -383,12 +400,7 @@ func (s *Scheduler) snapshot() []*nodeState {
 			if _, ok := assumed[vmi.UID]; ok {
 				continue
 			}
-			d, _ := demandOf(vmi, s.nadResource)
-			p := placed{uid: vmi.UID, ns: vmi.Namespace, labels: labels.Set(vmi.Labels), demand: d}
-			if a := vmi.Spec.Affinity; a != nil && a.PodAntiAffinity != nil {
-				p.anti = a.PodAntiAffinity.RequiredDuringSchedulingIgnoredDuringExecution
-			}
-			st.add(p)
+			st.add(s.placedOf(vmi))
 		}
 	}
 	for _, a := range assumed {
@@ -397,6 +409,39 @@ func (s *Scheduler) snapshot() []*nodeState {
 		}
 	}
 	return states
+}
+
+// placedOf is what a bound VMI occupies, computed once per version of it
+// (a snapshot is taken for every decision).
+func (s *Scheduler) placedOf(vmi *kubevirtv1.VirtualMachineInstance) placed {
+	s.memoMu.Lock()
+	m, ok := s.memo[vmi.UID]
+	s.memoMu.Unlock()
+	if ok && m.rv == vmi.ResourceVersion {
+		return m.p
+	}
+	d, err := demandOf(vmi, s.nadResource)
+	p := placed{uid: vmi.UID, ns: vmi.Namespace, labels: labels.Set(vmi.Labels), demand: d}
+	if a := vmi.Spec.Affinity; a != nil && a.PodAntiAffinity != nil {
+		p.anti = a.PodAntiAffinity.RequiredDuringSchedulingIgnoredDuringExecution
+	}
+	if err == nil { // a missing NAD may appear: compute again then
+		s.memoMu.Lock()
+		s.memo[vmi.UID] = placedMemo{rv: vmi.ResourceVersion, p: p}
+		s.memoMu.Unlock()
+	}
+	return p
+}
+
+func (s *Scheduler) forgetPlacements() {
+	s.memoMu.Lock()
+	clear(s.memo)
+	s.memoMu.Unlock()
+}
+
+type placedMemo struct {
+	rv string
+	p  placed
 }
 
 // nadResource returns the resourceName annotation of a NAD.

@@ -59,7 +59,7 @@ func parseRequestCounts(r io.Reader) (map[string]float64, error) {
 }
 
 // printRequestDelta writes the requests made between before and after,
-// per object created, to stderr (reads and watches left out).
+// per object created, to stderr (watches left out).
 func printRequestDelta(before, after map[string]float64, perObjects int) {
 	type row struct {
 		key string
@@ -70,11 +70,13 @@ func printRequestDelta(before, after map[string]float64, perObjects int) {
 	for k, v := range after {
 		d := v - before[k]
 		verb := strings.Fields(k)[0]
-		if d <= 0 || verb == "GET" || verb == "LIST" || verb == "WATCH" {
+		if d <= 0 || verb == "WATCH" {
 			continue
 		}
 		rows = append(rows, row{k, d})
-		writes += d
+		if verb != "GET" && verb != "LIST" {
+			writes += d
+		}
 	}
 	sort.Slice(rows, func(i, j int) bool { return rows[i].n > rows[j].n })
 	fmt.Fprintf(os.Stderr, "api writes during the burst: %.0f (%.2f per vm)\n", writes, writes/float64(perObjects))
