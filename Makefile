@@ -23,7 +23,8 @@ deps:
 
 build: deps
 	@mkdir -p $(BIN)
-	$(GO) build -o $(BIN)/ ./nodeagent/cmd/nodeagent ./clusterbrain/cmd/... ./cni/cmd/cnv-bridge ./test/cmd/nodevirt-lab
+	$(GO) build -o $(BIN)/ ./nodeagent/cmd/nodeagent ./clusterbrain/cmd/... ./test/cmd/nodevirt-lab
+	CGO_ENABLED=0 $(GO) build -o $(BIN)/ ./cni/cmd/cnv-bridge
 	@ln -sf cnv-bridge $(BIN)/nodevirt-bridge
 	@mkdir -p $(BIN)/dist && [ -e $(BIN)/dist/virtctl-linux-amd64 ] || ln -sf ../virtctl $(BIN)/dist/virtctl-linux-amd64
 	@if [ -d csi/cmd/hostpath-csi-driver ]; then $(GO) build -o $(BIN)/ ./csi/cmd/hostpath-csi-driver; fi
