@@ -150,6 +150,7 @@ func (s *Server) Run(ctx context.Context) error {
 	}
 	s.ready.Store(true)
 	s.log.Info("serving", "api", s.APIAddr(), "proxy", s.ProxyAddr())
+	go s.keepProxyURL(ctx)
 	var err error
 	select {
 	case <-ctx.Done():
