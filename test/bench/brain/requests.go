@@ -84,3 +84,27 @@ func printRequestDelta(before, after map[string]float64, perObjects int) {
 		fmt.Fprintf(os.Stderr, "  %-60s %6.0f  %.2f/vm\n", r.key, r.n, r.n/float64(perObjects))
 	}
 }
+
+// apiserverPid finds the kube-apiserver whose command line mentions dir
+// (the control plane started for this run), or 0.
+func apiserverPid(dir string) int {
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return 0
+	}
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		cmd, err := os.ReadFile("/proc/" + e.Name() + "/cmdline")
+		if err != nil {
+			continue
+		}
+		args := strings.Split(string(cmd), "\x00")
+		if strings.HasSuffix(args[0], "kube-apiserver") && strings.Contains(string(cmd), dir) {
+			return pid
+		}
+	}
+	return 0
+}
