@@ -13,6 +13,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -411,15 +412,35 @@ func TestUpstreamVirtctlImageUpload(t *testing.T) {
 			t.Errorf("virtctl image-upload: %q missing from its output", want)
 		}
 	}
-	pvc, err := e.kube.CoreV1().PersistentVolumeClaims(n.name).Get(context.Background(), "uploaded", metav1.GetOptions{})
+	n.checkUploaded("uploaded", image)
+
+	// Without --uploadproxy-url virtctl reads CDIConfig "config", where the
+	// brain records its proxy when the CDIConfig API is served.
+	if list, err := e.kube.Discovery().ServerResourcesForGroupVersion("cdi.kubevirt.io/v1beta1"); err != nil ||
+		!slices.ContainsFunc(list.APIResources, func(r metav1.APIResource) bool { return r.Name == "cdiconfigs" }) {
+		t.Logf("cdiconfigs are not served: image-upload without --uploadproxy-url not checked")
+		return
+	}
+	u.run(3*time.Minute, "image-upload", "dv", "found-proxy", "--size=64Mi", "--storage-class=hostpath-csi",
+		"--image-path="+path, "--insecure")
+	n.checkUploaded("found-proxy", image)
+}
+
+// checkUploaded checks that the upload DataVolume succeeded and that its
+// volume holds image byte for byte (then zeros up to its size).
+func (n *testNS) checkUploaded(name string, image []byte) {
+	t, e := n.t, n.e
+	t.Helper()
+	size := len(image)
+	pvc, err := e.kube.CoreV1().PersistentVolumeClaims(n.name).Get(context.Background(), name, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if got := pvc.Annotations["cdi.kubevirt.io/storage.pod.phase"]; got != string(corev1.PodSucceeded) {
 		t.Errorf("pvc annotation cdi.kubevirt.io/storage.pod.phase = %q, want Succeeded", got)
 	}
-	n.eventually(30*time.Second, "datavolume uploaded Succeeded", func() (bool, string) {
-		dv, err := e.virt.DataVolumes.Get(context.Background(), n.name, "uploaded")
+	n.eventually(30*time.Second, "datavolume "+name+" Succeeded", func() (bool, string) {
+		dv, err := e.virt.DataVolumes.Get(context.Background(), n.name, name)
 		if err != nil {
 			return false, err.Error()
 		}
