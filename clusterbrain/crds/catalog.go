@@ -97,6 +97,8 @@ func Catalog() []Kind {
 			Type:    reflect.TypeOf(cdiv1.CDI{})},
 		{Group: cdi, Version: "v1beta1", Kind: "StorageProfile", Plural: "storageprofiles", Singular: "storageprofile",
 			Status: true, Type: reflect.TypeOf(cdiv1.StorageProfile{})},
+		{Group: cdi, Version: "v1beta1", Kind: "CDIConfig", Plural: "cdiconfigs", Singular: "cdiconfig",
+			Status: true, Type: reflect.TypeOf(cdiv1.CDIConfig{})},
 		{Group: "hco.kubevirt.io", Version: "v1beta1", Kind: "HyperConverged", Plural: "hyperconvergeds", Singular: "hyperconverged",
 			ShortNames: []string{"hco", "hcos"}, Namespaced: true, Status: true,
 			Columns: []apiextensionsv1.CustomResourceColumnDefinition{age,
