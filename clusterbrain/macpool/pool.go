@@ -37,6 +37,10 @@ type Config struct {
 	Namespace string
 	// HyperConverged names it (default kubevirt-hyperconverged).
 	HyperConverged string
+	// VMInformer, when set, is an informer of all VMs shared with other
+	// roles, which the caller runs (the reconciler's; nil: it makes and
+	// runs its own).
+	VMInformer cache.SharedIndexInformer
 	// Grace is how long an allocation no VM uses is kept, covering
 	// admissions still in flight (default 1m).
 	Grace time.Duration

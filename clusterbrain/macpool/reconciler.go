@@ -27,6 +27,7 @@ type Reconciler struct {
 	vms    cache.SharedIndexInformer
 	allocs cache.SharedIndexInformer
 	queue  workqueue.TypedRateLimitingInterface[string]
+	ownVMs bool // the reconciler runs the VM informer
 }
 
 // NewReconciler builds the reconciler.
@@ -39,10 +40,13 @@ func NewReconciler(cfg Config) (*Reconciler, error) {
 		return nil, err
 	}
 	r := &Reconciler{cfg: cfg, store: st,
-		vms:    cfg.Virt.VMs.Informer("", 0, nil),
+		vms:    cfg.VMInformer,
 		allocs: st.informer(5 * time.Minute),
 		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[string](),
 			workqueue.TypedRateLimitingQueueConfig[string]{Name: "macpool"}),
+	}
+	if r.vms == nil {
+		r.vms, r.ownVMs = cfg.Virt.VMs.Informer("", 0, nil), true
 	}
 	if err := r.vms.AddIndexers(cache.Indexers{macIndex: func(obj any) ([]string, error) {
 		return vmMACs(obj.(*kubevirtv1.VirtualMachine)), nil
@@ -88,7 +92,9 @@ func (r *Reconciler) Name() string { return "macpool-reconciler" }
 func (r *Reconciler) Run(ctx context.Context) error {
 	defer utilruntime.HandleCrash()
 	defer r.queue.ShutDown()
-	go r.vms.RunWithContext(ctx)
+	if r.ownVMs {
+		go r.vms.RunWithContext(ctx)
+	}
 	go r.allocs.RunWithContext(ctx)
 	if !cache.WaitForCacheSync(ctx.Done(), r.vms.HasSynced, r.allocs.HasSynced) {
 		return ctx.Err()

@@ -50,6 +50,10 @@ type Config struct {
 	Log        *slog.Logger
 	// Binders is how many bindings run at once (default 32).
 	Binders int
+	// VMIInformer, when set, is an informer of all VMIs shared with other
+	// roles: the caller runs it (after New), the scheduler waits for its
+	// sync. Nil: the scheduler makes and runs its own.
+	VMIInformer cache.SharedIndexInformer
 	// Retry is how often an unschedulable VMI is tried again without any
 	// change in the cluster (default 15s).
 	Retry time.Duration
@@ -70,6 +74,7 @@ type Scheduler struct {
 	recorder record.EventRecorder
 	events   record.EventBroadcaster
 	sem      chan struct{}
+	ownVMIs  bool // the scheduler runs the VMI informer
 
 	memoMu sync.Mutex
 	memo   map[types.UID]placedMemo // bound VMIs' placements by UID
@@ -115,7 +120,7 @@ func New(cfg Config) (*Scheduler, error) {
 	s := &Scheduler{
 		cfg: cfg, factory: f,
 		nodes: f.Core().V1().Nodes().Informer(),
-		vmis:  cfg.Virt.VMIs.Informer("", 0, nil),
+		vmis:  cfg.VMIInformer,
 		nads:  cfg.Virt.NADs.Informer("", 0, nil),
 		kvs:   cfg.Virt.KubeVirts.Informer("", 0, nil),
 		pvcs:  f.Core().V1().PersistentVolumeClaims().Lister(),
@@ -128,6 +133,10 @@ func New(cfg Config) (*Scheduler, error) {
 		assumed: map[types.UID]assumption{},
 		memo:    map[types.UID]placedMemo{},
 		waiting: map[string]bool{},
+	}
+	if s.vmis == nil {
+		s.vmis = cfg.Virt.VMIs.Informer("", 0, nil)
+		s.ownVMIs = true
 	}
 	// Register the listers' informers with the factory.
 	f.Core().V1().PersistentVolumeClaims().Informer()
@@ -251,7 +260,9 @@ func (s *Scheduler) Run(ctx context.Context) error {
 // ctx ended first.
 func (s *Scheduler) startInformers(ctx context.Context) bool {
 	s.factory.Start(ctx.Done())
-	go s.vmis.RunWithContext(ctx)
+	if s.ownVMIs {
+		go s.vmis.RunWithContext(ctx)
+	}
 	go s.nads.RunWithContext(ctx)
 	go s.kvs.RunWithContext(ctx)
 	for _, ok := range s.factory.WaitForCacheSync(ctx.Done()) {

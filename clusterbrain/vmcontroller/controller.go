@@ -45,6 +45,11 @@ type Config struct {
 	// Workers is the number of VMs synced at once (default 64; a sync
 	// mostly waits for the API server).
 	Workers int
+	// VMInformer and VMIInformer, when set, are informers of all VMs and
+	// VMIs shared with other roles: the caller runs them (after New), the
+	// controller waits for their sync. Nil: the controller makes and runs
+	// its own.
+	VMInformer, VMIInformer cache.SharedIndexInformer
 	// BackoffBase and BackoffMax bound the delay before a failed VMI is
 	// started again: base·2^(failures-1), at most max (default 10s, 5m,
 	// like KubeVirt).
@@ -57,6 +62,7 @@ type Controller struct {
 	vms      cache.SharedIndexInformer
 	vmis     cache.SharedIndexInformer
 	dvs      cache.SharedIndexInformer
+	own      []cache.SharedIndexInformer // the informers this controller runs
 	queue    workqueue.TypedRateLimitingInterface[string]
 	events   record.EventBroadcaster
 	recorder record.EventRecorder
@@ -117,13 +123,22 @@ func New(cfg Config) (*Controller, error) {
 	}
 	c := &Controller{
 		cfg:  cfg,
-		vms:  cfg.Virt.VMs.Informer("", 0, nil),
-		vmis: cfg.Virt.VMIs.Informer("", 0, nil),
+		vms:  cfg.VMInformer,
+		vmis: cfg.VMIInformer,
 		dvs:  cfg.Virt.DataVolumes.Informer("", 0, nil),
 		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[string](),
 			workqueue.TypedRateLimitingQueueConfig[string]{Name: "virtualmachines"}),
 		now: time.Now,
 	}
+	if c.vms == nil {
+		c.vms = cfg.Virt.VMs.Informer("", 0, nil)
+		c.own = append(c.own, c.vms)
+	}
+	if c.vmis == nil {
+		c.vmis = cfg.Virt.VMIs.Informer("", 0, nil)
+		c.own = append(c.own, c.vmis)
+	}
+	c.own = append(c.own, c.dvs)
 	c.events = record.NewBroadcaster()
 	c.recorder = c.events.NewRecorder(client.NewScheme(), corev1.EventSource{Component: "nodevirt-vm-controller"})
 	enqueue := func(obj any) {
@@ -189,9 +204,9 @@ func (c *Controller) Run(ctx context.Context) error {
 // startInformers fills the caches Sync reads; it reports false when ctx
 // ended first.
 func (c *Controller) startInformers(ctx context.Context) bool {
-	go c.vms.RunWithContext(ctx)
-	go c.vmis.RunWithContext(ctx)
-	go c.dvs.RunWithContext(ctx)
+	for _, inf := range c.own {
+		go inf.RunWithContext(ctx)
+	}
 	return cache.WaitForCacheSync(ctx.Done(), c.vms.HasSynced, c.vmis.HasSynced, c.dvs.HasSynced)
 }
 

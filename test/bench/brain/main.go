@@ -50,14 +50,15 @@ func main() {
 	kubeconfig := flag.String("kubeconfig", "", "kubeconfig (child mode)")
 	vms := flag.Int("vms", 1000, "virtual machines to create")
 	nodes := flag.Int("nodes", 100, "nodes to register")
+	share := flag.Bool("share-informers", false, "the roles share one VM and one VMI informer (clusterbrain/brain does not yet)")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 	var err error
 	if *runBrain {
-		err = brain(ctx, *kubeconfig)
+		err = brain(ctx, *kubeconfig, *share)
 	} else {
-		err = bench(ctx, *vms, *nodes)
+		err = bench(ctx, *vms, *nodes, *share)
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "bench brain:", err)
@@ -67,7 +68,7 @@ func main() {
 
 // brain runs the admission server with the MAC pool, the VM controller,
 // the scheduler and the MAC reconciler until ctx ends.
-func brain(ctx context.Context, kubeconfig string) error {
+func brain(ctx context.Context, kubeconfig string, share bool) error {
 	if path := os.Getenv("NODEVIRT_BENCH_CPUPROFILE"); path != "" {
 		f, err := os.Create(path)
 		if err != nil {
@@ -97,17 +98,25 @@ func brain(ctx context.Context, kubeconfig string) error {
 	if err != nil {
 		return err
 	}
-	vmc, err := vmcontroller.New(vmcontroller.Config{RestConfig: rc, Log: log})
+	var vmInf, vmiInf cache.SharedIndexInformer
+	if share {
+		vmInf, vmiInf = virt.VMs.Informer("", 0, nil), virt.VMIs.Informer("", 0, nil)
+	}
+	vmc, err := vmcontroller.New(vmcontroller.Config{RestConfig: rc, Log: log, VMInformer: vmInf, VMIInformer: vmiInf})
 	if err != nil {
 		return err
 	}
-	sch, err := scheduler.New(scheduler.Config{RestConfig: rc, Log: log})
+	sch, err := scheduler.New(scheduler.Config{RestConfig: rc, Log: log, VMIInformer: vmiInf})
 	if err != nil {
 		return err
 	}
-	rec, err := macpool.NewReconciler(macpool.Config{RestConfig: rc, Virt: virt, Namespace: brainNamespace, Log: log})
+	rec, err := macpool.NewReconciler(macpool.Config{RestConfig: rc, Virt: virt, Namespace: brainNamespace, Log: log, VMInformer: vmInf})
 	if err != nil {
 		return err
+	}
+	if share {
+		go vmInf.RunWithContext(ctx)
+		go vmiInf.RunWithContext(ctx)
 	}
 	var wg sync.WaitGroup
 	for _, r := range []interface {
@@ -126,7 +135,7 @@ func brain(ctx context.Context, kubeconfig string) error {
 	return nil
 }
 
-func bench(ctx context.Context, nVMs, nNodes int) error {
+func bench(ctx context.Context, nVMs, nNodes int, share bool) error {
 	dir, err := os.MkdirTemp("", "nodevirt-bench-brain-")
 	if err != nil {
 		return err
@@ -172,7 +181,7 @@ func bench(ctx context.Context, nVMs, nNodes int) error {
 	if err != nil {
 		return err
 	}
-	child := exec.CommandContext(ctx, self, "-run-brain", "-kubeconfig", cp.Kubeconfig)
+	child := exec.CommandContext(ctx, self, "-run-brain", "-kubeconfig", cp.Kubeconfig, fmt.Sprintf("-share-informers=%t", share))
 	child.Stderr = os.Stderr
 	if err := child.Start(); err != nil {
 		return err
