@@ -48,7 +48,8 @@ type Config struct {
 	// rate limit (500 QPS, burst 1000).
 	RestConfig *rest.Config
 	Log        *slog.Logger
-	// Binders is how many bindings run at once (default 32).
+	// Binders is how many bindings run at once (default 128: a binding is
+	// two writes in a row, mostly waiting for the API server).
 	Binders int
 	// VMIInformer, when set, is an informer of all VMIs shared with other
 	// roles: the caller runs it (after New), the scheduler waits for its
@@ -111,7 +112,7 @@ func New(cfg Config) (*Scheduler, error) {
 		cfg.Log = slog.Default()
 	}
 	if cfg.Binders == 0 {
-		cfg.Binders = 32
+		cfg.Binders = 128
 	}
 	if cfg.Retry == 0 {
 		cfg.Retry = 15 * time.Second

@@ -42,7 +42,7 @@ type Config struct {
 	// rate limit (500 QPS, burst 1000).
 	RestConfig *rest.Config
 	Log        *slog.Logger
-	// Workers is the number of VMs synced at once (default 64; a sync
+	// Workers is the number of VMs synced at once (default 128; a sync
 	// mostly waits for the API server).
 	Workers int
 	// VMInformer and VMIInformer, when set, are informers of all VMs and
@@ -113,7 +113,7 @@ func New(cfg Config) (*Controller, error) {
 		cfg.Log = slog.Default()
 	}
 	if cfg.Workers == 0 {
-		cfg.Workers = 64
+		cfg.Workers = 128
 	}
 	if cfg.BackoffBase == 0 {
 		cfg.BackoffBase = 10 * time.Second
