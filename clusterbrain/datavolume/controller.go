@@ -12,6 +12,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -31,6 +32,7 @@ import (
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
 )
 
 // Config configures the controller.
@@ -122,6 +124,8 @@ func New(cfg Config) (*Controller, error) {
 		}
 		if ref := metav1.GetControllerOf(pvc); ref != nil && ref.Kind == "DataVolume" {
 			c.queue.Add(pvc.Namespace + "/" + ref.Name)
+		} else if importstate.IsBareUploadClaim(pvc) {
+			c.queue.Add(uploadClaimKey + pvc.Namespace + "/" + pvc.Name)
 		}
 	}
 	_, _ = pvcInformer.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
@@ -178,7 +182,11 @@ func (c *Controller) worker(ctx context.Context) {
 		if quit {
 			return
 		}
-		after, err := c.sync(ctx, key)
+		sync := c.sync
+		if strings.HasPrefix(key, uploadClaimKey) {
+			sync = c.syncUploadClaim
+		}
+		after, err := sync(ctx, key)
 		switch {
 		case err != nil:
 			level := slog.LevelWarn

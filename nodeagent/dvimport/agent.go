@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync"
 	"time"
 
@@ -219,10 +220,11 @@ func (a *Agent) worker(ctx context.Context) {
 	}
 }
 
-// target is a DataVolume whose volume is on this node.
+// target is a DataVolume, or a bare upload claim, whose volume is on this
+// node.
 type target struct {
 	key      string
-	dv       *cdiv1.DataVolume
+	dv       *cdiv1.DataVolume // nil for a bare upload claim
 	pvc      *corev1.PersistentVolumeClaim
 	kind     string
 	disk     string
@@ -231,21 +233,20 @@ type target struct {
 }
 
 func (t *target) log(l *slog.Logger) *slog.Logger {
+	if t.dv == nil {
+		return l.With("namespace", t.pvc.Namespace, "pvc", t.pvc.Name)
+	}
 	return l.With("namespace", t.dv.Namespace, "datavolume", t.dv.Name)
 }
 
-// sync starts, keeps or cancels the work of one DataVolume.
+// sync starts, keeps or cancels the work of one DataVolume or bare upload
+// claim.
 func (a *Agent) sync(ctx context.Context, key string) error {
-	obj, exists, err := a.dvInformer.GetIndexer().GetByKey(key)
-	if err != nil {
-		return err
-	}
-	if !exists || obj.(*cdiv1.DataVolume).DeletionTimestamp != nil {
-		a.cancel(key, "datavolume deleted")
+	t, gone, err := a.targetOf(key)
+	if gone {
+		a.cancel(key, "datavolume or claim deleted")
 		return nil
 	}
-	dv := obj.(*cdiv1.DataVolume)
-	t, err := a.target(dv)
 	if err != nil || t == nil {
 		return err
 	}
@@ -283,17 +284,46 @@ func (a *Agent) sync(ctx context.Context, key string) error {
 	}
 }
 
-// target returns dv's work if its volume is bound to a PV on this node,
-// else nil.
-func (a *Agent) target(dv *cdiv1.DataVolume) (*target, error) {
-	pvc, err := a.pvcs.PersistentVolumeClaims(dv.Namespace).Get(dv.Name)
+// targetOf returns the work of key if its volume is on this node: the
+// DataVolume's of that key, else the bare upload claim's. gone says that
+// neither exists (any running work is to be canceled).
+func (a *Agent) targetOf(key string) (t *target, gone bool, err error) {
+	obj, exists, err := a.dvInformer.GetIndexer().GetByKey(key)
+	if err != nil {
+		return nil, false, err
+	}
+	if exists {
+		dv := obj.(*cdiv1.DataVolume)
+		if dv.DeletionTimestamp != nil {
+			return nil, true, nil
+		}
+		t, err := a.target(dv, dv.Namespace, dv.Name)
+		return t, false, err
+	}
+	ns, name, _ := strings.Cut(key, "/")
+	pvc, err := a.pvcs.PersistentVolumeClaims(ns).Get(name)
+	if apierrors.IsNotFound(err) || err == nil && (!importstate.IsBareUploadClaim(pvc) || pvc.DeletionTimestamp != nil) {
+		return nil, true, nil
+	}
+	if err != nil {
+		return nil, false, err
+	}
+	t, err = a.target(nil, ns, name)
+	return t, false, err
+}
+
+// target returns the work of the claim ns/name, of dv or (dv nil) a bare
+// upload claim, if its volume is bound to a PV on this node, else nil.
+func (a *Agent) target(dv *cdiv1.DataVolume, ns, name string) (*target, error) {
+	pvc, err := a.pvcs.PersistentVolumeClaims(ns).Get(name)
 	if apierrors.IsNotFound(err) {
 		return nil, nil
 	}
 	if err != nil {
 		return nil, err
 	}
-	if !metav1.IsControlledBy(pvc, dv) || pvc.Status.Phase != corev1.ClaimBound || pvc.Spec.VolumeName == "" {
+	owned := dv == nil && importstate.IsBareUploadClaim(pvc) || dv != nil && metav1.IsControlledBy(pvc, dv)
+	if !owned || pvc.Status.Phase != corev1.ClaimBound || pvc.Spec.VolumeName == "" {
 		return nil, nil
 	}
 	pv, err := a.pvs.Get(pvc.Spec.VolumeName)
@@ -310,9 +340,9 @@ func (a *Agent) target(dv *cdiv1.DataVolume) (*target, error) {
 	if node != a.cfg.NodeName {
 		return nil, nil
 	}
-	t := &target{key: dv.Namespace + "/" + dv.Name, dv: dv, pvc: pvc, kind: pvc.Annotations[importstate.AnnSource]}
-	if t.kind == "" {
-		return nil, nil // not a claim the brain made for a DataVolume
+	t := &target{key: ns + "/" + name, dv: dv, pvc: pvc, kind: pvc.Annotations[importstate.AnnSource]}
+	if t.kind == "" || dv == nil && t.kind != importstate.SourceUpload {
+		return nil, nil // not (yet) a claim the brain made or adopted
 	}
 	if pv.Spec.CSI == nil {
 		return t, a.report(context.Background(), t, importstate.Report{Phase: corev1.PodFailed, Node: a.cfg.NodeName,

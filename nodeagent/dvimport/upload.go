@@ -16,7 +16,6 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
 	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
@@ -153,11 +152,10 @@ func (s *uploadServer) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 func (s *uploadServer) upload(r *http.Request, ns, name string, form bool) (int, error) {
 	a := s.a
 	key := ns + "/" + name
-	obj, exists, err := a.dvInformer.GetIndexer().GetByKey(key)
-	if err != nil || !exists || obj.(*cdiv1.DataVolume).DeletionTimestamp != nil {
-		return http.StatusNotFound, fmt.Errorf("no datavolume %s", key)
+	t, gone, err := a.targetOf(key)
+	if gone {
+		return http.StatusNotFound, fmt.Errorf("no datavolume or upload claim %s", key)
 	}
-	t, err := a.target(obj.(*cdiv1.DataVolume))
 	if err != nil {
 		return http.StatusServiceUnavailable, err
 	}

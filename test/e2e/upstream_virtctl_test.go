@@ -414,6 +414,12 @@ func TestUpstreamVirtctlImageUpload(t *testing.T) {
 	}
 	n.checkUploaded("uploaded", image)
 
+	// A bare claim: virtctl makes the PVC with CDI's upload-target
+	// annotation and waits for its pod.ready annotation.
+	u.run(3*time.Minute, "image-upload", "pvc", "bare-claim", "--size=64Mi", "--storage-class=hostpath-csi",
+		"--image-path="+path, "--insecure", "--uploadproxy-url="+proxy)
+	n.checkUploaded("bare-claim", image)
+
 	// Without --uploadproxy-url virtctl reads CDIConfig "config", where the
 	// brain records its proxy when the CDIConfig API is served.
 	if list, err := e.kube.Discovery().ServerResourcesForGroupVersion("cdi.kubevirt.io/v1beta1"); err != nil ||
@@ -426,8 +432,9 @@ func TestUpstreamVirtctlImageUpload(t *testing.T) {
 	n.checkUploaded("found-proxy", image)
 }
 
-// checkUploaded checks that the upload DataVolume succeeded and that its
-// volume holds image byte for byte (then zeros up to its size).
+// checkUploaded checks that the upload succeeded (and its DataVolume, when
+// one owns the claim) and that the volume holds image byte for byte (then
+// zeros up to its size).
 func (n *testNS) checkUploaded(name string, image []byte) {
 	t, e := n.t, n.e
 	t.Helper()
@@ -439,13 +446,9 @@ func (n *testNS) checkUploaded(name string, image []byte) {
 	if got := pvc.Annotations["cdi.kubevirt.io/storage.pod.phase"]; got != string(corev1.PodSucceeded) {
 		t.Errorf("pvc annotation cdi.kubevirt.io/storage.pod.phase = %q, want Succeeded", got)
 	}
-	n.eventually(30*time.Second, "datavolume "+name+" Succeeded", func() (bool, string) {
-		dv, err := e.virt.DataVolumes.Get(context.Background(), n.name, name)
-		if err != nil {
-			return false, err.Error()
-		}
-		return dv.Status.Phase == "Succeeded", fmt.Sprintf("phase %q", dv.Status.Phase)
-	})
+	if metav1.GetControllerOf(pvc) != nil {
+		n.waitDataVolumeSucceeded(name)
+	}
 	pv, err := e.kube.CoreV1().PersistentVolumes().Get(context.Background(), pvc.Spec.VolumeName, metav1.GetOptions{})
 	if err != nil || pv.Spec.CSI == nil {
 		t.Fatalf("pv %q of the uploaded claim: %v", pvc.Spec.VolumeName, err)
@@ -461,6 +464,17 @@ func (n *testNS) checkUploaded(name string, image []byte) {
 	if tail := got[size:]; len(bytes.Trim(tail, "\x00")) != 0 {
 		t.Errorf("%s has data after the uploaded image (%d bytes, not all zero)", disk, len(tail))
 	}
+}
+
+// waitDataVolumeSucceeded waits for the DataVolume name to succeed.
+func (n *testNS) waitDataVolumeSucceeded(name string) {
+	n.eventually(30*time.Second, "datavolume "+name+" Succeeded", func() (bool, string) {
+		dv, err := n.e.virt.DataVolumes.Get(context.Background(), n.name, name)
+		if err != nil {
+			return false, err.Error()
+		}
+		return dv.Status.Phase == "Succeeded", fmt.Sprintf("phase %q", dv.Status.Phase)
+	})
 }
 
 var uploadProxyRE = regexp.MustCompile(`role=upload\b.*\bproxy=(\S+)`)

@@ -56,6 +56,18 @@ const (
 	AnnImmediateBinding = "cdi.kubevirt.io/storage.bind.immediate.requested"
 )
 
+// IsBareUploadClaim says whether pvc is an upload target that no
+// DataVolume owns: `virtctl image-upload pvc` makes such claims.
+func IsBareUploadClaim(pvc *corev1.PersistentVolumeClaim) bool {
+	_, target := pvc.Annotations[AnnUploadTarget]
+	for _, ref := range pvc.OwnerReferences {
+		if ref.Controller != nil && *ref.Controller && ref.Kind == "DataVolume" {
+			return false
+		}
+	}
+	return target
+}
+
 // NodeUploadEndpoint is the Node annotation where a nodeagent publishes the
 // https URL of its upload endpoint (mutual TLS).
 const NodeUploadEndpoint = "nodevirt.io/upload-endpoint"

@@ -1,0 +1,89 @@
+package datavolume
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
+)
+
+// A bare upload claim is a PVC that carries CDI's upload-target annotation
+// and belongs to no DataVolume: `virtctl image-upload pvc` makes one and
+// then waits for the claim's pod.ready annotation. CDI answers with an
+// upload pod; nodevirt adopts the claim as an upload, which the node that
+// holds its volume then serves like a DataVolume's.
+
+// uploadClaimKey marks a bare upload claim's key in the queue (DataVolume
+// keys are plain namespace/name).
+const uploadClaimKey = "upload-claim:"
+
+// syncUploadClaim adopts one bare upload claim: it adds the keys the node
+// reads (source, usable size) and, for a WaitForFirstConsumer class, picks
+// a node with an upload endpoint, since no consumer is coming before the
+// upload is done.
+func (c *Controller) syncUploadClaim(ctx context.Context, key string) (time.Duration, error) {
+	ns, name, _ := strings.Cut(strings.TrimPrefix(key, uploadClaimKey), "/")
+	pvc, err := c.pvcs.PersistentVolumeClaims(ns).Get(name)
+	if apierrors.IsNotFound(err) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, err
+	}
+	if !importstate.IsBareUploadClaim(pvc) || pvc.DeletionTimestamp != nil {
+		return 0, nil
+	}
+	if pvc.Annotations[importstate.AnnSource] == "" {
+		return 0, c.adoptUploadClaim(ctx, pvc)
+	}
+	sc := c.storageClass(deref(pvc.Spec.StorageClassName))
+	wffc := sc != nil && sc.VolumeBindingMode != nil && *sc.VolumeBindingMode == storagev1.VolumeBindingWaitForFirstConsumer
+	if pvc.Status.Phase != corev1.ClaimPending || !wffc || pvc.Annotations[importstate.AnnSelectedNode] != "" {
+		return 0, nil
+	}
+	err = c.placeImmediately(ctx, pvc, &cdiv1.DataVolumeSource{Upload: &cdiv1.DataVolumeSourceUpload{}})
+	var ce *claimError
+	if errors.As(err, &ce) {
+		c.log.Info("cannot place upload claim yet", "namespace", ns, "pvc", name, "reason", ce.reason, "err", err)
+		return retryAfter, nil
+	}
+	return 0, err
+}
+
+// adoptUploadClaim writes the upload source and the usable size (the
+// request, net of the filesystem overhead for a filesystem volume).
+func (c *Controller) adoptUploadClaim(ctx context.Context, pvc *corev1.PersistentVolumeClaim) error {
+	size, ok := pvc.Spec.Resources.Requests[corev1.ResourceStorage]
+	if !ok || size.Value() <= 0 {
+		return nil // the API server refuses such a claim; nothing to adopt
+	}
+	usable := size.Value()
+	if pvc.Spec.VolumeMode == nil || *pvc.Spec.VolumeMode == corev1.PersistentVolumeFilesystem {
+		usable = int64(float64(usable) * (1 - c.filesystemOverhead(ctx, deref(pvc.Spec.StorageClassName))))
+	}
+	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": map[string]string{
+		importstate.AnnSource:     importstate.SourceUpload,
+		importstate.AnnUsableSize: strconv.FormatInt(usable, 10),
+	}}})
+	if err != nil {
+		return err
+	}
+	_, err = c.kube.CoreV1().PersistentVolumeClaims(pvc.Namespace).Patch(ctx, pvc.Name, types.MergePatchType, patch, metav1.PatchOptions{})
+	if err != nil {
+		return fmt.Errorf("adopt upload claim %s/%s: %w", pvc.Namespace, pvc.Name, err)
+	}
+	c.log.Info("adopted bare upload claim", "namespace", pvc.Namespace, "pvc", pvc.Name, "usableBytes", usable)
+	return nil
+}
