@@ -9,7 +9,7 @@ DEBIAN_PACKAGES := libvirt-daemon-system libvirt-dev qemu-system-x86 qemu-utils 
 	iproute2 ovmf xz-utils zstd curl cpio kmod e2fsprogs util-linux
 TEST_TIMEOUT ?= 35m
 
-.PHONY: all build install deps controlplane lab lab-down demo test unit bench vet fmt clean virtctl-dist
+.PHONY: all build install deps controlplane upstream-virtctl lab lab-down demo test unit bench vet fmt clean virtctl-dist
 
 all: build
 
@@ -54,6 +54,11 @@ virtctl-dist:
 controlplane: deps
 	$(GO) run ./test/cmd/nodevirt-lab build-controlplane
 
+# upstream-virtctl builds KubeVirt's own virtctl (test/tools/virtctl pins the
+# release) once per pin, for the compatibility tests and for trying the lab.
+upstream-virtctl:
+	$(GO) run ./test/cmd/nodevirt-lab build-upstream-virtctl
+
 lab: build
 	$(BIN)/nodevirt-lab up --dir $(LAB) --bin $(BIN) --emulation $(EMULATION)
 
@@ -70,7 +75,7 @@ vet:
 
 # test runs every test on real parts: unit and integration tests against a real
 # control plane, libvirtd + QEMU (TCG), network namespaces and CSI sockets.
-test: deps controlplane vet
+test: deps controlplane upstream-virtctl vet
 	$(GO) test -p 2 -timeout $(TEST_TIMEOUT) ./... 2>&1 | tee $(CURDIR)/.test.out; exit $${PIPESTATUS[0]}
 
 bench: build

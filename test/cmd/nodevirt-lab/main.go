@@ -13,11 +13,12 @@ import (
 
 	"github.com/nodevirt/nodevirt/test/controlplane"
 	"github.com/nodevirt/nodevirt/test/lab"
+	"github.com/nodevirt/nodevirt/test/upstreamvirtctl"
 )
 
 func main() {
 	if len(os.Args) < 2 {
-		fmt.Fprintln(os.Stderr, "usage: nodevirt-lab up|down|demo|build-controlplane [flags]")
+		fmt.Fprintln(os.Stderr, "usage: nodevirt-lab up|down|demo|build-controlplane|build-upstream-virtctl [flags]")
 		os.Exit(2)
 	}
 	verb := os.Args[1]
@@ -42,6 +43,11 @@ func main() {
 		err = lab.Demo(ctx, cfg)
 	case "build-controlplane":
 		_, err = controlplane.EnsureBinaries(ctx, "")
+	case "build-upstream-virtctl":
+		var bin string
+		if bin, err = upstreamvirtctl.Binary(ctx); err == nil {
+			fmt.Println(bin)
+		}
 	default:
 		err = fmt.Errorf("unknown verb %q", verb)
 	}
