@@ -2,15 +2,17 @@
 // cloner and upload server without pods): it fills the volumes of this node
 // that DataVolumes ask for. For every DataVolume whose PVC is bound to a PV
 // on this node it resolves the PV's volume to its disk, imports the source
-// there (http, registry, blank, a clone of a volume on this node), and for an
-// upload source serves the upload over mutual TLS to the brain's upload
-// proxy. It reports through annotations on the PVC (see importstate); the
+// there (http, registry, blank, a clone of a volume on this node or, over
+// mutual TLS, on another), and for an upload source serves the upload over
+// mutual TLS to the brain's upload proxy. It also serves its volumes to the
+// nodes that clone them. It reports through annotations on the PVC (see importstate); the
 // brain turns them into the DataVolume's status. Deleting the DataVolume
 // cancels its import.
 package dvimport
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -59,6 +61,10 @@ type Config struct {
 	// RetryDelay is the wait before the first retry, doubled each time
 	// (default 2s).
 	RetryDelay time.Duration
+	// PeerTLS gives the client configuration for other nodes' endpoints
+	// (clones across nodes): this node's certificate and the node CA. Nil:
+	// a client certificate minted from the node CA.
+	PeerTLS func(context.Context) (*tls.Config, error)
 	// HTTPRetries and HTTPRetryDelay tune the importer's own retries of a
 	// failing HTTP source within one attempt (0: the importer's defaults,
 	// negative retries: none).
@@ -118,6 +124,9 @@ type Agent struct {
 	pvs        corelisters.PersistentVolumeLister
 	synced     []cache.InformerSynced
 	queue      workqueue.TypedRateLimitingInterface[string]
+
+	peerMu sync.Mutex
+	peer   *tls.Config // minted peer client configuration, see peerTLS
 
 	mu   sync.Mutex
 	jobs map[string]*job // by DataVolume key; imports, clones and running uploads

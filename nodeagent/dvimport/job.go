@@ -367,9 +367,10 @@ func deref(p *string) string {
 	return *p
 }
 
-// clone copies the disk of a volume on this node into t: by reflink when
+// clone copies the disk of a volume into t: on this node by reflink when
 // the filesystem shares extents, else through the importer, which writes
-// only the non-zero blocks.
+// only the non-zero blocks; from another node streamed from its endpoint
+// (mutual TLS, see ExportPath).
 func (a *Agent) clone(ctx context.Context, t *target, onProgress func(importer.Progress)) (importer.Result, error) {
 	ns, name, _ := strings.Cut(t.pvc.Annotations[importstate.AnnCloneRequest], "/")
 	src, err := a.pvcs.PersistentVolumeClaims(ns).Get(name)
@@ -384,8 +385,7 @@ func (a *Agent) clone(ctx context.Context, t *target, onProgress func(importer.P
 		return importer.Result{}, &importer.Error{Reason: importer.ReasonSourceNotFound, Err: fmt.Errorf("clone source pv %s: not a csi volume (%v)", src.Spec.VolumeName, err)}
 	}
 	if node := importstate.PVNode(pv); node != "" && node != a.cfg.NodeName {
-		return importer.Result{}, &importer.Error{Reason: importer.ReasonInvalidRequest,
-			Err: fmt.Errorf("clone source is on node %s: clones across nodes are not supported yet", node)}
+		return a.cloneFromPeer(ctx, t, node, ns, name, onProgress)
 	}
 	srcDisk, _, _, err := a.cfg.Resolver.VolumeDisk(pv.Spec.CSI.VolumeHandle)
 	if err != nil {

@@ -18,6 +18,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
 	"github.com/nodevirt/nodevirt/nodeagent/importer"
 )
@@ -27,8 +28,9 @@ import (
 // image, or a multipart form with the image in the field "file".
 const UploadPath = "/v1beta1/claims/"
 
-// uploadServer is the node's upload endpoint: HTTPS, accepting only the
-// brain's upload proxy (client certificate from the upload CA).
+// uploadServer is the node's upload endpoint: HTTPS, accepting uploads
+// only from the brain's upload proxy (client certificate from the upload
+// CA) and volume reads for clones only from other nodes (see ExportPath).
 type uploadServer struct {
 	a        *Agent
 	listener net.Listener
@@ -125,7 +127,24 @@ func (s *uploadServer) serve(ctx context.Context) error {
 }
 
 func (s *uploadServer) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	if r.TLS == nil || len(r.TLS.VerifiedChains) == 0 || r.TLS.VerifiedChains[0][0].Subject.CommonName != uploadtls.ProxyClientName {
+	cn := ""
+	if r.TLS != nil && len(r.TLS.VerifiedChains) > 0 {
+		cn = r.TLS.VerifiedChains[0][0].Subject.CommonName
+	}
+	if rest, ok := strings.CutPrefix(r.URL.Path, ExportPath); ok {
+		node, isNode := strings.CutPrefix(cn, rbac.NodeUserPrefix)
+		ns, name, ok := strings.Cut(rest, "/")
+		switch {
+		case !isNode || node == "":
+			http.Error(w, "only nodes may read volumes", http.StatusForbidden)
+		case !ok || ns == "" || name == "" || strings.Contains(name, "/"):
+			http.NotFound(w, r)
+		default:
+			s.export(w, r, node, ns, name)
+		}
+		return
+	}
+	if cn != uploadtls.ProxyClientName {
 		http.Error(w, "only the upload proxy may upload", http.StatusForbidden)
 		return
 	}
