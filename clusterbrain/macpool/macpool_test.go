@@ -25,6 +25,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	cnaov1 "github.com/nodevirt/nodevirt/clusterbrain/apis/networkaddons/v1"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
+	macv1alpha1 "github.com/nodevirt/nodevirt/clusterbrain/macpool/api/v1alpha1"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
 
@@ -482,5 +483,17 @@ func TestTwoPoolsNeverShareAnAddress(t *testing.T) {
 		if h := got[mac]; len(h) != 1 || h[0] != name {
 			t.Errorf("address %s persisted for %v, handed to %s", mac, h, name)
 		}
+	}
+}
+
+func TestBlockNames(t *testing.T) {
+	a, _ := ParseMAC("02:00:00:00:01:2f")
+	b, _ := ParseMAC("02:00:00:00:01:20")
+	c, _ := ParseMAC("02:00:00:00:01:30")
+	if macv1alpha1.BlockName(a) != "block-02-00-00-00-01-20" || macv1alpha1.BlockName(a) != macv1alpha1.BlockName(b) {
+		t.Errorf("block of %s: %s", FormatMAC(a), macv1alpha1.BlockName(a))
+	}
+	if macv1alpha1.BlockName(c) == macv1alpha1.BlockName(a) {
+		t.Errorf("%s and %s share a block", FormatMAC(a), FormatMAC(c))
 	}
 }

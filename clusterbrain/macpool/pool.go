@@ -1,7 +1,7 @@
 // Package macpool is the kubemacpool role: every bridge or masquerade
 // interface of a VirtualMachine gets a unique MAC address from the
 // configured range when the VM is admitted. Addresses are persisted in
-// block MACAllocations (one object per aligned run of 64 addresses,
+// block MACAllocations (one object per aligned run of 16 addresses,
 // written with its resourceVersion as precondition — the uniqueness check)
 // before the VM is admitted, so no crash at any point can hand one address
 // out twice; concurrent admissions share one write per block (group

@@ -178,7 +178,7 @@ func (p *Pool) Assign(ctx context.Context, vm, old *kubevirtv1.VirtualMachine, d
 // dryPlan picks addresses for wants as a commit would, persisting nothing.
 func (p *Pool) dryPlan(ctx context.Context, o Owner, wants []want) ([]uint64, error) {
 	r := &commitReq{owner: o, wants: wants, got: make([]uint64, len(wants))}
-	rd := &round{p: p, ctx: ctx, now: metav1.Now(), blocks: map[string]*workBlock{}, setHere: map[uint64]bool{}}
+	rd := &round{p: p, ctx: ctx, now: metav1.Now(), blocks: map[string]*workBlock{}, setHere: map[uint64]bool{}, dry: true}
 	p.mu.Lock()
 	rng, cursor := p.rng, p.cursor
 	p.mu.Unlock()

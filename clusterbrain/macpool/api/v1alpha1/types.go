@@ -63,7 +63,7 @@ type MACEntry struct {
 }
 
 // BlockBits is log2 of BlockSize.
-const BlockBits = 6
+const BlockBits = 4
 
 // BlockSize is how many addresses one block object records.
 const BlockSize = 1 << BlockBits
