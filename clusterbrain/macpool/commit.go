@@ -63,7 +63,7 @@ func (p *Pool) commit(ctx context.Context, o Owner, wants []want) ([]uint64, err
 
 // committers is how many commit rounds may be writing at once; rounds
 // in flight never share a block.
-const committers = 8
+const committers = 32
 
 // runCommitters serves commit requests until ctx ends.
 func (p *Pool) runCommitters(ctx context.Context) {
