@@ -20,7 +20,11 @@ func (d *Driver) logCalls(ctx context.Context, req any, info *grpc.UnaryServerIn
 		d.log.DebugContext(ctx, "csi call", "method", info.FullMethod, "request", redacted(req))
 	}
 	resp, err := handler(ctx, req)
-	attrs := []any{"method", info.FullMethod, "duration", time.Since(start)}
+	took := time.Since(start)
+	if d.cfg.ObserveCall != nil {
+		d.cfg.ObserveCall(info.FullMethod, status.Code(err), took)
+	}
+	attrs := []any{"method", info.FullMethod, "duration", took}
 	if err != nil {
 		st := status.Convert(err)
 		d.log.WarnContext(ctx, "csi call failed", append(attrs, "code", st.Code().String(), "err", st.Message())...)

@@ -20,9 +20,11 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 )
 
 // Names users already know.
@@ -77,6 +79,10 @@ type Config struct {
 	MaxVolumesPerNode int64
 	// Logger receives the call log; defaults to slog.Default().
 	Logger *slog.Logger
+	// ObserveCall, when set, is told of every finished gRPC call: its
+	// method, status code and duration (the nodeagent makes a latency
+	// histogram of it).
+	ObserveCall func(method string, code codes.Code, took time.Duration)
 }
 
 func (c *Config) defaults() {

@@ -33,6 +33,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
 )
 
 // Config configures the controller.
@@ -187,6 +188,7 @@ func (c *Controller) worker(ctx context.Context) {
 			sync = c.syncUploadClaim
 		}
 		after, err := sync(ctx, key)
+		metrics.Reconciled("datavolume", err)
 		switch {
 		case err != nil:
 			level := slog.LevelWarn

@@ -268,7 +268,7 @@ func (c *Controller) countRevert(kind string) {
 	c.mu.Lock()
 	c.reverts[kind]++
 	c.mu.Unlock()
-	c.overwritten.WithLabelValues(kind).Inc()
+	c.overwritten.With(kind).Inc()
 }
 
 func specHash(spec any) string {

@@ -17,7 +17,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -31,6 +30,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
 )
 
 // Finalizer keeps the HyperConverged until its cluster-scoped children are
@@ -50,9 +50,6 @@ type Config struct {
 	// BrainHealth reports this brain's own readiness checks; a failing one
 	// makes the platform Degraded. Nil means healthy.
 	BrainHealth func() error
-	// Registerer receives the out-of-band modification counter; nil
-	// leaves it unregistered.
-	Registerer prometheus.Registerer
 	// Resync re-reconciles periodically (default 5m).
 	Resync time.Duration
 }
@@ -95,7 +92,7 @@ type Controller struct {
 	queue       workqueue.TypedRateLimitingInterface[string]
 	broadcaster record.EventBroadcaster
 	recorder    record.EventRecorder
-	overwritten *prometheus.CounterVec
+	overwritten *metrics.CounterVec
 
 	mu          sync.Mutex
 	lastApplied map[string]string // child kind → hash of the spec last written
@@ -114,17 +111,9 @@ func New(cfg Config) (*Controller, error) {
 		queue:       workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[string]()),
 		broadcaster: b,
 		recorder:    b.NewRecorder(client.NewScheme(), corev1.EventSource{Component: "nodevirt-hco"}),
-		overwritten: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kubevirt_hco_out_of_band_modifications_total",
-			Help: "Count of out-of-band modifications overwritten by the HyperConverged reconciliation.",
-		}, []string{"component_name"}),
+		overwritten: outOfBand,
 		lastApplied: map[string]string{},
 		reverts:     map[string]int{},
-	}
-	if cfg.Registerer != nil {
-		if err := cfg.Registerer.Register(c.overwritten); err != nil {
-			return nil, fmt.Errorf("hco: register metrics: %w", err)
-		}
 	}
 	return c, nil
 }
@@ -209,6 +198,7 @@ func (c *Controller) processNext(ctx context.Context) bool {
 	defer c.queue.Done(key)
 	ns, name, _ := cache.SplitMetaNamespaceKey(key)
 	requeue, err := c.Sync(ctx, ns, name)
+	metrics.Reconciled("hyperconverged", err)
 	switch {
 	case err != nil && ctx.Err() == nil:
 		c.cfg.Log.Warn("reconcile hyperconverged", "namespace", ns, "name", name, "err", err)
@@ -345,3 +335,9 @@ func equalStatus(a, b hcov1beta1.HyperConvergedStatus) bool {
 	a.Conditions, b.Conditions = nil, nil
 	return jsonEqual(a, b)
 }
+
+// outOfBand counts the manual edits of children that reconciliation
+// reverted, by kind, under upstream HCO's name; the brain's /metrics serves
+// it.
+var outOfBand = metrics.Default().Counter("kubevirt_hco_out_of_band_modifications_total",
+	"Count of out-of-band modifications overwritten by the HyperConverged reconciliation.", "component_name")

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"slices"
 	"strings"
 	"testing"
@@ -14,6 +16,7 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
 )
 
 // A HyperConverged written as upstream's documentation writes one: each
@@ -211,6 +214,15 @@ func TestManualEditsOfChildrenAreReverted(t *testing.T) {
 	r := e.ctrl.Reverts()
 	if r[kindKubeVirt] != 1 || r[kindCNAO] != 1 || r[kindCDI] != 1 {
 		t.Errorf("reverts = %v, want one each for KubeVirt, NetworkAddonsConfig, CDI", r)
+	}
+	// The brain's /metrics serves the count under upstream HCO's name.
+	rec := httptest.NewRecorder()
+	metrics.Default().Handler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
+	for _, want := range []string{`kubevirt_hco_out_of_band_modifications_total{component_name="KubeVirt"}`,
+		`nodevirt_reconcile_total{controller="hyperconverged",result="ok"}`} {
+		if !strings.Contains(rec.Body.String(), want) {
+			t.Errorf("/metrics lacks %s", want)
+		}
 	}
 	eventually(t, wait, func() error {
 		evs, err := e.kube.CoreV1().Events(e.ns).List(ctx, metav1.ListOptions{FieldSelector: "reason=Overwritten"})

@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -27,6 +28,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport"
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport/dvimporttest"
 	"github.com/nodevirt/nodevirt/test/controlplane"
@@ -225,6 +227,16 @@ func TestHTTPImportFillsVolumeWithTheImage(t *testing.T) {
 		}
 	}
 	waitEvent(t, e, "raw", "ImportSucceeded")
+
+	// The node's /metrics has the imports' duration and source bytes.
+	rec := httptest.NewRecorder()
+	metrics.Default().Handler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
+	for _, want := range []string{`nodevirt_import_duration_seconds_count{source="http",result="ok"}`,
+		`nodevirt_import_source_bytes_total{source="http"}`} {
+		if !strings.Contains(rec.Body.String(), want) {
+			t.Errorf("/metrics lacks %s", want)
+		}
+	}
 }
 
 func waitEvent(t *testing.T, e env, name, reason string) {

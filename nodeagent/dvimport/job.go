@@ -116,6 +116,10 @@ func (a *Agent) runJob(ctx context.Context, t *target, j *job, prev importstate.
 		start := time.Now()
 		log.Info("import starting", "source", t.kind, "disk", t.disk, "capacity", t.capacity, "attempt", attempt)
 		res, err := a.attempt(ctx, t, j)
+		t.finished(start, res, err)
+		if ctx.Err() != nil || err == nil {
+			t.forget() // as CDI's importer pod goes, so does its progress
+		}
 		if ctx.Err() != nil {
 			log.Info("import canceled", "why", context.Cause(ctx))
 			return
@@ -132,6 +136,7 @@ func (a *Agent) runJob(ctx context.Context, t *target, j *job, prev importstate.
 		if permanent[reason] || a.cfg.MaxRestarts < 0 || int(attempt) >= a.cfg.MaxRestarts {
 			a.reportHard(ctx, t, importstate.Report{Phase: corev1.PodFailed, Restarts: attempt, Node: a.cfg.NodeName,
 				Reason: string(reason), Message: err.Error()})
+			t.forget()
 			return
 		}
 		attempt++
@@ -165,7 +170,10 @@ func (a *Agent) reportHard(ctx context.Context, t *target, r importstate.Report)
 func (a *Agent) attempt(ctx context.Context, t *target, j *job) (importer.Result, error) {
 	stop := a.reportProgress(t, j)
 	defer stop()
-	onProgress := func(p importer.Progress) { j.progress.Store(p.String()) }
+	onProgress := func(p importer.Progress) {
+		j.progress.Store(p.String())
+		t.observe(p)
+	}
 	if t.kind == importstate.SourcePVC {
 		return a.clone(ctx, t, onProgress)
 	}

@@ -208,10 +208,15 @@ func (s *uploadServer) upload(r *http.Request, ns, name string, form bool) (int,
 	log.Info("upload starting", "disk", t.disk, "capacity", t.capacity, "size", size)
 	stop := a.reportProgress(t, j)
 	req := baseRequest(t)
-	req.Progress = func(p importer.Progress) { j.progress.Store(p.String()) }
+	req.Progress = func(p importer.Progress) {
+		j.progress.Store(p.String())
+		t.observe(p)
+	}
 	start := time.Now()
 	res, err := importer.ImportFromReader(ctx, body, size, req)
 	stop()
+	t.finished(start, res, err)
+	t.forget()
 	if err != nil {
 		reason := importer.ReasonOf(err)
 		log.Warn("upload failed", "reason", reason, "err", err)

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"slices"
 	"strconv"
@@ -19,6 +21,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	v1 "kubevirt.io/api/core/v1"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
 	"github.com/nodevirt/nodevirt/launcher"
 	"github.com/nodevirt/nodevirt/nodeagent/console"
 	"github.com/nodevirt/nodevirt/test/guest"
@@ -293,6 +296,13 @@ watch:
 	}
 	if _, err := netlink.LinkByName(tap.Attrs().Name); err == nil {
 		t.Errorf("tap %s outlived the vmi", tap.Attrs().Name)
+	}
+	rec := httptest.NewRecorder()
+	metrics.Default().Handler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
+	for _, op := range []string{"attach", "detach"} {
+		if want := fmt.Sprintf(`nodevirt_cni_operation_duration_seconds_count{op=%q,result="ok"}`, op); !strings.Contains(rec.Body.String(), want) {
+			t.Errorf("/metrics lacks %s", want)
+		}
 	}
 	if _, err := os.Stat(h.vmDir(vmi.UID)); !os.IsNotExist(err) {
 		t.Errorf("state dir of the vmi: %v", err)

@@ -10,11 +10,13 @@ import (
 	"fmt"
 	"net"
 	"strings"
+	"time"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
 	v1 "kubevirt.io/api/core/v1"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
 	"github.com/nodevirt/nodevirt/cni/bridge"
 )
 
@@ -131,7 +133,10 @@ func (h *Handler) attachTaps(ctx context.Context, vmi *v1.VirtualMachineInstance
 				return fmt.Errorf("interface %s: mac %q: %w", t.Interface, s, err)
 			}
 		}
-		if _, err := bridge.AttachTap(ctx, conf, t.Tap, mac, -1); err != nil {
+		start := time.Now()
+		_, err = bridge.AttachTap(ctx, conf, t.Tap, mac, -1)
+		observeTap("attach", start, err)
+		if err != nil {
 			return fmt.Errorf("interface %s: %w", t.Interface, err)
 		}
 	}
@@ -151,9 +156,25 @@ func (h *Handler) detachTaps(ctx context.Context, r *record) error {
 			errs = append(errs, fmt.Errorf("tap %s: %w", t.Tap, err))
 			continue
 		}
-		if err := bridge.DetachTap(ctx, conf, t.Tap); err != nil {
+		start := time.Now()
+		err = bridge.DetachTap(ctx, conf, t.Tap)
+		observeTap("detach", start, err)
+		if err != nil {
 			errs = append(errs, err)
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// tapDuration times the bridge plugin's operations made in process for VM
+// NICs (the CNI binary's own runs are the container runtime's to time).
+var tapDuration = metrics.Default().Histogram("nodevirt_cni_operation_duration_seconds",
+	"Duration of linux-bridge plugin operations on VM taps.", metrics.LatencyBuckets, "op", "result")
+
+func observeTap(op string, start time.Time, err error) {
+	result := "ok"
+	if err != nil {
+		result = "error"
+	}
+	tapDuration.With(op, result).Observe(time.Since(start).Seconds())
 }
