@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"strings"
 	"sync"
@@ -26,6 +28,7 @@ import (
 	cnaov1 "github.com/nodevirt/nodevirt/clusterbrain/apis/networkaddons/v1"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	macv1alpha1 "github.com/nodevirt/nodevirt/clusterbrain/macpool/api/v1alpha1"
+	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
 
@@ -272,6 +275,13 @@ func TestAdmissionAssignsHonoursRefusesAndFrees(t *testing.T) {
 	}
 	if ru, err := ReadUsage(ctx, Config{RestConfig: e.rc, Virt: e.virt, Namespace: e.ns}); err != nil || ru != u {
 		t.Errorf("ReadUsage %+v %v, want %+v", ru, err, u)
+	}
+	rec := httptest.NewRecorder()
+	metrics.Default().Handler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
+	for _, want := range []string{"nodevirt_mac_pool_size 5", "nodevirt_mac_pool_used 3", "nodevirt_mac_pool_outside_range 1"} {
+		if !strings.Contains(rec.Body.String(), want+"\n") {
+			t.Errorf("/metrics lacks %q", want)
+		}
 	}
 
 	// A range change applies without restart.

@@ -139,6 +139,7 @@ func (p *Pool) Run(ctx context.Context) error {
 		return ctx.Err()
 	}
 	p.runCommitters(ctx)
+	serveUsage(p)
 	close(p.synced)
 	<-ctx.Done()
 	return nil

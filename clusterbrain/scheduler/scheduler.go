@@ -37,6 +37,7 @@ import (
 	nadv1 "github.com/k8snetworkplumbingwg/network-attachment-definition-client/pkg/apis/k8s.cni.cncf.io/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
 )
 
 // Config configures the scheduler.
@@ -244,7 +245,9 @@ func (s *Scheduler) Run(ctx context.Context) error {
 		if quit {
 			return nil
 		}
-		if err := s.Sync(ctx, key, &wg); err != nil {
+		err := s.Sync(ctx, key, &wg)
+		metrics.Reconciled("scheduler", err)
+		if err != nil {
 			s.cfg.Log.Warn("schedule", "vmi", key, "err", err)
 			s.queue.AddRateLimited(key)
 		} else {

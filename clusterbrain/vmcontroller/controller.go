@@ -31,6 +31,7 @@ import (
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
 )
 
 // Config configures the controller.
@@ -217,6 +218,7 @@ func (c *Controller) processNext(ctx context.Context) bool {
 	}
 	defer c.queue.Done(key)
 	after, err := c.Sync(ctx, key)
+	metrics.Reconciled("vm", err)
 	switch {
 	case err != nil && ctx.Err() != nil:
 	case err != nil:
