@@ -8,6 +8,8 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/instancetypes"
 	"github.com/nodevirt/nodevirt/clusterbrain/macpool"
 	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
+	"github.com/nodevirt/nodevirt/clusterbrain/nodecerts"
+	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
 	"github.com/nodevirt/nodevirt/clusterbrain/upload"
@@ -55,6 +57,15 @@ var leaderRoles = []RoleFactory{
 	},
 	func(d *Deps) (Role, error) {
 		return scheduler.New(scheduler.Config{RestConfig: d.RestConfig, Log: d.Log.With("role", "scheduler")})
+	},
+	func(d *Deps) (Role, error) {
+		// Nodes' certificates, signed with the node CA only the brain reads.
+		return nodecerts.New(nodecerts.Config{Kube: d.Kube, Namespace: d.Config.Namespace, Log: d.Log})
+	},
+	func(d *Deps) (Role, error) {
+		// The daemons' roles, and nodes' Secret access outside the brain's
+		// namespace.
+		return rbac.NewNodeSecretAccess(d.Kube, d.Config.Namespace, d.Log)
 	},
 	func(d *Deps) (Role, error) {
 		return macpool.NewReconciler(macpool.Config{RestConfig: d.RestConfig, Virt: d.Virt, Namespace: d.Config.Namespace, Log: d.Log.With("role", "macpool")})

@@ -2,7 +2,7 @@
 // makes its key locally and asks for its certificate through a
 // certificates.k8s.io/v1 CertificateSigningRequest with SignerName; the
 // signer approves only requests whose requester is that node's own identity
-// (user rbac.NodeUser(node), group rbac.NodesGroup) and whose content fits a
+// (user rbac.NodeUser(node), group rbac.NodesGroup or system:nodes) and whose content fits a
 // node (its name, the names the brain's clients verify, the Node's
 // addresses, TLS usages), signs them with the node CA that only the brain
 // reads (uploadtls), and writes status.certificate: the leaf followed by the
@@ -44,6 +44,10 @@ import (
 
 // SignerName is the signerName of node certificate requests.
 const SignerName = "nodevirt.io/node"
+
+// KubernetesNodesGroup is Kubernetes' own nodes group; a requester in it
+// (with the node's user name) is a node too.
+const KubernetesNodesGroup = "system:nodes"
 
 // SharedNames are the DNS names the brain's clients verify today on every
 // node (console: subresources.NodeServerName, uploads:
@@ -237,8 +241,8 @@ func (s *Signer) review(ctx context.Context, csr *certificatesv1.CertificateSign
 	if csr.Spec.Username != rbac.NodeUser(node) {
 		return signable{}, fmt.Sprintf("requested by %q, not by node %s (%s)", csr.Spec.Username, node, rbac.NodeUser(node))
 	}
-	if !slices.Contains(csr.Spec.Groups, rbac.NodesGroup) {
-		return signable{}, fmt.Sprintf("requester is not in group %s", rbac.NodesGroup)
+	if !slices.Contains(csr.Spec.Groups, rbac.NodesGroup) && !slices.Contains(csr.Spec.Groups, KubernetesNodesGroup) {
+		return signable{}, fmt.Sprintf("requester is in neither group %s nor %s", rbac.NodesGroup, KubernetesNodesGroup)
 	}
 	if !slices.Equal(req.Subject.Organization, []string{rbac.NodesGroup}) {
 		return signable{}, fmt.Sprintf("subject organization %v, want [%s]", req.Subject.Organization, rbac.NodesGroup)

@@ -52,9 +52,15 @@ type Config struct {
 	// Pools maps storage pool names to directories.
 	Pools map[string]string
 	// Console is the mTLS console/VNC/control server the brain calls;
-	// none when Console.Addr is "-". Without certificate files it gets one
-	// from the node CA in BrainNamespace.
+	// none when Console.Addr is "-". Without certificate files or TLS it
+	// serves the node's own certificate, requested from the brain by CSR.
 	Console console.Config
+	// CertDir keeps the node's key and certificate (default
+	// <StateDir>/pki); the key never leaves it.
+	CertDir string
+	// CertDuration is the node certificate lifetime asked for (default 24h);
+	// it is renewed at two thirds of it.
+	CertDuration time.Duration
 	// BrainNamespace is where the brain keeps its Secrets.
 	BrainNamespace string
 	// UploadAddr receives uploads from the brain's upload proxy over mutual
@@ -111,6 +117,9 @@ func (c *Config) defaults() {
 	}
 	if c.PodBridge == "" {
 		c.PodBridge = podnet.DefaultBridge
+	}
+	if c.CertDir == "" {
+		c.CertDir = filepath.Join(c.StateDir, "pki")
 	}
 	if c.BrainNamespace == "" {
 		c.BrainNamespace = "kubevirt-hyperconverged"
@@ -190,7 +199,8 @@ func New(cfg Config) (*Agent, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := consoleTLS(context.Background(), &cfg, kube); err != nil {
+	cert, err := nodeCertificate(&cfg, kube)
+	if err != nil {
 		return nil, err
 	}
 	emulation, reason := decideEmulation(cfg.Emulation)
@@ -223,6 +233,9 @@ func New(cfg Config) (*Agent, error) {
 		return nil, err
 	}
 	a := &Agent{cfg: cfg, deps: d, reg: reg}
+	if cert != nil {
+		a.roles = append(a.roles, cert)
+	}
 	for _, f := range nodeRoles {
 		r, err := f(d)
 		if err != nil {

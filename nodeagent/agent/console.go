@@ -2,12 +2,10 @@ package agent
 
 import (
 	"context"
-	"crypto/tls"
 	"encoding/json"
 	"fmt"
 	"net"
 	"strconv"
-	"time"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -15,37 +13,28 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
 	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
+	"github.com/nodevirt/nodevirt/nodeagent/nodecert"
 )
 
-// consoleTLS gives the console server a certificate from the cluster's
-// node CA (a Secret in the brain's namespace, created by whichever of the
-// brain and the agents comes first) when no certificate files are
-// configured, and admits only the brain's subresource client.
-//
-// Every node can read that CA's key: a compromised node could mint a client
-// certificate. Per-node certificates signed by the brain are the way out and
-// are not done yet.
-func consoleTLS(ctx context.Context, cfg *Config, kube kubernetes.Interface) error {
+// nodeCertificate gives the console server the node's own certificate,
+// requested from the brain's signer by CSR (nodeagent/nodecert), when no
+// certificate files or TLS are configured, and admits only the brain's
+// subresource client. It returns nil when the console brings its own TLS.
+func nodeCertificate(cfg *Config, kube kubernetes.Interface) (*nodecert.Source, error) {
 	c := &cfg.Console
 	if c.Addr == "" || c.TLS != nil || c.CertFile != "" {
-		return nil
+		return nil, nil
 	}
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	ca, err := uploadtls.EnsureCA(ctx, kube, cfg.BrainNamespace)
+	src, err := nodecert.New(nodecert.Config{Kube: kube, NodeName: cfg.NodeName, Dir: cfg.CertDir,
+		Duration: cfg.CertDuration, Log: cfg.Log})
 	if err != nil {
-		return fmt.Errorf("console certificate authority: %w", err)
+		return nil, fmt.Errorf("node certificate: %w", err)
 	}
-	cert, err := ca.Issue(subresources.NodeServerName, []string{subresources.NodeServerName, cfg.NodeName}, nil, false)
-	if err != nil {
-		return fmt.Errorf("console certificate: %w", err)
-	}
-	c.TLS = &tls.Config{Certificates: []tls.Certificate{cert}, ClientCAs: ca.Pool(),
-		ClientAuth: tls.RequireAndVerifyClientCert, MinVersion: tls.VersionTLS12}
+	c.TLS = src.ServerTLS()
 	if len(c.AllowedClients) == 0 {
 		c.AllowedClients = []string{subresources.ClientName}
 	}
-	return nil
+	return src, nil
 }
 
 // advertiseConsole publishes the console server's address on the Node, where

@@ -1,0 +1,230 @@
+package agent
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/klog/v2"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/crds"
+	"github.com/nodevirt/nodevirt/clusterbrain/nodecerts"
+	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
+	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
+	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
+	"github.com/nodevirt/nodevirt/launcher/libvirttest"
+	"github.com/nodevirt/nodevirt/nodeagent/console"
+	"github.com/nodevirt/nodevirt/test/controlplane"
+)
+
+func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
+
+// logBuffer collects every log line (the agent's and client-go's).
+type logBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (l *logBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	os.Stderr.Write(p)
+	return l.buf.Write(p)
+}
+
+func (l *logBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.buf.String()
+}
+
+func freePort(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+// TestAgentUnderNodeRole runs the whole agent authenticated as
+// system:node:<name> in group nodevirt:nodes, bound to nothing but the
+// daemon roles, against the real API server with the brain's signer and
+// node Secret access running: it registers its Node, gets its certificate,
+// serves the brain's console client with it, and no call of any role is
+// forbidden. It may not read the brain's Secrets.
+func TestAgentUnderNodeRole(t *testing.T) {
+	cp := controlplane.Shared(t)
+	admin := cp.Clientset(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	ext, err := apiextensionsclient.NewForConfig(cp.RestConfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := crds.Install(ctx, ext, crds.Catalog()); err != nil {
+		t.Fatal(err)
+	}
+	brainNS := cp.Namespace(t)
+	userNS := cp.Namespace(t)
+
+	logs := &logBuffer{}
+	log := slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelInfo}))
+	klog.SetSlogLogger(log) // reflectors' list/watch errors land in logs too
+	defer klog.ClearLogger()
+
+	// The administrator installs the daemon roles (the brain repairs them
+	// later); the brain runs node Secret access and the signer.
+	if err := rbac.EnsureDaemons(ctx, admin); err != nil {
+		t.Fatal(err)
+	}
+	secrets, err := rbac.NewNodeSecretAccess(admin, brainNS, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	signer, err := nodecerts.New(nodecerts.Config{Kube: admin, Namespace: brainNS, Log: log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go secrets.Run(ctx)
+	go signer.Run(ctx)
+
+	node := fmt.Sprintf("rbac-node-%d", time.Now().UnixNano()%100000)
+	kc := filepath.Join(t.TempDir(), "kubeconfig")
+	if err := cp.WriteKubeconfig(kc, rbac.NodeUser(node), rbac.NodesGroup); err != nil {
+		t.Fatal(err)
+	}
+	state := t.TempDir()
+	consoleAddr, healthAddr := freePort(t), freePort(t)
+	a, err := New(Config{Kubeconfig: kc, NodeName: node, StateDir: state, HealthAddr: healthAddr,
+		Emulation: EmulationOn, LibvirtURI: libvirttest.Ensure(t), CSISocket: filepath.Join(state, "csi.sock"),
+		Console:        console.Config{Addr: consoleAddr},
+		BrainNamespace: brainNS,
+		// The importer's upload endpoint still mints its certificate from
+		// the CA Secret (nodeagent/dvimport), which a node may no longer
+		// read: off until it takes the node certificate.
+		UploadAddr:  "-",
+		MetricsAddr: "127.0.0.1:0", PodCIDR: "-", Log: log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- a.Run(ctx) }()
+	defer func() {
+		cancel()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("agent: %v", err)
+			}
+		case <-time.After(20 * time.Second):
+			t.Error("agent did not stop within 20s")
+		}
+	}()
+	// Whatever fails below, report what the role refused.
+	defer func() {
+		for _, line := range strings.Split(logs.String(), "\n") {
+			if l := strings.ToLower(line); strings.Contains(l, "forbidden") || strings.Contains(l, "role stopped") {
+				t.Errorf("under the node role: %s", line)
+			}
+		}
+	}()
+
+	// Ready: Node registered and every role healthy.
+	waitFor(t, 45*time.Second, "agent ready", func() bool {
+		resp, err := http.Get("http://" + healthAddr + "/readyz")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK
+	})
+	n, err := admin.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := n.Annotations[subresources.NodeAddressAnnotation]; got != consoleAddr {
+		t.Errorf("console advertised at %q, want %s", got, consoleAddr)
+	}
+
+	// The brain's console client reaches this node's console with the
+	// node's issued certificate: a VMI it does not run answers 404.
+	ca, err := uploadtls.EnsureCA(ctx, admin, brainNS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	brainTLS, err := subresources.NodeTLS(ca)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var callErr error
+	waitFor(t, 30*time.Second, "console with the node certificate", func() bool {
+		cctx, ccancel := context.WithTimeout(ctx, 5*time.Second)
+		defer ccancel()
+		_, callErr = (&console.Client{Addr: consoleAddr, TLS: brainTLS}).Console(cctx, userNS, "absent")
+		return callErr != nil && strings.Contains(callErr.Error(), "404")
+	})
+
+	// Secrets: a user namespace's are readable, the brain's are not.
+	nodeKube := kubeFor(t, kc)
+	if _, err := admin.CoreV1().Secrets(userNS).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "cloudinit"},
+		StringData: map[string]string{"userdata": "#cloud-config"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 30*time.Second, "node reads a user namespace's secret", func() bool {
+		_, err := nodeKube.CoreV1().Secrets(userNS).Get(ctx, "cloudinit", metav1.GetOptions{})
+		return err == nil
+	})
+	if _, err := nodeKube.CoreV1().Secrets(brainNS).Get(ctx, uploadtls.CASecretName, metav1.GetOptions{}); !apierrors.IsForbidden(err) {
+		t.Errorf("node reading the node CA secret: %v, want forbidden", err)
+	}
+	// Nor may it take the brain's leader lease or create VMs.
+	if _, err := nodeKube.CoordinationV1().Leases(brainNS).Get(ctx, "nodevirt-clusterbrain", metav1.GetOptions{}); !apierrors.IsForbidden(err) {
+		t.Errorf("node reading the brain's lease: %v, want forbidden", err)
+	}
+
+	// Let the roles run a while; the deferred check finds nothing
+	// forbidden in any log line.
+	time.Sleep(3 * time.Second)
+}
+
+func kubeFor(t *testing.T, kubeconfig string) kubernetes.Interface {
+	t.Helper()
+	rc, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kube, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return kube
+}
+
+func waitFor(t *testing.T, within time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for time.Now().Before(deadline) {
+		if cond() {
+			return
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	t.Fatalf("%s: not within %s", what, within)
+}
