@@ -13,17 +13,20 @@ import (
 	"sort"
 	"time"
 
+	"google.golang.org/grpc/codes"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/daemon"
+	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
 	"github.com/nodevirt/nodevirt/csi"
 	"github.com/nodevirt/nodevirt/nodeagent/console"
 	"github.com/nodevirt/nodevirt/nodeagent/kvm"
 	nodemetrics "github.com/nodevirt/nodevirt/nodeagent/metrics"
 	"github.com/nodevirt/nodevirt/nodeagent/node"
+	"github.com/nodevirt/nodevirt/nodeagent/nodecert"
 	"github.com/nodevirt/nodevirt/nodeagent/podnet"
 )
 
@@ -164,6 +167,8 @@ type Deps struct {
 	// PodNetworkErr is why its setup at start failed, if it did.
 	PodNetwork    *podnet.Network
 	PodNetworkErr error
+	// Cert is the node's own certificate (nil when no endpoint needs it).
+	Cert *nodecert.Source
 }
 
 // Role is one job of the node agent.
@@ -228,7 +233,7 @@ func New(cfg Config) (*Agent, error) {
 		return nil, err
 	}
 	d := &Deps{Config: cfg, RestConfig: rc, Kube: kube, Virt: virt, Log: cfg.Log,
-		Health: daemon.NewHealth("node-registered"), Emulation: emulation, Volumes: volumes}
+		Health: daemon.NewHealth("node-registered"), Emulation: emulation, Volumes: volumes, Cert: cert}
 	if d.PodNetwork, d.PodNetworkErr, err = setupPodNetwork(cfg); err != nil {
 		return nil, err
 	}
@@ -260,7 +265,15 @@ func newVolumes(cfg Config) (*csi.Driver, error) {
 	}
 	return csi.New(csi.Config{NodeID: cfg.NodeName, Endpoint: cfg.CSISocket,
 		StateRoot: filepath.Join(cfg.StateDir, "csi"), Pools: pools, DefaultPool: def,
-		Logger: cfg.Log.With("role", "csi")})
+		Logger: cfg.Log.With("role", "csi"), ObserveCall: observeCSICall})
+}
+
+// csiDuration times the CSI driver's calls, served by the node's /metrics.
+var csiDuration = metrics.Default().Histogram("nodevirt_csi_operation_duration_seconds",
+	"Duration of the hostpath CSI driver's gRPC calls.", metrics.LatencyBuckets, "method", "code")
+
+func observeCSICall(method string, code codes.Code, took time.Duration) {
+	csiDuration.With(method, code.String()).Observe(took.Seconds())
 }
 
 func decideEmulation(mode string) (bool, string) {

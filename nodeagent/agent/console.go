@@ -16,13 +16,15 @@ import (
 	"github.com/nodevirt/nodevirt/nodeagent/nodecert"
 )
 
-// nodeCertificate gives the console server the node's own certificate,
-// requested from the brain's signer by CSR (nodeagent/nodecert), when no
-// certificate files or TLS are configured, and admits only the brain's
-// subresource client. It returns nil when the console brings its own TLS.
+// nodeCertificate gets the node's own certificate, requested from the
+// brain's signer by CSR (nodeagent/nodecert), for the endpoints that need
+// one: the console server when no certificate files or TLS are configured
+// (it then admits only the brain's subresource client), and the upload
+// endpoint. It returns nil when neither needs it.
 func nodeCertificate(cfg *Config, kube kubernetes.Interface) (*nodecert.Source, error) {
 	c := &cfg.Console
-	if c.Addr == "" || c.TLS != nil || c.CertFile != "" {
+	console := c.Addr != "" && c.TLS == nil && c.CertFile == ""
+	if !console && cfg.UploadAddr == "" {
 		return nil, nil
 	}
 	src, err := nodecert.New(nodecert.Config{Kube: kube, NodeName: cfg.NodeName, Dir: cfg.CertDir,
@@ -30,9 +32,11 @@ func nodeCertificate(cfg *Config, kube kubernetes.Interface) (*nodecert.Source, 
 	if err != nil {
 		return nil, fmt.Errorf("node certificate: %w", err)
 	}
-	c.TLS = src.ServerTLS()
-	if len(c.AllowedClients) == 0 {
-		c.AllowedClients = []string{subresources.ClientName}
+	if console {
+		c.TLS = src.ServerTLS()
+		if len(c.AllowedClients) == 0 {
+			c.AllowedClients = []string{subresources.ClientName}
+		}
 	}
 	return src, nil
 }

@@ -3,6 +3,7 @@ package agent
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"fmt"
 	"log/slog"
 	"net"
@@ -23,12 +24,14 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
+	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
 	"github.com/nodevirt/nodevirt/clusterbrain/nodecerts"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
 	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
 	"github.com/nodevirt/nodevirt/launcher/libvirttest"
 	"github.com/nodevirt/nodevirt/nodeagent/console"
+	"github.com/nodevirt/nodevirt/nodeagent/dvimport"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
 
@@ -115,11 +118,7 @@ func TestAgentUnderNodeRole(t *testing.T) {
 	a, err := New(Config{Kubeconfig: kc, NodeName: node, StateDir: state, HealthAddr: healthAddr,
 		Emulation: EmulationOn, LibvirtURI: libvirttest.Ensure(t), CSISocket: filepath.Join(state, "csi.sock"),
 		Console:        console.Config{Addr: consoleAddr},
-		BrainNamespace: brainNS,
-		// The importer's upload endpoint still mints its certificate from
-		// the CA Secret (nodeagent/dvimport), which a node may no longer
-		// read: off until it takes the node certificate.
-		UploadAddr:  "-",
+		BrainNamespace: brainNS, UploadAddr: "127.0.0.1:0",
 		MetricsAddr: "127.0.0.1:0", PodCIDR: "-", Log: log})
 	if err != nil {
 		t.Fatal(err)
@@ -180,6 +179,32 @@ func TestAgentUnderNodeRole(t *testing.T) {
 		_, callErr = (&console.Client{Addr: consoleAddr, TLS: brainTLS}).Console(cctx, userNS, "absent")
 		return callErr != nil && strings.Contains(callErr.Error(), "404")
 	})
+
+	// The upload endpoint serves the node certificate too: the brain's
+	// upload proxy reaches it (a claim it does not hold answers 404).
+	waitFor(t, 30*time.Second, "upload endpoint advertised", func() bool {
+		n, err := admin.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
+		return err == nil && n.Annotations[importstate.NodeUploadEndpoint] != ""
+	})
+	n, err = admin.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxyCert, err := ca.Issue(uploadtls.ProxyClientName, nil, nil, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hc := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{Certificates: []tls.Certificate{proxyCert},
+		RootCAs: ca.Pool(), ServerName: uploadtls.NodeServerName}}}
+	defer hc.CloseIdleConnections()
+	resp, err := hc.Post(n.Annotations[importstate.NodeUploadEndpoint]+dvimport.UploadPath+userNS+"/absent", "application/octet-stream", strings.NewReader("x"))
+	if err != nil {
+		t.Fatalf("upload endpoint on the node certificate: %v", err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusNotFound {
+		t.Errorf("upload into a claim the node does not hold: %s, want 404", resp.Status)
+	}
 
 	// Secrets: a user namespace's are readable, the brain's are not.
 	nodeKube := kubeFor(t, kc)

@@ -33,9 +33,13 @@ func newProvisionerRole(d *Deps) (Role, error) {
 // newImportRole fills this node's volumes for DataVolumes (HTTP, registry,
 // blank, clone) and receives uploads from the brain's upload proxy.
 func newImportRole(d *Deps) (Role, error) {
-	a, err := dvimport.New(dvimport.Config{NodeName: d.Config.NodeName, Kube: d.Kube, Virt: d.Virt,
+	cfg := dvimport.Config{NodeName: d.Config.NodeName, Kube: d.Kube, Virt: d.Virt,
 		Resolver: dvimport.CSIResolver(d.Volumes), BrainNamespace: d.Config.BrainNamespace,
-		UploadAddr: d.Config.UploadAddr, Log: d.Log.With("role", "importer")})
+		UploadAddr: d.Config.UploadAddr, Log: d.Log.With("role", "importer")}
+	if d.Cert != nil {
+		cfg.UploadTLS, cfg.PeerTLS = d.Cert.ServerTLS(), d.Cert.PeerTLS
+	}
+	a, err := dvimport.New(cfg)
 	if err != nil {
 		return nil, err
 	}

@@ -61,6 +61,11 @@ type Config struct {
 	// RetryDelay is the wait before the first retry, doubled each time
 	// (default 2s).
 	RetryDelay time.Duration
+	// UploadTLS serves the upload endpoint: the node's own certificate,
+	// client certificates verified against the node CA. Nil: a serving
+	// certificate minted from the node CA (which needs read access to its
+	// key).
+	UploadTLS *tls.Config
 	// PeerTLS gives the client configuration for other nodes' endpoints
 	// (clones across nodes): this node's certificate and the node CA. Nil:
 	// a client certificate minted from the node CA.

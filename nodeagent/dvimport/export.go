@@ -122,6 +122,7 @@ func (a *Agent) cloneFromPeer(ctx context.Context, t *target, node, ns, name str
 	if err != nil {
 		return importer.Result{}, &importer.Error{Reason: importer.ReasonSourceUnreachable, Err: fmt.Errorf("clone from node %s: %w", node, err)}
 	}
+	tlsCfg.ServerName = node // the source's own certificate, not any node's
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, endpoint+ExportPath+ns+"/"+name, nil)
 	if err != nil {
 		return importer.Result{}, &importer.Error{Reason: importer.ReasonInvalidRequest, Err: err}
@@ -155,9 +156,10 @@ func errorBody(resp *http.Response) string {
 	return fmt.Sprintf("%s: %s", resp.Status, msg)
 }
 
-// peerTLS is the client configuration for other nodes' endpoints: the
-// configured one, else a client certificate for this node minted from the
-// node CA, trusting that CA for the peers' serving certificates.
+// peerTLS is the client configuration for other nodes' endpoints (the
+// caller sets ServerName): the configured one, else a client certificate
+// for this node minted from the node CA, trusting that CA for the peers'
+// serving certificates.
 func (a *Agent) peerTLS(ctx context.Context) (*tls.Config, error) {
 	if a.cfg.PeerTLS != nil {
 		return a.cfg.PeerTLS(ctx)
@@ -175,7 +177,6 @@ func (a *Agent) peerTLS(ctx context.Context) (*tls.Config, error) {
 	if err != nil {
 		return nil, err
 	}
-	a.peer = &tls.Config{MinVersion: tls.VersionTLS12, Certificates: []tls.Certificate{cert},
-		RootCAs: ca.Pool(), ServerName: uploadtls.NodeServerName}
+	a.peer = &tls.Config{MinVersion: tls.VersionTLS12, Certificates: []tls.Certificate{cert}, RootCAs: ca.Pool()}
 	return a.peer.Clone(), nil
 }

@@ -37,9 +37,39 @@ type uploadServer struct {
 	srv      *http.Server
 }
 
-// start loads the upload CA (waiting for the brain to create it), mints the
-// serving certificate, listens and publishes the endpoint on the Node.
+// start listens (with the configured TLS, else a serving certificate
+// minted from the node CA, waiting for the brain to create it) and
+// publishes the endpoint on the Node.
 func (s *uploadServer) start(ctx context.Context) error {
+	cfg := s.a.cfg
+	ln, err := net.Listen("tcp", cfg.UploadAddr)
+	if err != nil {
+		return fmt.Errorf("upload endpoint: %w", err)
+	}
+	ip, err := s.advertiseIP(ln)
+	if err != nil {
+		ln.Close()
+		return err
+	}
+	tlsCfg := cfg.UploadTLS
+	if tlsCfg == nil {
+		if tlsCfg, err = s.mintTLS(ctx, ip); err != nil {
+			ln.Close()
+			return err
+		}
+	}
+	s.listener = tls.NewListener(ln, tlsCfg)
+	s.srv = &http.Server{Handler: s, ReadHeaderTimeout: 30 * time.Second, ErrorLog: nil}
+	_, port, _ := net.SplitHostPort(ln.Addr().String())
+	url := "https://" + net.JoinHostPort(ip.String(), port)
+	s.a.log.Info("upload endpoint listening", "url", url)
+	go s.publish(ctx, url)
+	return nil
+}
+
+// mintTLS loads the node CA (waiting for the brain to create it) and mints
+// the endpoint's serving certificate for this node's name and ip.
+func (s *uploadServer) mintTLS(ctx context.Context, ip net.IP) (*tls.Config, error) {
 	cfg := s.a.cfg
 	var ca *uploadtls.CA
 	err := waitFor(ctx, func(ctx context.Context) (bool, error) {
@@ -52,35 +82,18 @@ func (s *uploadServer) start(ctx context.Context) error {
 		return err == nil, err
 	})
 	if err != nil {
-		return fmt.Errorf("upload ca: %w", err)
-	}
-	ln, err := net.Listen("tcp", cfg.UploadAddr)
-	if err != nil {
-		return fmt.Errorf("upload endpoint: %w", err)
-	}
-	ip, err := s.advertiseIP(ln)
-	if err != nil {
-		ln.Close()
-		return err
+		return nil, fmt.Errorf("upload ca: %w", err)
 	}
 	cert, err := ca.Issue(cfg.NodeName, []string{uploadtls.NodeServerName, cfg.NodeName}, []net.IP{ip, net.IPv4(127, 0, 0, 1)}, false)
 	if err != nil {
-		ln.Close()
-		return err
+		return nil, err
 	}
-	tlsCfg := &tls.Config{
+	return &tls.Config{
 		MinVersion:   tls.VersionTLS12,
 		Certificates: []tls.Certificate{cert},
 		ClientAuth:   tls.RequireAndVerifyClientCert,
 		ClientCAs:    ca.Pool(),
-	}
-	s.listener = tls.NewListener(ln, tlsCfg)
-	s.srv = &http.Server{Handler: s, ReadHeaderTimeout: 30 * time.Second, ErrorLog: nil}
-	_, port, _ := net.SplitHostPort(ln.Addr().String())
-	url := "https://" + net.JoinHostPort(ip.String(), port)
-	s.a.log.Info("upload endpoint listening", "url", url)
-	go s.publish(ctx, url)
-	return nil
+	}, nil
 }
 
 // publish writes the endpoint's URL on this node's Node object, retrying

@@ -318,3 +318,15 @@ func (s *Source) ServerTLS(nextProtos ...string) *tls.Config {
 	}
 	return base
 }
+
+// PeerTLS is a client configuration for another node's endpoints: it
+// presents the current certificate and trusts the node CA for the peer's;
+// the caller sets ServerName to the peer's node name. It fails before the
+// first certificate.
+func (s *Source) PeerTLS(context.Context) (*tls.Config, error) {
+	cur := s.cur.Load()
+	if cur == nil {
+		return nil, errNone
+	}
+	return &tls.Config{MinVersion: tls.VersionTLS12, Certificates: []tls.Certificate{*cur.tls}, RootCAs: cur.ca}, nil
+}
