@@ -91,6 +91,7 @@ func BrainRules() []rbacv1.PolicyRule {
 		rule("hostpathprovisioner.kubevirt.io", []string{"*"}, all...),
 		rule("ssp.kubevirt.io", []string{"*"}, all...),
 		rule("k8s.cni.cncf.io", []string{"*"}, all...),
+		rule("nodevirt.io", []string{"*"}, all...), // the MAC pool's allocations
 		rule("", []string{"nodes", "persistentvolumeclaims", "persistentvolumes", "namespaces"}, all...),
 		rule("", []string{"secrets", "configmaps", "services", "endpoints", "serviceaccounts"}, all...),
 		rule("", []string{"events", "pods"}, all...),

@@ -27,6 +27,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/cni/bridge"
 	"github.com/nodevirt/nodevirt/nodeagent/agent"
 	"github.com/nodevirt/nodevirt/test/controlplane"
@@ -195,10 +196,15 @@ func (e *env) build(ctx context.Context) error {
 // and addresses, so the suite can run beside a lab.
 func (e *env) startDaemons() error {
 	brainKC, agentKC := e.path("clusterbrain.kubeconfig"), e.path("nodeagent.kubeconfig")
-	if err := e.cp.WriteKubeconfig(brainKC, "system:nodevirt:clusterbrain", "system:masters"); err != nil {
+	// The daemons run under their own least-privilege identities, as in
+	// the lab; installing their roles is the administrator's part.
+	if err := rbac.EnsureDaemons(context.Background(), e.kube); err != nil {
+		return fmt.Errorf("daemon roles: %w", err)
+	}
+	if err := e.cp.WriteKubeconfig(brainKC, rbac.BrainUser, rbac.BrainGroup); err != nil {
 		return err
 	}
-	if err := e.cp.WriteKubeconfig(agentKC, "system:node:"+e.nodeName, "system:nodes", "system:masters"); err != nil {
+	if err := e.cp.WriteKubeconfig(agentKC, rbac.NodeUser(e.nodeName), rbac.NodesGroup); err != nil {
 		return err
 	}
 	brainArgs := []string{"--kubeconfig=" + brainKC, "--health-addr=" + freeAddr(),

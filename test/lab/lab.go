@@ -26,6 +26,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/launcher/libvirttest"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
@@ -103,9 +104,18 @@ func Up(ctx context.Context, cfg Config) error {
 	if err := startLibvirt(cfg); err != nil {
 		return err
 	}
+	kube, err := kubernetes.NewForConfig(cp.RestConfig)
+	if err != nil {
+		return err
+	}
+	// The daemons run under their own least-privilege identities; the
+	// administrator (here the lab) installs their roles once.
+	if err := rbac.EnsureDaemons(ctx, kube); err != nil {
+		return fmt.Errorf("daemon roles: %w", err)
+	}
 	step(cfg.Out, "clusterbrain")
 	brainKC := cfg.path("clusterbrain.kubeconfig")
-	if err := cp.WriteKubeconfig(brainKC, "system:nodevirt:clusterbrain", "system:masters"); err != nil {
+	if err := cp.WriteKubeconfig(brainKC, rbac.BrainUser, rbac.BrainGroup); err != nil {
 		return err
 	}
 	if err := startDaemon(cfg, "clusterbrain", "--kubeconfig="+brainKC, "--health-addr=127.0.0.1:8480",
@@ -114,7 +124,7 @@ func Up(ctx context.Context, cfg Config) error {
 	}
 	step(cfg.Out, "nodeagent")
 	agentKC := cfg.path("nodeagent.kubeconfig")
-	if err := cp.WriteKubeconfig(agentKC, "system:node:"+cfg.NodeName, "system:nodes", "system:masters"); err != nil {
+	if err := cp.WriteKubeconfig(agentKC, rbac.NodeUser(cfg.NodeName), rbac.NodesGroup); err != nil {
 		return err
 	}
 	agentDir := cfg.path("nodeagent")
@@ -125,10 +135,6 @@ func Up(ctx context.Context, cfg Config) error {
 		return err
 	}
 	step(cfg.Out, "HyperConverged "+hcov1beta1.DefaultNamespace+"/"+hcov1beta1.Name)
-	kube, err := kubernetes.NewForConfig(cp.RestConfig)
-	if err != nil {
-		return err
-	}
 	virt, err := client.NewSet(cp.RestConfig)
 	if err != nil {
 		return err
