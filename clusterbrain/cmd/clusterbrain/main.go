@@ -7,8 +7,12 @@ import (
 	"log/slog"
 	"os"
 
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+
 	"github.com/nodevirt/nodevirt/clusterbrain/brain"
 	"github.com/nodevirt/nodevirt/clusterbrain/daemon"
+	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 )
 
 func main() {
@@ -25,8 +29,17 @@ func main() {
 	flag.StringVar(&cfg.CLIDownloadAddr, "cli-download-addr", ":8482", "address of the virtctl download service")
 	flag.StringVar(&cfg.VirtctlDir, "virtctl-dir", "/usr/local/share/nodevirt/virtctl", "directory of the virtctl builds served for download")
 	flag.DurationVar(&cfg.LeaseDuration, "lease-duration", 0, "leader lease duration (default 10s)")
+	installRoles := flag.Bool("install-roles", false, "install the daemons' cluster roles and bindings (run once with an administrator's kubeconfig), then exit")
 	flag.Parse()
 	cfg.Log = slog.New(slog.NewTextHandler(os.Stderr, nil))
+	if *installRoles {
+		if err := installDaemonRoles(cfg.Kubeconfig); err != nil {
+			fmt.Fprintln(os.Stderr, "clusterbrain:", err)
+			os.Exit(1)
+		}
+		fmt.Printf("installed: brain user %s (group %s), nodes system:node:<name> (group %s)\n", rbac.BrainUser, rbac.BrainGroup, rbac.NodesGroup)
+		return
+	}
 
 	b, err := brain.New(cfg)
 	if err != nil {
@@ -39,4 +52,20 @@ func main() {
 		fmt.Fprintln(os.Stderr, "clusterbrain:", err)
 		os.Exit(1)
 	}
+}
+
+// installDaemonRoles installs the daemons' roles with the kubeconfig's
+// (administrator's) credentials.
+func installDaemonRoles(kubeconfig string) error {
+	rc, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		return err
+	}
+	kube, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		return err
+	}
+	ctx, stop := daemon.SignalContext()
+	defer stop()
+	return rbac.EnsureDaemons(ctx, kube)
 }
