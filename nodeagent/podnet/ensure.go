@@ -189,7 +189,9 @@ func (n *Network) restoreForwarding(ctx context.Context) error {
 	if err := os.Remove(mark); err != nil {
 		return fmt.Errorf("remove ip_forward mark: %w", err)
 	}
-	_ = os.Remove(forwardMarkDir) // only when no other namespace's mark is in it
+	// The directories go when no other namespace's mark is in them.
+	_ = os.Remove(forwardMarkDir)
+	_ = os.Remove(filepath.Dir(forwardMarkDir))
 	return nil
 }
 
