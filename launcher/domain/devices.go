@@ -125,13 +125,26 @@ func virtioModel(t bool) string {
 	return "virtio"
 }
 
-// devices adds the remaining devices: serial console, VNC, input, video,
-// balloon, rng, watchdog, panic, sound; and refuses the rest.
+// GuestAgentChannel is the virtio-serial port name QEMU's guest agent
+// (qemu-ga) opens inside the guest.
+const GuestAgentChannel = "org.qemu.guest_agent.0"
+
+// devices adds the remaining devices: guest agent channel, serial console,
+// VNC, input, video, balloon, rng, watchdog, panic, sound; and refuses the
+// rest.
 func (c *converter) devices(d *libvirtxml.Domain) {
 	const path = "spec.domain.devices"
 	devs := &c.spec.Domain.Devices
 	dl := d.Devices
 	transitional := isTrue(devs.UseVirtioTransitional)
+
+	// Every domain gets the guest agent's channel, as KubeVirt's do; the
+	// socket is libvirt's (a path it chooses in the domain's private
+	// directory), and libvirt reports the agent connecting and going.
+	dl.Channels = append(dl.Channels, libvirtxml.DomainChannel{
+		Source: &libvirtxml.DomainChardevSource{UNIX: &libvirtxml.DomainChardevSourceUNIX{Mode: "bind"}},
+		Target: &libvirtxml.DomainChannelTarget{VirtIO: &libvirtxml.DomainChannelTargetVirtIO{Name: GuestAgentChannel}},
+	})
 
 	if notFalse(devs.AutoattachSerialConsole) {
 		serial := libvirtxml.DomainSerial{
