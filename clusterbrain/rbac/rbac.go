@@ -7,11 +7,8 @@ package rbac
 
 import (
 	"context"
-	"fmt"
 
 	rbacv1 "k8s.io/api/rbac/v1"
-	"k8s.io/apimachinery/pkg/api/equality"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 )
@@ -160,50 +157,10 @@ func without(list []string, drop string) []string {
 // Ensure creates the roles and bindings, or brings drifted ones back to
 // KubeVirt's rules.
 func Ensure(ctx context.Context, kube kubernetes.Interface) error {
-	roles := kube.RbacV1().ClusterRoles()
-	for _, want := range ClusterRoles() {
-		cur, err := roles.Get(ctx, want.Name, metav1.GetOptions{})
-		if apierrors.IsNotFound(err) {
-			if _, err := roles.Create(ctx, want, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
-				return fmt.Errorf("create clusterrole %s: %w", want.Name, err)
-			}
-			continue
-		}
-		if err != nil {
-			return fmt.Errorf("read clusterrole %s: %w", want.Name, err)
-		}
-		if equality.Semantic.DeepEqual(cur.Rules, want.Rules) && labelsHave(cur.Labels, want.Labels) {
-			continue
-		}
-		cur = cur.DeepCopy()
-		cur.Rules = want.Rules
-		cur.Labels = merge(cur.Labels, want.Labels)
-		if _, err := roles.Update(ctx, cur, metav1.UpdateOptions{}); err != nil {
-			return fmt.Errorf("update clusterrole %s: %w", want.Name, err)
-		}
+	if err := ensureClusterRoles(ctx, kube, ClusterRoles()); err != nil {
+		return err
 	}
-	bindings := kube.RbacV1().ClusterRoleBindings()
-	for _, want := range ClusterRoleBindings() {
-		cur, err := bindings.Get(ctx, want.Name, metav1.GetOptions{})
-		if apierrors.IsNotFound(err) {
-			if _, err := bindings.Create(ctx, want, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
-				return fmt.Errorf("create clusterrolebinding %s: %w", want.Name, err)
-			}
-			continue
-		}
-		if err != nil {
-			return fmt.Errorf("read clusterrolebinding %s: %w", want.Name, err)
-		}
-		if equality.Semantic.DeepEqual(cur.Subjects, want.Subjects) {
-			continue
-		}
-		cur = cur.DeepCopy()
-		cur.Subjects = want.Subjects
-		if _, err := bindings.Update(ctx, cur, metav1.UpdateOptions{}); err != nil {
-			return fmt.Errorf("update clusterrolebinding %s: %w", want.Name, err)
-		}
-	}
-	return nil
+	return ensureClusterRoleBindings(ctx, kube, ClusterRoleBindings())
 }
 
 func labelsHave(have, want map[string]string) bool {
