@@ -46,7 +46,7 @@ func EnsureBinaries(ctx context.Context, cacheDir string) (Binaries, error) {
 		return Binaries{}, err
 	}
 	mod := filepath.Join(root, toolsModule)
-	key, err := pinKey(mod)
+	key, err := PinKey(mod)
 	if err != nil {
 		return Binaries{}, err
 	}
@@ -91,13 +91,15 @@ func EnsureBinaries(ctx context.Context, cacheDir string) (Binaries, error) {
 	return b, nil
 }
 
-// pinKey names a build by the tools module's go.mod and go.sum.
-func pinKey(mod string) (string, error) {
+// PinKey names a build of a tools module (a directory with go.mod and
+// go.sum) by a hash of those two files, so a cache rebuilds only when the
+// pin changes.
+func PinKey(mod string) (string, error) {
 	h := sha256.New()
 	for _, f := range []string{"go.mod", "go.sum"} {
 		data, err := os.ReadFile(filepath.Join(mod, f))
 		if err != nil {
-			return "", fmt.Errorf("read control-plane pin: %w", err)
+			return "", fmt.Errorf("read pin of %s: %w", mod, err)
 		}
 		h.Write(data)
 	}

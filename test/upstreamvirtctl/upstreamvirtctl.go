@@ -7,8 +7,6 @@ package upstreamvirtctl
 import (
 	"bufio"
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"fmt"
 	"os"
 	"os/exec"
@@ -51,7 +49,7 @@ func BinaryIn(ctx context.Context, cacheDir string) (string, error) {
 		return "", err
 	}
 	mod := filepath.Join(root, toolsModule)
-	key, err := pinKey(mod)
+	key, err := controlplane.PinKey(mod)
 	if err != nil {
 		return "", err
 	}
@@ -130,19 +128,6 @@ func flock(ctx context.Context, f *os.File) error {
 		case <-time.After(250 * time.Millisecond):
 		}
 	}
-}
-
-// pinKey names a build by the tools module's go.mod and go.sum.
-func pinKey(mod string) (string, error) {
-	h := sha256.New()
-	for _, f := range []string{"go.mod", "go.sum"} {
-		data, err := os.ReadFile(filepath.Join(mod, f))
-		if err != nil {
-			return "", fmt.Errorf("read virtctl pin: %w", err)
-		}
-		h.Write(data)
-	}
-	return hex.EncodeToString(h.Sum(nil))[:16], nil
 }
 
 func exists(p string) bool {
