@@ -58,12 +58,20 @@ const (
 	// and made again. Events may have been missed meanwhile: consumers
 	// re-read every domain's state (List). Domain is empty.
 	EventReconnected EventType = 100
+	// EventAgentConnected and EventAgentDisconnected are libvirt's guest
+	// agent lifecycle events (VIR_DOMAIN_EVENT_ID_AGENT_LIFECYCLE): qemu-ga
+	// opened or closed the domain's org.qemu.guest_agent.0 channel. Reason
+	// is "domain-started", "channel" or "unknown"; State is not known
+	// (StateNoState): the domain's state did not change.
+	EventAgentConnected    EventType = 101
+	EventAgentDisconnected EventType = 102
 )
 
 var eventNames = map[EventType]string{
 	EventDefined: "defined", EventUndefined: "undefined", EventStarted: "started", EventSuspended: "suspended",
 	EventResumed: "resumed", EventStopped: "stopped", EventShutdown: "shutdown", EventPMSuspended: "pmsuspended",
 	EventCrashed: "crashed", EventReconnected: "reconnected",
+	EventAgentConnected: "agent-connected", EventAgentDisconnected: "agent-disconnected",
 }
 
 func (t EventType) String() string {

@@ -92,8 +92,8 @@ type Manager struct {
 
 	mu      sync.Mutex
 	conns   []*libvirt.Connect // conns[0] carries the event registration
-	cbID    int
-	gen     int // connection generation; a close callback of an older one is stale
+	cbIDs   []int              // event registrations on conns[0]
+	gen     int                // connection generation; a close callback of an older one is stale
 	next    int
 	closed  bool
 	waiters map[string]map[chan struct{}]struct{}
@@ -173,12 +173,12 @@ func (m *Manager) Close() error {
 		return nil
 	}
 	m.closed = true
-	conns, id := m.conns, m.cbID
-	m.conns = nil
+	conns, ids := m.conns, m.cbIDs
+	m.conns, m.cbIDs = nil, nil
 	m.mu.Unlock()
 	close(m.done)
 	m.wg.Wait()
-	release(conns, id)
+	release(conns, ids...)
 	return nil
 }
 
@@ -191,7 +191,7 @@ func (m *Manager) connect() error {
 	for range m.cfg.Connections {
 		conn, err := libvirt.NewConnect(m.cfg.URI)
 		if err != nil {
-			release(conns, -1)
+			release(conns)
 			return fmt.Errorf("connect to %s: %w", m.cfg.URI, err)
 		}
 		conns = append(conns, conn)
@@ -201,33 +201,42 @@ func (m *Manager) connect() error {
 			m.log.Debug("no keepalive", "err", err)
 		}
 		if err := conn.RegisterCloseCallback(onClose); err != nil {
-			release(conns, -1)
+			release(conns)
 			return fmt.Errorf("register close callback on %s: %w", m.cfg.URI, err)
 		}
 	}
 	id, err := conns[0].DomainEventLifecycleRegister(nil, m.onLifecycle)
 	if err != nil {
-		release(conns, -1)
+		release(conns)
 		return fmt.Errorf("register lifecycle events on %s: %w", m.cfg.URI, err)
+	}
+	agentID, err := conns[0].DomainEventAgentLifecycleRegister(nil, m.onAgentLifecycle)
+	if err != nil {
+		release(conns, id)
+		return fmt.Errorf("register guest agent events on %s: %w", m.cfg.URI, err)
 	}
 	m.mu.Lock()
 	if m.closed {
 		m.mu.Unlock()
-		release(conns, id)
+		release(conns, id, agentID)
 		return errors.New("launcher: closed")
 	}
-	m.conns, m.cbID = conns, id
+	m.conns, m.cbIDs = conns, []int{id, agentID}
 	m.mu.Unlock()
 	return nil
 }
 
 // release drops connections and their callbacks (best effort: they may be
-// dead); cbID is the lifecycle registration on conns[0], or -1.
-func release(conns []*libvirt.Connect, cbID int) {
+// dead); cbIDs are the event registrations on conns[0] (negative: none).
+func release(conns []*libvirt.Connect, cbIDs ...int) {
 	for i, conn := range conns {
 		conn.UnregisterCloseCallback()
-		if i == 0 && cbID >= 0 {
-			conn.DomainEventDeregister(cbID)
+		if i == 0 {
+			for _, id := range cbIDs {
+				if id >= 0 {
+					conn.DomainEventDeregister(id)
+				}
+			}
 		}
 		conn.Close()
 	}
@@ -261,9 +270,9 @@ func (m *Manager) reconnectLoop() {
 		}
 		m.mu.Lock()
 		old := m.conns
-		m.conns = nil
+		m.conns, m.cbIDs = nil, nil
 		m.mu.Unlock()
-		release(old, -1) // the lifecycle registration died with its connection
+		release(old) // the event registrations died with their connection
 		for {
 			err := m.connect()
 			if err == nil {

@@ -18,6 +18,7 @@
 //	NODEVIRT-USERDATA-BEGIN / ... / NODEVIRT-USERDATA-END
 //	NODEVIRT-USERDATA-EXIT 0                     user-data started with #! and was run
 //	NODEVIRT-IP eth0 10.0.0.2/24                 from nodevirt.ip= on the cmdline or in user-data
+//	NODEVIRT-AGENT-STARTED /dev/virtio-ports/org.qemu.guest_agent.0   Spec.GuestAgent
 //	NODEVIRT-INIT-EXIT 0                         Spec.Init was run
 //	NODEVIRT-GUEST-READY                         the root shell on the console follows
 //	NODEVIRT-GUEST-POWEROFF                      the guest is shutting down
@@ -87,6 +88,7 @@ var requirements = []requirement{
 	{"qemu-img", "qemu-utils", "qcow2 images"},
 	{"qemu-system-x86_64", "qemu-system-x86", "running guests"},
 	{"nsenter", "util-linux", "guests in a network namespace"},
+	{"/usr/sbin/qemu-ga", "qemu-guest-agent", "guests with a guest agent"},
 }
 
 // Requirements lists the Debian packages this package needs on the host, for

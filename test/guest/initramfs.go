@@ -27,6 +27,15 @@ type Spec struct {
 	// runs with the console as its output; start long-running work with &.
 	// NODEVIRT-INIT-EXIT <status> is printed when it returns.
 	Init string
+	// GuestAgent adds Debian's QEMU guest agent (qemu-ga, package
+	// qemu-guest-agent, with its libraries), the host's os-release (for
+	// guest-get-osinfo) and a utmp with root logged in on ttyS0 since
+	// AgentLoginTime (for guest-get-users). Boot links
+	// /dev/virtio-ports/<name> for every virtio-serial port (no udev here),
+	// starts qemu-ga on GuestAgentPort and prints
+	// "NODEVIRT-AGENT-STARTED <device>", or NODEVIRT-AGENT-NO-PORT when the
+	// machine has no such port.
+	GuestAgent bool
 }
 
 // DefaultModules are loaded by every guest: virtio devices, disks and CD-ROMs
@@ -124,6 +133,12 @@ func assemble(ctx context.Context, modulesDir string, spec Spec) (*archive, erro
 	a.file("etc/acpi/PWRF/00000080", 0o755, powerButton)
 	if spec.Init != "" {
 		a.file("etc/nodevirt/init", 0o755, []byte(spec.Init+"\n"))
+	}
+
+	if spec.GuestAgent {
+		if err := addGuestAgent(ctx, a); err != nil {
+			return nil, err
+		}
 	}
 
 	mods, err := indexModules(modulesDir)

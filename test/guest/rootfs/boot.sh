@@ -112,6 +112,28 @@ if [ -n "$userdata" ] && [ "$(head -c 2 "$userdata")" = "#!" ]; then
 	echo "NODEVIRT-USERDATA-EXIT $?"
 fi
 
+# The QEMU guest agent (Spec.GuestAgent). Without udev nobody makes the
+# /dev/virtio-ports/<name> links: make them from sysfs.
+if [ -x /usr/sbin/qemu-ga ]; then
+	agentdev=
+	for p in /sys/class/virtio-ports/*; do
+		[ -e "$p/name" ] || continue
+		n=$(cat "$p/name")
+		[ -n "$n" ] || continue
+		mkdir -p /dev/virtio-ports
+		ln -sf "/dev/${p##*/}" "/dev/virtio-ports/$n"
+		[ "$n" = org.qemu.guest_agent.0 ] && agentdev=/dev/virtio-ports/$n
+	done
+	if [ -n "$agentdev" ]; then
+		[ -f /etc/nodevirt/utmp ] && cp /etc/nodevirt/utmp /run/utmp
+		mkdir -p /run/qemu-ga
+		/usr/sbin/qemu-ga -m virtio-serial -p "$agentdev" -t /run/qemu-ga >/run/qemu-ga.log 2>&1 &
+		echo "NODEVIRT-AGENT-STARTED $agentdev"
+	else
+		echo NODEVIRT-AGENT-NO-PORT
+	fi
+fi
+
 if [ -s /etc/nodevirt/init ]; then
 	sh /etc/nodevirt/init
 	echo "NODEVIRT-INIT-EXIT $?"
