@@ -191,21 +191,11 @@ func (h *hostLocal) lock() (func(), error) {
 	if err := os.MkdirAll(h.dir, 0o755); err != nil {
 		return nil, fmt.Errorf("host-local store: %w", err)
 	}
-	f, err := os.OpenFile(filepath.Join(h.dir, "lock"), os.O_CREATE|os.O_RDONLY|unix.O_CLOEXEC, 0o600)
+	unlock, err := flock(filepath.Join(h.dir, "lock"))
 	if err != nil {
 		return nil, fmt.Errorf("host-local lock: %w", err)
 	}
-	for {
-		err = unix.Flock(int(f.Fd()), unix.LOCK_EX)
-		if !errors.Is(err, unix.EINTR) {
-			break
-		}
-	}
-	if err != nil {
-		f.Close()
-		return nil, fmt.Errorf("host-local lock: %w", err)
-	}
-	return func() { f.Close() }, nil
+	return unlock, nil
 }
 
 // reservations lists the addresses whose file holds owner (or, as files of

@@ -148,9 +148,19 @@ func (s store) lockBridge(bridge string) (func(), error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("lock dir: %w", err)
 	}
-	f, err := os.OpenFile(filepath.Join(dir, bridge+".lock"), os.O_CREATE|os.O_RDWR|unix.O_CLOEXEC, 0o600)
+	unlock, err := flock(filepath.Join(dir, bridge+".lock"))
 	if err != nil {
-		return nil, fmt.Errorf("open lock: %w", err)
+		return nil, fmt.Errorf("lock bridge %s: %w", bridge, err)
+	}
+	return unlock, nil
+}
+
+// flock takes an exclusive flock on path (created if missing), waiting for
+// it; the returned func releases it.
+func flock(path string) (func(), error) {
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return nil, err
 	}
 	for {
 		err = unix.Flock(int(f.Fd()), unix.LOCK_EX)
@@ -160,7 +170,7 @@ func (s store) lockBridge(bridge string) (func(), error) {
 	}
 	if err != nil {
 		f.Close()
-		return nil, fmt.Errorf("lock bridge %s: %w", bridge, err)
+		return nil, err
 	}
 	return func() { f.Close() }, nil
 }
