@@ -1,10 +1,14 @@
 package crds
 
 import (
+	"context"
+	"fmt"
 	"reflect"
 
 	nadv1 "github.com/k8snetworkplumbingwg/network-attachment-definition-client/pkg/apis/k8s.cni.cncf.io/v1"
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	instancetypev1beta1 "kubevirt.io/api/instancetype/v1beta1"
@@ -14,6 +18,7 @@ import (
 	hppv1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hostpathprovisioner/v1beta1"
 	cnaov1 "github.com/nodevirt/nodevirt/clusterbrain/apis/networkaddons/v1"
 	sspv1beta2 "github.com/nodevirt/nodevirt/clusterbrain/apis/ssp/v1beta2"
+	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
 	macv1alpha1 "github.com/nodevirt/nodevirt/clusterbrain/macpool/api/v1alpha1"
 )
 
@@ -28,6 +33,9 @@ type Kind struct {
 	Columns []apiextensionsv1.CustomResourceColumnDefinition
 	// Type is the root Go type of one object.
 	Type reflect.Type
+	// Annotations go on the CRD (api-approved.kubernetes.io for the
+	// protected *.k8s.io groups).
+	Annotations map[string]string
 }
 
 func col(name, typ, path string, priority int32) apiextensionsv1.CustomResourceColumnDefinition {
@@ -137,8 +145,9 @@ func (k Kind) Definition() *apiextensionsv1.CustomResourceDefinition {
 		v.Subresources = &apiextensionsv1.CustomResourceSubresources{Status: &apiextensionsv1.CustomResourceSubresourceStatus{}}
 	}
 	return &apiextensionsv1.CustomResourceDefinition{
-		TypeMeta:   metav1.TypeMeta{APIVersion: "apiextensions.k8s.io/v1", Kind: "CustomResourceDefinition"},
-		ObjectMeta: metav1.ObjectMeta{Name: k.Plural + "." + k.Group, Labels: map[string]string{"app.kubernetes.io/managed-by": "nodevirt"}},
+		TypeMeta: metav1.TypeMeta{APIVersion: "apiextensions.k8s.io/v1", Kind: "CustomResourceDefinition"},
+		ObjectMeta: metav1.ObjectMeta{Name: k.Plural + "." + k.Group, Labels: map[string]string{"app.kubernetes.io/managed-by": "nodevirt"},
+			Annotations: k.Annotations},
 		Spec: apiextensionsv1.CustomResourceDefinitionSpec{
 			Group: k.Group, Scope: scope,
 			Names: apiextensionsv1.CustomResourceDefinitionNames{Kind: k.Kind, ListKind: k.Kind + "List",
@@ -146,4 +155,59 @@ func (k Kind) Definition() *apiextensionsv1.CustomResourceDefinition {
 			Versions: []apiextensionsv1.CustomResourceDefinitionVersion{v},
 		},
 	}
+}
+
+// SnapshotCatalog lists the CSI snapshot kinds (snapshot.storage.k8s.io/v1)
+// with external-snapshotter's names and columns. A cluster that runs
+// external-snapshotter already has them: install them with InstallAbsent,
+// never over the existing ones.
+func SnapshotCatalog() []Kind {
+	g, v := snapshotv1.GroupName, "v1"
+	approved := map[string]string{"api-approved.kubernetes.io": "https://github.com/kubernetes-csi/external-snapshotter"}
+	return []Kind{
+		{Group: g, Version: v, Kind: "VolumeSnapshot", Plural: "volumesnapshots", Singular: "volumesnapshot",
+			ShortNames: []string{"vs"}, Namespaced: true, Status: true, Annotations: approved,
+			Columns: []apiextensionsv1.CustomResourceColumnDefinition{
+				col("ReadyToUse", "boolean", ".status.readyToUse", 0),
+				col("SourcePVC", "string", ".spec.source.persistentVolumeClaimName", 0),
+				col("SourceSnapshotContent", "string", ".spec.source.volumeSnapshotContentName", 0),
+				col("RestoreSize", "string", ".status.restoreSize", 0),
+				col("SnapshotClass", "string", ".spec.volumeSnapshotClassName", 0),
+				col("SnapshotContent", "string", ".status.boundVolumeSnapshotContentName", 0),
+				col("CreationTime", "date", ".status.creationTime", 0), age},
+			Type: reflect.TypeOf(snapshotv1.VolumeSnapshot{})},
+		{Group: g, Version: v, Kind: "VolumeSnapshotContent", Plural: "volumesnapshotcontents", Singular: "volumesnapshotcontent",
+			ShortNames: []string{"vsc", "vscs"}, Status: true, Annotations: approved,
+			Columns: []apiextensionsv1.CustomResourceColumnDefinition{
+				col("ReadyToUse", "boolean", ".status.readyToUse", 0),
+				col("RestoreSize", "integer", ".status.restoreSize", 0),
+				col("DeletionPolicy", "string", ".spec.deletionPolicy", 0),
+				col("Driver", "string", ".spec.driver", 0),
+				col("VolumeSnapshotClass", "string", ".spec.volumeSnapshotClassName", 0),
+				col("VolumeSnapshot", "string", ".spec.volumeSnapshotRef.name", 0),
+				col("VolumeSnapshotNamespace", "string", ".spec.volumeSnapshotRef.namespace", 0), age},
+			Type: reflect.TypeOf(snapshotv1.VolumeSnapshotContent{})},
+		{Group: g, Version: v, Kind: "VolumeSnapshotClass", Plural: "volumesnapshotclasses", Singular: "volumesnapshotclass",
+			ShortNames: []string{"vsclass", "vsclasses"}, Annotations: approved,
+			Columns: []apiextensionsv1.CustomResourceColumnDefinition{
+				col("Driver", "string", ".driver", 0), col("DeletionPolicy", "string", ".deletionPolicy", 0), age},
+			Type: reflect.TypeOf(snapshotv1.VolumeSnapshotClass{})},
+	}
+}
+
+// InstallAbsent installs those of kinds whose CRD does not exist yet and
+// leaves existing ones (another installer's) untouched.
+func InstallAbsent(ctx context.Context, client apiextensionsclient.Interface, kinds []Kind) error {
+	var missing []Kind
+	for _, k := range kinds {
+		name := k.Plural + "." + k.Group
+		_, err := client.ApiextensionsV1().CustomResourceDefinitions().Get(ctx, name, metav1.GetOptions{})
+		switch {
+		case apierrors.IsNotFound(err):
+			missing = append(missing, k)
+		case err != nil:
+			return fmt.Errorf("get crd %s: %w", name, err)
+		}
+	}
+	return Install(ctx, client, missing)
 }

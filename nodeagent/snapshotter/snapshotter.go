@@ -1,0 +1,250 @@
+// Package snapshotter is the node's CSI snapshot role: for this node's
+// hostpath volumes it plays the snapshot-controller and the csi-snapshotter
+// of the Kubernetes CSI external-snapshotter. A VolumeSnapshot of a claim
+// bound to a volume on this node is taken with the in-process CSI driver
+// and bound to a VolumeSnapshotContent it creates (dynamic provisioning);
+// a VolumeSnapshot naming an existing content whose snapshot this node
+// holds is bound to it (pre-provisioned). Finalizers keep the objects until
+// the CSI snapshot is deleted per the content's deletionPolicy.
+package snapshotter
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"time"
+
+	csispec "github.com/container-storage-interface/spec/lib/go/csi"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
+	corelisters "k8s.io/client-go/listers/core/v1"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/record"
+	"k8s.io/client-go/util/workqueue"
+
+	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
+	hostpath "github.com/nodevirt/nodevirt/csi"
+)
+
+// Snapshots is what the role needs from the CSI driver; *csi.Driver
+// provides it. Without it nothing can be snapshotted, so Config requires
+// it.
+type Snapshots interface {
+	CreateSnapshot(context.Context, *csispec.CreateSnapshotRequest) (*csispec.CreateSnapshotResponse, error)
+	DeleteSnapshot(context.Context, *csispec.DeleteSnapshotRequest) (*csispec.DeleteSnapshotResponse, error)
+	GetSnapshot(context.Context, *csispec.GetSnapshotRequest) (*csispec.GetSnapshotResponse, error)
+}
+
+var _ Snapshots = (*hostpath.Driver)(nil)
+
+// Finalizers, external-snapshotter's names.
+const (
+	// SnapshotFinalizer keeps a VolumeSnapshot until its content is dealt
+	// with.
+	SnapshotFinalizer = "snapshot.storage.kubernetes.io/volumesnapshot-bound-protection"
+	// ContentFinalizer keeps a VolumeSnapshotContent until its CSI
+	// snapshot is deleted (or retained).
+	ContentFinalizer = "snapshot.storage.kubernetes.io/volumesnapshotcontent-bound-protection"
+)
+
+// Config configures a Snapshotter.
+type Config struct {
+	// NodeName is this node: snapshots of its volumes are taken here.
+	NodeName string
+	// Kube reads claims and volumes and records events.
+	Kube kubernetes.Interface
+	// Snapshots reads and writes the snapshot.storage.k8s.io objects.
+	Snapshots *snapshotv1.Client
+	// Driver takes and deletes the snapshots.
+	Driver Snapshots
+	// Workers defaults to 2; Resync to 10 minutes.
+	Workers int
+	Resync  time.Duration
+	// Logger defaults to slog.Default().
+	Logger *slog.Logger
+}
+
+func (c *Config) defaults() {
+	if c.Workers <= 0 {
+		c.Workers = 2
+	}
+	if c.Resync <= 0 {
+		c.Resync = 10 * time.Minute
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+}
+
+func (c *Config) validate() error {
+	switch {
+	case c.NodeName == "":
+		return errors.New("node name is required")
+	case c.Kube == nil:
+		return errors.New("kubernetes client is required")
+	case c.Snapshots == nil:
+		return errors.New("snapshot client is required")
+	case c.Driver == nil:
+		return errors.New("snapshot driver is required")
+	}
+	return nil
+}
+
+// Snapshotter keeps this node's snapshots in step with their objects.
+type Snapshotter struct {
+	cfg       Config
+	log       *slog.Logger
+	factory   informers.SharedInformerFactory
+	claims    corelisters.PersistentVolumeClaimLister
+	volumes   corelisters.PersistentVolumeLister
+	snapshots cache.SharedIndexInformer
+	contents  cache.SharedIndexInformer
+	classes   cache.SharedIndexInformer
+	queue     workqueue.TypedRateLimitingInterface[string]
+	recorder  record.EventRecorder
+	events    record.EventBroadcaster
+}
+
+// Queue keys carry their kind.
+const (
+	snapshotPrefix = "snapshot/"
+	contentPrefix  = "content/"
+)
+
+// New validates cfg and wires the informers; Run starts them.
+func New(cfg Config) (*Snapshotter, error) {
+	cfg.defaults()
+	if err := cfg.validate(); err != nil {
+		return nil, fmt.Errorf("snapshotter config: %w", err)
+	}
+	scheme := runtime.NewScheme()
+	_ = clientgoscheme.AddToScheme(scheme)
+	_ = snapshotv1.AddToScheme(scheme)
+	events := record.NewBroadcaster()
+	factory := informers.NewSharedInformerFactory(cfg.Kube, cfg.Resync)
+	s := &Snapshotter{
+		cfg:       cfg,
+		log:       cfg.Logger.With("node", cfg.NodeName),
+		factory:   factory,
+		claims:    factory.Core().V1().PersistentVolumeClaims().Lister(),
+		volumes:   factory.Core().V1().PersistentVolumes().Lister(),
+		snapshots: cfg.Snapshots.Snapshots.Informer(cfg.Resync),
+		contents:  cfg.Snapshots.Contents.Informer(cfg.Resync),
+		classes:   cfg.Snapshots.Classes.Informer(cfg.Resync),
+		queue: workqueue.NewTypedRateLimitingQueueWithConfig(
+			workqueue.NewTypedItemExponentialFailureRateLimiter[string](200*time.Millisecond, 2*time.Minute),
+			workqueue.TypedRateLimitingQueueConfig[string]{Name: "snapshotter"}),
+		events:   events,
+		recorder: events.NewRecorder(scheme, corev1.EventSource{Component: "nodevirt-csi-snapshotter", Host: cfg.NodeName}),
+	}
+	enqueueSnapshot := func(obj any) {
+		if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
+			s.queue.Add(snapshotPrefix + key)
+		}
+	}
+	if _, err := s.snapshots.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc: enqueueSnapshot, UpdateFunc: func(_, obj any) { enqueueSnapshot(obj) },
+	}); err != nil {
+		return nil, fmt.Errorf("watch volumesnapshots: %w", err)
+	}
+	enqueueContent := func(obj any) {
+		c, ok := obj.(*snapshotv1.VolumeSnapshotContent)
+		if !ok || c.Spec.Driver != hostpath.DriverName {
+			return
+		}
+		s.queue.Add(contentPrefix + c.Name)
+		if ref := c.Spec.VolumeSnapshotRef; ref.Name != "" {
+			s.queue.Add(snapshotPrefix + ref.Namespace + "/" + ref.Name)
+		}
+	}
+	if _, err := s.contents.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc: enqueueContent, UpdateFunc: func(_, obj any) { enqueueContent(obj) },
+	}); err != nil {
+		return nil, fmt.Errorf("watch volumesnapshotcontents: %w", err)
+	}
+	// A claim that binds makes the snapshots of it takeable.
+	onClaim := func(obj any) {
+		pvc, ok := obj.(*corev1.PersistentVolumeClaim)
+		if !ok || pvc.Spec.VolumeName == "" {
+			return
+		}
+		items, _ := s.snapshots.GetIndexer().ByIndex(cache.NamespaceIndex, pvc.Namespace)
+		for _, item := range items {
+			vs := item.(*snapshotv1.VolumeSnapshot)
+			if src := vs.Spec.Source.PersistentVolumeClaimName; src != nil && *src == pvc.Name {
+				s.queue.Add(snapshotPrefix + vs.Namespace + "/" + vs.Name)
+			}
+		}
+	}
+	if _, err := factory.Core().V1().PersistentVolumeClaims().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc: onClaim, UpdateFunc: func(_, obj any) { onClaim(obj) },
+	}); err != nil {
+		return nil, fmt.Errorf("watch claims: %w", err)
+	}
+	_ = factory.Core().V1().PersistentVolumes().Informer()
+	return s, nil
+}
+
+// Run serves until ctx is done.
+func (s *Snapshotter) Run(ctx context.Context) error {
+	defer s.queue.ShutDown()
+	s.events.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: s.cfg.Kube.CoreV1().Events("")})
+	defer s.events.Shutdown()
+	s.factory.Start(ctx.Done())
+	defer s.factory.Shutdown()
+	for _, inf := range []cache.SharedIndexInformer{s.snapshots, s.contents, s.classes} {
+		go inf.RunWithContext(ctx)
+	}
+	synced := []cache.InformerSynced{s.snapshots.HasSynced, s.contents.HasSynced, s.classes.HasSynced}
+	for _, inf := range s.factory.WaitForCacheSync(ctx.Done()) {
+		if !inf {
+			return fmt.Errorf("snapshotter: caches did not sync: %w", ctx.Err())
+		}
+	}
+	if !cache.WaitForCacheSync(ctx.Done(), synced...) {
+		return fmt.Errorf("snapshotter: caches did not sync: %w", ctx.Err())
+	}
+	s.log.Info("snapshotter running", "driver", hostpath.DriverName)
+	var wg sync.WaitGroup
+	for range s.cfg.Workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for s.next(ctx) {
+			}
+		}()
+	}
+	<-ctx.Done()
+	s.queue.ShutDown()
+	wg.Wait()
+	return nil
+}
+
+func (s *Snapshotter) next(ctx context.Context) bool {
+	key, quit := s.queue.Get()
+	if quit {
+		return false
+	}
+	defer s.queue.Done(key)
+	var err error
+	switch {
+	case strings.HasPrefix(key, snapshotPrefix):
+		err = s.syncSnapshot(ctx, strings.TrimPrefix(key, snapshotPrefix))
+	case strings.HasPrefix(key, contentPrefix):
+		err = s.syncContent(ctx, strings.TrimPrefix(key, contentPrefix))
+	}
+	if err != nil {
+		s.log.Warn("sync failed, retrying", "key", key, "err", err)
+		s.queue.AddRateLimited(key)
+		return true
+	}
+	s.queue.Forget(key)
+	return true
+}
