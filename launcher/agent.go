@@ -12,6 +12,7 @@ import (
 
 	v1 "kubevirt.io/api/core/v1"
 	"libvirt.org/go/libvirt"
+	"libvirt.org/go/libvirtxml"
 
 	"github.com/nodevirt/nodevirt/launcher/domain"
 )
@@ -61,15 +62,21 @@ func (m *Manager) AgentConnected(ctx context.Context, name string) (bool, error)
 	if err != nil {
 		return false, err
 	}
-	if x.Devices == nil {
-		return false, nil
+	return AgentChannelConnected(x), nil
+}
+
+// AgentChannelConnected reads the guest agent channel's state from a live
+// domain XML: true when libvirt sees qemu-ga connected.
+func AgentChannelConnected(x *libvirtxml.Domain) bool {
+	if x == nil || x.Devices == nil {
+		return false
 	}
 	for _, ch := range x.Devices.Channels {
 		if t := ch.Target; t != nil && t.VirtIO != nil && t.VirtIO.Name == domain.GuestAgentChannel {
-			return t.VirtIO.State == "connected", nil
+			return t.VirtIO.State == "connected"
 		}
 	}
-	return false, nil
+	return false
 }
 
 // AgentCommand runs one guest agent command with its arguments (nil: none)

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"crypto/tls"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -87,6 +88,43 @@ func (c *Client) Do(ctx context.Context, namespace, name, action string) error {
 	case http.StatusNotFound:
 		return fmt.Errorf("%w: %w", ErrNotFound, err)
 	case http.StatusConflict:
+		return fmt.Errorf("%w: %w", ErrNotRunning, err)
+	}
+	return err
+}
+
+// GuestAgent reads guest agent information (guestosinfo, userlist,
+// filesystemlist) into out, a pointer to the matching KubeVirt type.
+func (c *Client) GuestAgent(ctx context.Context, namespace, name, what string, out any) error {
+	hc := &http.Client{Transport: &http.Transport{TLSClientConfig: c.TLS}}
+	defer hc.CloseIdleConnections()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "https://"+c.Addr+c.path(namespace, name, what), nil)
+	if err != nil {
+		return err
+	}
+	resp, err := hc.Do(req)
+	if err != nil {
+		return fmt.Errorf("%s %s/%s: %w", what, namespace, name, err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 8<<20))
+	if err != nil {
+		return fmt.Errorf("%s %s/%s: %w", what, namespace, name, err)
+	}
+	if resp.StatusCode == http.StatusOK {
+		if err := json.Unmarshal(body, out); err != nil {
+			return fmt.Errorf("%s %s/%s: %w", what, namespace, name, err)
+		}
+		return nil
+	}
+	err = fmt.Errorf("%s %s/%s: %s: %s", what, namespace, name, resp.Status, strings.TrimSpace(string(body)))
+	switch resp.StatusCode {
+	case http.StatusNotFound:
+		return fmt.Errorf("%w: %w", ErrNotFound, err)
+	case http.StatusConflict:
+		if strings.Contains(string(body), ErrNoGuestAgent.Error()) {
+			return fmt.Errorf("%w: %w", ErrNoGuestAgent, err)
+		}
 		return fmt.Errorf("%w: %w", ErrNotRunning, err)
 	}
 	return err

@@ -37,9 +37,17 @@
 //	PUT /v1/namespaces/{namespace}/virtualmachineinstances/{name}/reset        hard reset
 //	PUT /v1/namespaces/{namespace}/virtualmachineinstances/{name}/shutdown     ACPI power button, destroyed after the grace period
 //
+// Guest agent information, when the Backend implements GuestAgentBackend,
+// each a GET answered 200 with KubeVirt's JSON type:
+//
+//	GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/guestosinfo     VirtualMachineInstanceGuestAgentInfo
+//	GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/userlist        VirtualMachineInstanceGuestOSUserList
+//	GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/filesystemlist  VirtualMachineInstanceFileSystemList
+//
 // Errors are plain-text bodies with 404 (the VMI is not running on this
 // node's books: ErrNotFound), 409 (the VMI has no running domain:
-// ErrNotRunning), 403 (client certificate name not allowed), 400 (bad
+// ErrNotRunning; or no connected guest agent: ErrNoGuestAgent), 501 (the
+// backend has no guest agent support), 403 (client certificate name not allowed), 400 (bad
 // request) or 500.
 package console
 
@@ -47,6 +55,7 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -57,6 +66,8 @@ import (
 	"slices"
 	"sync"
 	"time"
+
+	kubevirtv1 "kubevirt.io/api/core/v1"
 )
 
 // Backend runs the VMIs; the virt-handler role implements it. Errors wrap
@@ -75,7 +86,19 @@ type Backend interface {
 	Shutdown(ctx context.Context, namespace, name string) error
 }
 
+// GuestAgentBackend reads a running VMI's QEMU guest agent; the
+// virt-handler role implements it. Errors wrap ErrNotFound, ErrNotRunning
+// or ErrNoGuestAgent where they apply. A Backend without it answers the
+// guest agent GETs 501.
+type GuestAgentBackend interface {
+	GuestOSInfo(ctx context.Context, namespace, name string) (*kubevirtv1.VirtualMachineInstanceGuestAgentInfo, error)
+	UserList(ctx context.Context, namespace, name string) (*kubevirtv1.VirtualMachineInstanceGuestOSUserList, error)
+	FileSystemList(ctx context.Context, namespace, name string) (*kubevirtv1.VirtualMachineInstanceFileSystemList, error)
+}
+
 var (
+	// ErrNoGuestAgent: the VMI's guest agent is not connected.
+	ErrNoGuestAgent = errors.New("vmi does not have guest agent connected")
 	// ErrNotFound: no such VMI on this node.
 	ErrNotFound = errors.New("vmi not found on this node")
 	// ErrNotRunning: the VMI has no running domain.
@@ -168,6 +191,7 @@ func New(cfg Config, backend Backend) (*Server, error) {
 	mux.HandleFunc("GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/console", s.stream("console", backend.Console))
 	mux.HandleFunc("GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/vnc", s.stream("vnc", backend.VNC))
 	mux.HandleFunc("PUT /v1/namespaces/{namespace}/virtualmachineinstances/{name}/{action}", s.control)
+	mux.HandleFunc("GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/{info}", s.guestAgent)
 	s.srv = &http.Server{
 		Handler:           s.authorize(mux),
 		ReadHeaderTimeout: 10 * time.Second,
@@ -250,8 +274,46 @@ func httpError(w http.ResponseWriter, err error) {
 	switch {
 	case errors.Is(err, ErrNotFound):
 		code = http.StatusNotFound
-	case errors.Is(err, ErrNotRunning):
+	case errors.Is(err, ErrNotRunning), errors.Is(err, ErrNoGuestAgent):
 		code = http.StatusConflict
 	}
 	http.Error(w, err.Error(), code)
+}
+
+// guestAgent answers the guest agent GETs.
+func (s *Server) guestAgent(w http.ResponseWriter, r *http.Request) {
+	ns, name, what := r.PathValue("namespace"), r.PathValue("name"), r.PathValue("info")
+	ga, ok := s.backend.(GuestAgentBackend)
+	if !ok {
+		http.Error(w, "guest agent information is not served by this node", http.StatusNotImplemented)
+		return
+	}
+	var (
+		answer any
+		err    error
+	)
+	switch what {
+	case "guestosinfo":
+		answer, err = ga.GuestOSInfo(r.Context(), ns, name)
+	case "userlist":
+		answer, err = ga.UserList(r.Context(), ns, name)
+	case "filesystemlist":
+		answer, err = ga.FileSystemList(r.Context(), ns, name)
+	default:
+		http.Error(w, fmt.Sprintf("unknown resource %q", what), http.StatusNotFound)
+		return
+	}
+	if err != nil {
+		s.log.Info("guest agent call failed", "vmi", ns+"/"+name, "info", what, "err", err)
+		httpError(w, err)
+		return
+	}
+	body, err := json.Marshal(answer)
+	if err != nil {
+		httpError(w, fmt.Errorf("encode %s: %w", what, err))
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(http.StatusOK)
+	w.Write(body)
 }

@@ -119,6 +119,9 @@ type Config struct {
 	// ShutdownRetry is how often the ACPI power button is pressed again
 	// during a graceful shutdown; the launcher's default when zero.
 	ShutdownRetry time.Duration
+	// AgentPollInterval is how often a connected guest agent is asked for
+	// the guest's OS and addresses; DefaultAgentPollInterval when zero.
+	AgentPollInterval time.Duration
 	// Console configures the console/VNC/control server; no server when
 	// Console.Addr is empty.
 	Console console.Config
@@ -129,6 +132,9 @@ type Config struct {
 func (c *Config) defaults() {
 	if c.Workers == 0 {
 		c.Workers = 4
+	}
+	if c.AgentPollInterval == 0 {
+		c.AgentPollInterval = DefaultAgentPollInterval
 	}
 	if c.Log == nil {
 		c.Log = slog.Default()
@@ -145,6 +151,8 @@ func (c *Config) validate() error {
 		return errors.New("handler: kubernetes clients are required")
 	case c.Workers < 0:
 		return errors.New("handler: negative worker count")
+	case c.AgentPollInterval < 0:
+		return errors.New("handler: negative agent poll interval")
 	}
 	return nil
 }
@@ -164,11 +172,22 @@ type Handler struct {
 	runCtx   context.Context
 	stopping map[types.UID]bool
 	adopted  map[types.UID]bool // pod network taps attached in this run
-	bg       sync.WaitGroup     // graceful shutdowns under way
-	ready    chan struct{}
+	// agentPolled: when each VMI's (namespace/name) guest agent was last
+	// asked.
+	agentPolled map[string]agentPoll
+	bg          sync.WaitGroup // graceful shutdowns under way
+	ready       chan struct{}
 }
 
-var _ console.Backend = (*Handler)(nil)
+type agentPoll struct {
+	uid types.UID
+	at  time.Time
+}
+
+var (
+	_ console.Backend           = (*Handler)(nil)
+	_ console.GuestAgentBackend = (*Handler)(nil)
+)
 
 // New validates cfg and builds the handler; with Console.Addr set it also
 // starts listening there (so ConsoleAddr is known), serving once Run runs.
@@ -183,6 +202,8 @@ func New(cfg Config) (*Handler, error) {
 		stopping: map[types.UID]bool{},
 		adopted:  map[types.UID]bool{},
 		ready:    make(chan struct{}),
+
+		agentPolled: map[string]agentPoll{},
 	}
 	selector := v1.NodeNameLabel + "=" + cfg.NodeName
 	h.vmis = cfg.Virt.VMIs.Informer(metav1.NamespaceAll, 10*time.Minute, func(o *metav1.ListOptions) {
@@ -312,6 +333,14 @@ func (h *Handler) watchDomains(ctx context.Context, lv *launcher.Manager) {
 				h.log.Info("libvirtd connection restored, reconciling every vmi")
 				for _, key := range h.vmis.GetStore().ListKeys() {
 					h.queue.Add(key)
+				}
+				continue
+			}
+			if e.Type == launcher.EventAgentConnected || e.Type == launcher.EventAgentDisconnected {
+				if ns, name, ok := domain.SplitName(e.Domain); ok {
+					h.log.Info("guest agent "+e.Type.String(), "vmi", ns+"/"+name, "reason", e.Reason)
+					h.forgetAgentKey(ns + "/" + name)
+					h.queue.Add(ns + "/" + name)
 				}
 				continue
 			}

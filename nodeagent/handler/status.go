@@ -7,6 +7,7 @@ import (
 	"net"
 	"slices"
 	"strconv"
+	"strings"
 
 	k8sv1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
@@ -53,7 +54,8 @@ func (h *Handler) observe(ctx context.Context, lv *launcher.Manager, vmi *v1.Vir
 			// tries again.
 			h.log.Warn("pod network", "vmi", vmi.Namespace+"/"+vmi.Name, "err", err)
 		}
-		out.Status.Interfaces = interfaceStatus(vmi, xml.Devices, h.podLeases)
+		agentIfs := h.observeAgent(ctx, lv, vmi, out, info, xml)
+		out.Status.Interfaces = interfaceStatus(vmi, xml.Devices, h.podLeases, agentIfs)
 		if info.State == launcher.StatePaused {
 			reason := "PausedByUser"
 			if info.Reason == "ioerror" {
@@ -78,6 +80,8 @@ func (h *Handler) observe(ctx context.Context, lv *launcher.Manager, vmi *v1.Vir
 		out.Status.Reason = reason
 		delete(out.Annotations, AnnotationQEMUPID)
 		removeCondition(out, v1.VirtualMachineInstancePaused)
+		removeCondition(out, v1.VirtualMachineInstanceAgentConnected)
+		h.forgetAgent(vmi)
 		setCondition(out, v1.VirtualMachineInstanceReady, false, v1.GuestNotRunningReason, msg)
 		if phase == v1.Failed {
 			h.log.Warn("vmi failed", "vmi", vmi.Namespace+"/"+vmi.Name, "reason", reason, "message", msg)
@@ -111,9 +115,14 @@ func (h *Handler) stoppedPhase(vmi *v1.VirtualMachineInstance, info launcher.Dom
 
 // interfaceStatus lists the VMI's interfaces with the MACs the domain uses
 // and, for pod network interfaces, the address leases (interface name →
-// address, given the interface MACs) returns.
+// address, given the interface MACs) returns. agent is what the guest agent
+// reports now: nil when it was not asked this time (what it said before is
+// kept), empty when there is no agent (its addresses go). An interface
+// whose MAC the agent reports gets the guest's name for it and its
+// addresses; a pod network lease stays the primary address.
 func interfaceStatus(vmi *v1.VirtualMachineInstance, devs *libvirtxml.DomainDeviceList,
-	leases func(*v1.VirtualMachineInstance, map[string]string) map[string]net.IP) []v1.VirtualMachineInstanceNetworkInterface {
+	leases func(*v1.VirtualMachineInstance, map[string]string) map[string]net.IP,
+	agent []launcher.GuestInterface) []v1.VirtualMachineInstanceNetworkInterface {
 	domMACs := map[string]string{}
 	if devs != nil {
 		for _, i := range devs.Interfaces {
@@ -144,17 +153,29 @@ func interfaceStatus(vmi *v1.VirtualMachineInstance, devs *libvirtxml.DomainDevi
 		}
 		mac := macs[iface.Name]
 		st := v1.VirtualMachineInstanceNetworkInterface{Name: iface.Name, MAC: mac, InfoSource: "domain"}
+		switch {
+		case agent == nil:
+			// Keep what the agent said when it was last asked.
+			for _, old := range vmi.Status.Interfaces {
+				if old.Name == iface.Name && strings.EqualFold(old.MAC, mac) {
+					st.IP, st.IPs, st.InterfaceName, st.InfoSource = old.IP, old.IPs, old.InterfaceName, old.InfoSource
+				}
+			}
+		default:
+			for _, gi := range agent {
+				if mac != "" && strings.EqualFold(gi.MAC, mac) {
+					st.InterfaceName, st.InfoSource = gi.Name, "domain, guest-agent"
+					st.IPs = gi.IPs
+					if len(gi.IPs) > 0 {
+						st.IP = gi.IPs[0]
+					}
+				}
+			}
+		}
 		if ip := leased[iface.Name]; ip != nil {
 			// The pod network's DHCP server hands the guest this address.
-			st.IP, st.IPs = ip.String(), []string{ip.String()}
-			out = append(out, st)
-			continue
-		}
-		// Keep addresses someone else (a guest agent reader) learnt.
-		for _, old := range vmi.Status.Interfaces {
-			if old.Name == iface.Name && old.MAC == mac {
-				st.IP, st.IPs = old.IP, old.IPs
-			}
+			st.IP = ip.String()
+			st.IPs = append([]string{st.IP}, slices.DeleteFunc(slices.Clone(st.IPs), func(s string) bool { return s == st.IP })...)
 		}
 		out = append(out, st)
 	}

@@ -1,0 +1,150 @@
+package handler
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	v1 "kubevirt.io/api/core/v1"
+	"libvirt.org/go/libvirtxml"
+
+	"github.com/nodevirt/nodevirt/launcher"
+	"github.com/nodevirt/nodevirt/nodeagent/console"
+)
+
+// The QEMU guest agent, as virt-handler and virt-launcher's agent poller
+// treat it: libvirt tells when qemu-ga connects to the domain's
+// org.qemu.guest_agent.0 channel and when it goes (an agent lifecycle
+// event, which reconciles the VMI); while it is connected the VMI has the
+// AgentConnected condition, and status.guestOSInfo and the interfaces'
+// guest addresses are read from it at once and then every
+// Config.AgentPollInterval. Without an agent nothing is polled.
+
+// DefaultAgentPollInterval is how often a connected agent is asked again.
+const DefaultAgentPollInterval = 30 * time.Second
+
+// agentDue reports whether the VMI's agent should be asked now, and
+// records that it is being asked.
+func (h *Handler) agentDue(vmi *v1.VirtualMachineInstance) bool {
+	key := vmi.Namespace + "/" + vmi.Name
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	last, ok := h.agentPolled[key]
+	if ok && last.uid == vmi.UID && time.Since(last.at) < h.cfg.AgentPollInterval {
+		return false
+	}
+	h.agentPolled[key] = agentPoll{uid: vmi.UID, at: time.Now()}
+	return true
+}
+
+// forgetAgent makes the next reconcile with a connected agent ask it
+// (after the agent reconnected, or the domain stopped).
+func (h *Handler) forgetAgent(vmi *v1.VirtualMachineInstance) {
+	h.forgetAgentKey(vmi.Namespace + "/" + vmi.Name)
+}
+
+func (h *Handler) forgetAgentKey(key string) {
+	h.mu.Lock()
+	delete(h.agentPolled, key)
+	h.mu.Unlock()
+}
+
+// observeAgent sets the AgentConnected condition and, when the agent is
+// due, status.guestOSInfo. It returns the guest's interfaces for
+// interfaceStatus: nil when the agent was not asked this time, empty when
+// there is no agent.
+func (h *Handler) observeAgent(ctx context.Context, lv *launcher.Manager, vmi, out *v1.VirtualMachineInstance,
+	info launcher.DomainInfo, x *libvirtxml.Domain) []launcher.GuestInterface {
+	if !launcher.AgentChannelConnected(x) {
+		removeCondition(out, v1.VirtualMachineInstanceAgentConnected)
+		h.forgetAgent(vmi)
+		return []launcher.GuestInterface{}
+	}
+	setCondition(out, v1.VirtualMachineInstanceAgentConnected, true, "", "")
+	if info.State != launcher.StateRunning || !h.agentDue(vmi) {
+		// A paused guest's agent cannot answer; it is asked after unpause.
+		return nil
+	}
+	log := h.log.With("vmi", vmi.Namespace+"/"+vmi.Name)
+	key := vmi.Namespace + "/" + vmi.Name
+	h.queue.AddAfter(key, h.cfg.AgentPollInterval)
+	osInfo, err := lv.GuestOSInfo(ctx, info.Name)
+	if err != nil {
+		log.Info("guest agent: os info", "err", err)
+		return nil
+	}
+	out.Status.GuestOSInfo = osInfo
+	ifs, err := lv.GuestInterfaces(ctx, info.Name)
+	if err != nil {
+		log.Info("guest agent: interfaces", "err", err)
+		return nil
+	}
+	if ifs == nil {
+		ifs = []launcher.GuestInterface{}
+	}
+	return ifs
+}
+
+// agentDomain finds the running domain of a VMI whose agent is connected.
+func (h *Handler) agentDomain(ctx context.Context, namespace, name string) (*launcher.Manager, string, error) {
+	_, lv, dom, err := h.running(ctx, namespace, name)
+	if err != nil {
+		return nil, "", err
+	}
+	ok, err := lv.AgentConnected(ctx, dom)
+	if err != nil {
+		return nil, "", err
+	}
+	if !ok {
+		return nil, "", fmt.Errorf("%w: %s/%s", console.ErrNoGuestAgent, namespace, name)
+	}
+	return lv, dom, nil
+}
+
+// agentErr maps a lost agent to the console server's error.
+func agentErr(err error) error {
+	if errors.Is(err, launcher.ErrAgentNotConnected) {
+		return fmt.Errorf("%w: %w", console.ErrNoGuestAgent, err)
+	}
+	return err
+}
+
+// GuestOSInfo answers `virtctl guestosinfo` from the VMI's guest agent.
+func (h *Handler) GuestOSInfo(ctx context.Context, namespace, name string) (*v1.VirtualMachineInstanceGuestAgentInfo, error) {
+	lv, dom, err := h.agentDomain(ctx, namespace, name)
+	if err != nil {
+		return nil, err
+	}
+	info, err := lv.GuestAgentInfo(ctx, dom)
+	if err != nil {
+		return nil, agentErr(err)
+	}
+	return info, nil
+}
+
+// UserList answers `virtctl userlist`.
+func (h *Handler) UserList(ctx context.Context, namespace, name string) (*v1.VirtualMachineInstanceGuestOSUserList, error) {
+	lv, dom, err := h.agentDomain(ctx, namespace, name)
+	if err != nil {
+		return nil, err
+	}
+	users, err := lv.GuestUsers(ctx, dom)
+	if err != nil {
+		return nil, agentErr(err)
+	}
+	return &v1.VirtualMachineInstanceGuestOSUserList{Items: users}, nil
+}
+
+// FileSystemList answers `virtctl fslist`.
+func (h *Handler) FileSystemList(ctx context.Context, namespace, name string) (*v1.VirtualMachineInstanceFileSystemList, error) {
+	lv, dom, err := h.agentDomain(ctx, namespace, name)
+	if err != nil {
+		return nil, err
+	}
+	fss, err := lv.GuestFileSystems(ctx, dom)
+	if err != nil {
+		return nil, agentErr(err)
+	}
+	return &v1.VirtualMachineInstanceFileSystemList{Items: fss}, nil
+}
