@@ -174,9 +174,15 @@ func (n *node) consoleClient(h *Handler) *console.Client {
 // disk, and a PV and a bound PVC named claim for it. It returns the disk's
 // size.
 func (n *node) bootVolume(ctx context.Context, claim string) int64 {
+	n.t.Helper()
+	return n.bootVolumeOf(ctx, claim, guest.DiskSpec{})
+}
+
+// bootVolumeOf is bootVolume with the boot disk of spec.
+func (n *node) bootVolumeOf(ctx context.Context, claim string, spec guest.DiskSpec) int64 {
 	t := n.t
 	t.Helper()
-	boot, err := guest.BootDisk(ctx, guest.DiskSpec{})
+	boot, err := guest.BootDisk(ctx, spec)
 	if err != nil {
 		t.Fatal(err)
 	}

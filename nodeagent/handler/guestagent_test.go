@@ -1,0 +1,159 @@
+package handler
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	k8sv1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	v1 "kubevirt.io/api/core/v1"
+
+	"github.com/nodevirt/nodevirt/nodeagent/console"
+	"github.com/nodevirt/nodevirt/test/guest"
+)
+
+// osRelease parses an os-release file.
+func osRelease(t *testing.T) map[string]string {
+	t.Helper()
+	text, err := guest.HostOSRelease()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]string{}
+	sc := bufio.NewScanner(strings.NewReader(text))
+	for sc.Scan() {
+		if k, v, ok := strings.Cut(sc.Text(), "="); ok {
+			out[k] = strings.Trim(v, `"`)
+		}
+	}
+	return out
+}
+
+// TestGuestAgent boots a guest running Debian's qemu-ga and checks what
+// the handler makes of it: the AgentConnected condition, status.guestOSInfo
+// and the guest's address on its bridge NIC, the console server's
+// guestosinfo/userlist/filesystemlist answers from the live agent, the
+// condition going when qemu-ga stops, and the guest powering off.
+func TestGuestAgent(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	n := newNode(t)
+	const guestIP = "10.231.0.5"
+	n.bootVolumeOf(ctx, "boot", guest.DiskSpec{
+		Cmdline: "nodevirt.ip=" + guestIP + "/24",
+		Initramfs: guest.Spec{GuestAgent: true, Modules: []string{"ext4"},
+			Init: "mkdir -p /boot && mount -t ext4 -o ro /dev/vda1 /boot"},
+	})
+	n.bridgeNetwork(ctx, "br")
+	h, _ := n.handler(true)
+
+	vmi := &v1.VirtualMachineInstance{
+		ObjectMeta: metav1.ObjectMeta{Name: "agent"},
+		Spec: v1.VirtualMachineInstanceSpec{
+			TerminationGracePeriodSeconds: int64p(30),
+			Domain: v1.DomainSpec{
+				Resources: v1.ResourceRequirements{Requests: k8sv1.ResourceList{k8sv1.ResourceMemory: resource.MustParse("128Mi")}},
+				Devices: v1.Devices{
+					Disks: []v1.Disk{{Name: "boot", BootOrder: uintp(1), DiskDevice: v1.DiskDevice{Disk: &v1.DiskTarget{Bus: v1.DiskBusVirtio}}}},
+					Interfaces: []v1.Interface{{Name: "lan", MacAddress: testMAC,
+						InterfaceBindingMethod: v1.InterfaceBindingMethod{Bridge: &v1.InterfaceBridge{}}}},
+				},
+			},
+			Networks: []v1.Network{{Name: "lan", NetworkSource: v1.NetworkSource{Multus: &v1.MultusNetwork{NetworkName: "br"}}}},
+			Volumes: []v1.Volume{{Name: "boot", VolumeSource: v1.VolumeSource{PersistentVolumeClaim: &v1.PersistentVolumeClaimVolumeSource{
+				PersistentVolumeClaimVolumeSource: k8sv1.PersistentVolumeClaimVolumeSource{ClaimName: "boot"}}}}},
+		},
+	}
+	start := time.Now()
+	n.schedule(ctx, vmi)
+	got := n.waitVMI(ctx, "agent", bootTimeout, "AgentConnected", func(v *v1.VirtualMachineInstance) bool {
+		return isTrue(v, v1.VirtualMachineInstanceAgentConnected)
+	})
+	t.Logf("create → AgentConnected in %v (TCG)", time.Since(start).Round(time.Millisecond))
+
+	// status.guestOSInfo comes with (or right after) the condition.
+	got = n.waitVMI(ctx, "agent", 30*time.Second, "with guestOSInfo and the guest's address", func(v *v1.VirtualMachineInstance) bool {
+		return v != nil && v.Status.GuestOSInfo.ID != "" && len(v.Status.Interfaces) == 1 && v.Status.Interfaces[0].IP != ""
+	})
+	rel := osRelease(t)
+	_, modulesDir, err := guest.Kernel(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := v1.VirtualMachineInstanceGuestOSInfo{ID: rel["ID"], Name: rel["NAME"], PrettyName: rel["PRETTY_NAME"],
+		Version: rel["VERSION"], VersionID: rel["VERSION_ID"], KernelRelease: filepath.Base(modulesDir), Machine: "x86_64"}
+	os := got.Status.GuestOSInfo
+	if os.KernelVersion == "" {
+		t.Errorf("guestOSInfo without kernelVersion: %+v", os)
+	}
+	os.KernelVersion = ""
+	if os != want {
+		t.Errorf("guestOSInfo %+v, want %+v", os, want)
+	}
+	iface := got.Status.Interfaces[0]
+	if iface.IP != guestIP || !slices.Equal(iface.IPs, []string{guestIP}) || iface.InterfaceName != "eth0" ||
+		iface.MAC != testMAC || !strings.Contains(iface.InfoSource, "guest-agent") {
+		t.Errorf("interface status %+v, want %s on eth0 from the guest agent", iface, guestIP)
+	}
+
+	// The console server's answers, from live agent calls.
+	c := n.consoleClient(h)
+	var info v1.VirtualMachineInstanceGuestAgentInfo
+	if err := c.GuestAgent(ctx, n.ns, "agent", "guestosinfo", &info); err != nil {
+		t.Fatal(err)
+	}
+	if info.GAVersion == "" || info.Hostname != "nodevirt-guest" || info.OS.ID != rel["ID"] || len(info.SupportedCommands) == 0 ||
+		len(info.UserList) != 1 || info.Timezone == "" {
+		t.Errorf("guestosinfo %+v", info)
+	}
+	var users v1.VirtualMachineInstanceGuestOSUserList
+	if err := c.GuestAgent(ctx, n.ns, "agent", "userlist", &users); err != nil {
+		t.Fatal(err)
+	}
+	if len(users.Items) != 1 || users.Items[0].UserName != "root" || int64(users.Items[0].LoginTime) != guest.AgentLoginTime {
+		t.Errorf("userlist %+v, want root since %d", users.Items, guest.AgentLoginTime)
+	}
+	var fss v1.VirtualMachineInstanceFileSystemList
+	if err := c.GuestAgent(ctx, n.ns, "agent", "filesystemlist", &fss); err != nil {
+		t.Fatal(err)
+	}
+	i := slices.IndexFunc(fss.Items, func(f v1.VirtualMachineInstanceFileSystem) bool { return f.MountPoint == "/boot" })
+	if i < 0 || fss.Items[i].DiskName != "vda1" || fss.Items[i].TotalBytes <= 0 || fss.Items[i].UsedBytes <= 0 {
+		t.Errorf("filesystemlist %+v, want /boot on vda1 with its usage", fss.Items)
+	}
+
+	// qemu-ga stops: the condition goes while the guest runs on, and the
+	// node refuses agent calls with a conflict.
+	con, err := c.Console(ctx, n.ns, "agent")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer con.Close()
+	fmt.Fprintf(con, "\nkill $(pidof qemu-ga)\n")
+	n.waitVMI(ctx, "agent", 30*time.Second, "Running without AgentConnected", func(v *v1.VirtualMachineInstance) bool {
+		return v != nil && v.Status.Phase == v1.Running && condition(v, v1.VirtualMachineInstanceAgentConnected) == nil
+	})
+	if err := c.GuestAgent(ctx, n.ns, "agent", "userlist", &users); !errors.Is(err, console.ErrNoGuestAgent) {
+		t.Errorf("userlist without agent: %v, want ErrNoGuestAgent", err)
+	}
+
+	// The agent comes back, then the guest powers off: Succeeded, no
+	// AgentConnected.
+	fmt.Fprintf(con, "/usr/sbin/qemu-ga -m virtio-serial -p /dev/virtio-ports/%s -t /run/qemu-ga &\n", guest.GuestAgentPort)
+	n.waitVMI(ctx, "agent", 30*time.Second, "AgentConnected again", func(v *v1.VirtualMachineInstance) bool {
+		return isTrue(v, v1.VirtualMachineInstanceAgentConnected)
+	})
+	fmt.Fprintf(con, "poweroff\n")
+	n.waitVMI(ctx, "agent", 60*time.Second, "Succeeded without AgentConnected", func(v *v1.VirtualMachineInstance) bool {
+		return v != nil && v.Status.Phase == v1.Succeeded && condition(v, v1.VirtualMachineInstanceAgentConnected) == nil
+	})
+}
