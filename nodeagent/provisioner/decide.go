@@ -128,12 +128,35 @@ func planClaim(pvc *corev1.PersistentVolumeClaim, sc *storagev1.StorageClass, no
 		plan.Err = err
 	} else if k == kindLegacy && isBlock(pvc) {
 		plan.Err = errors.New("the legacy provisioner serves filesystem volumes only; use the CSI storage class for block volumes")
-	} else if ds := pvc.Spec.DataSourceRef; ds != nil && !isClaimSource(ds.APIGroup, ds.Kind) {
-		plan.Err = fmt.Errorf("data source %s %s is not supported: only PersistentVolumeClaim clones are", ds.Kind, ds.Name)
-	} else if ds := pvc.Spec.DataSource; ds != nil && !isClaimSource(ds.APIGroup, ds.Kind) {
-		plan.Err = fmt.Errorf("data source %s %s is not supported: only PersistentVolumeClaim clones are", ds.Kind, ds.Name)
+	} else if ds := pvc.Spec.DataSourceRef; ds != nil && !isClaimSource(ds.APIGroup, ds.Kind) && !isSnapshotSource(ds.APIGroup, ds.Kind) {
+		plan.Err = fmt.Errorf("data source %s %s is not supported: only PersistentVolumeClaim clones and VolumeSnapshot restores are", ds.Kind, ds.Name)
+	} else if ds := pvc.Spec.DataSource; ds != nil && !isClaimSource(ds.APIGroup, ds.Kind) && !isSnapshotSource(ds.APIGroup, ds.Kind) {
+		plan.Err = fmt.Errorf("data source %s %s is not supported: only PersistentVolumeClaim clones and VolumeSnapshot restores are", ds.Kind, ds.Name)
+	} else if ds := pvc.Spec.DataSourceRef; ds != nil && isSnapshotSource(ds.APIGroup, ds.Kind) && ds.Namespace != nil && *ds.Namespace != "" && *ds.Namespace != pvc.Namespace {
+		plan.Err = fmt.Errorf("volumesnapshot %s/%s is in another namespace: cross-namespace restores are not served", *ds.Namespace, ds.Name)
+	} else if k == kindLegacy && snapshotSource(pvc) != "" {
+		plan.Err = errors.New("the legacy provisioner does not restore snapshots; use the CSI storage class")
 	}
 	return plan
+}
+
+// SnapshotGroup is the API group of VolumeSnapshot data sources.
+const SnapshotGroup = "snapshot.storage.k8s.io"
+
+func isSnapshotSource(group *string, kind string) bool {
+	return group != nil && *group == SnapshotGroup && kind == "VolumeSnapshot"
+}
+
+// snapshotSource returns the name of the VolumeSnapshot pvc restores, ""
+// if none.
+func snapshotSource(pvc *corev1.PersistentVolumeClaim) string {
+	if ds := pvc.Spec.DataSourceRef; ds != nil && isSnapshotSource(ds.APIGroup, ds.Kind) {
+		return ds.Name
+	}
+	if ds := pvc.Spec.DataSource; ds != nil && isSnapshotSource(ds.APIGroup, ds.Kind) {
+		return ds.Name
+	}
+	return ""
 }
 
 func isClaimSource(group *string, kind string) bool {
@@ -180,7 +203,7 @@ func checkAccessModes(modes []corev1.PersistentVolumeAccessMode) error {
 }
 
 // createRequest is the CSI request that makes pvc's volume.
-func createRequest(pvc *corev1.PersistentVolumeClaim, sc *storagev1.StorageClass, node, sourceVolumeID string) (*csispec.CreateVolumeRequest, error) {
+func createRequest(pvc *corev1.PersistentVolumeClaim, sc *storagev1.StorageClass, node, sourceVolumeID, sourceSnapshotID string) (*csispec.CreateVolumeRequest, error) {
 	size, err := requestedBytes(pvc)
 	if err != nil {
 		return nil, err
@@ -212,6 +235,11 @@ func createRequest(pvc *corev1.PersistentVolumeClaim, sc *storagev1.StorageClass
 	if sourceVolumeID != "" {
 		req.VolumeContentSource = &csispec.VolumeContentSource{Type: &csispec.VolumeContentSource_Volume{
 			Volume: &csispec.VolumeContentSource_VolumeSource{VolumeId: sourceVolumeID},
+		}}
+	}
+	if sourceSnapshotID != "" {
+		req.VolumeContentSource = &csispec.VolumeContentSource{Type: &csispec.VolumeContentSource_Snapshot{
+			Snapshot: &csispec.VolumeContentSource_SnapshotSource{SnapshotId: sourceSnapshotID},
 		}}
 	}
 	return req, nil

@@ -82,9 +82,21 @@ func TestPlanClaim(t *testing.T) {
 		{name: "block on legacy", sc: legacyClass, provision: true, kind: kindLegacy, errLike: "filesystem volumes only", pvc: claim(func(c *corev1.PersistentVolumeClaim) {
 			c.Spec.VolumeMode = &block
 		})},
-		{name: "snapshot source", sc: csiClass, provision: true, kind: kindCSI, errLike: "VolumeSnapshot", pvc: claim(func(c *corev1.PersistentVolumeClaim) {
+		{name: "snapshot source", sc: csiClass, provision: true, kind: kindCSI, pvc: claim(func(c *corev1.PersistentVolumeClaim) {
 			g := "snapshot.storage.k8s.io"
 			c.Spec.DataSource = &corev1.TypedLocalObjectReference{APIGroup: &g, Kind: "VolumeSnapshot", Name: "s"}
+		})},
+		{name: "snapshot source on legacy", sc: legacyClass, provision: true, kind: kindLegacy, errLike: "does not restore snapshots", pvc: claim(func(c *corev1.PersistentVolumeClaim) {
+			g := "snapshot.storage.k8s.io"
+			c.Spec.DataSource = &corev1.TypedLocalObjectReference{APIGroup: &g, Kind: "VolumeSnapshot", Name: "s"}
+		})},
+		{name: "snapshot in another namespace", sc: csiClass, provision: true, kind: kindCSI, errLike: "another namespace", pvc: claim(func(c *corev1.PersistentVolumeClaim) {
+			g, other := "snapshot.storage.k8s.io", "elsewhere"
+			c.Spec.DataSourceRef = &corev1.TypedObjectReference{APIGroup: &g, Kind: "VolumeSnapshot", Name: "s", Namespace: &other}
+		})},
+		{name: "foreign data source", sc: csiClass, provision: true, kind: kindCSI, errLike: "not supported", pvc: claim(func(c *corev1.PersistentVolumeClaim) {
+			g := "cdi.kubevirt.io"
+			c.Spec.DataSourceRef = &corev1.TypedObjectReference{APIGroup: &g, Kind: "VolumeImportSource", Name: "s"}
 		})},
 		{name: "clone source", sc: csiClass, provision: true, kind: kindCSI, pvc: claim(func(c *corev1.PersistentVolumeClaim) {
 			c.Spec.DataSource = &corev1.TypedLocalObjectReference{Kind: "PersistentVolumeClaim", Name: "golden"}
@@ -117,7 +129,7 @@ func TestPlanClaim(t *testing.T) {
 func TestCreateRequest(t *testing.T) {
 	block := corev1.PersistentVolumeBlock
 	pvc := claim(func(c *corev1.PersistentVolumeClaim) { c.Spec.VolumeMode = &block })
-	req, err := createRequest(pvc, class("c", CSIProvisionerName), "node-a", "src-vol")
+	req, err := createRequest(pvc, class("c", CSIProvisionerName), "node-a", "src-vol", "")
 	if err != nil {
 		t.Fatal(err)
 	}

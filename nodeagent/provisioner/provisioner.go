@@ -29,6 +29,7 @@ import (
 	"k8s.io/client-go/tools/record"
 	"k8s.io/client-go/util/workqueue"
 
+	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
 	hostpath "github.com/nodevirt/nodevirt/csi"
 )
 
@@ -51,6 +52,9 @@ type Config struct {
 	Client kubernetes.Interface
 	// Driver makes and deletes the volumes.
 	Driver Volumes
+	// Snapshots locates the VolumeSnapshots claims are restored from; nil
+	// refuses such claims with an event.
+	Snapshots *snapshotv1.Client
 	// Workers is the number of claims and volumes handled at once;
 	// defaults to 2.
 	Workers int

@@ -2,6 +2,7 @@ package provisioner
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 
@@ -12,6 +13,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/client-go/tools/cache"
+
+	hostpath "github.com/nodevirt/nodevirt/csi"
 )
 
 var everything = labels.Everything()
@@ -73,7 +76,18 @@ func (p *Provisioner) provision(ctx context.Context, pvc *corev1.PersistentVolum
 	if err != nil {
 		return fail(err)
 	}
-	req, err := createRequest(pvc, sc, p.cfg.NodeName, sourceID)
+	snapshotID, err := p.sourceSnapshot(ctx, pvc)
+	var refused *refusal
+	if errors.As(err, &refused) {
+		// Waiting changes nothing: the claim must change.
+		p.recorder.Event(pvc, corev1.EventTypeWarning, reasonProvisioningFailed, err.Error())
+		log.Warn("cannot restore", "err", err)
+		return nil
+	}
+	if err != nil {
+		return fail(err)
+	}
+	req, err := createRequest(pvc, sc, p.cfg.NodeName, sourceID, snapshotID)
 	if err != nil {
 		return fail(err)
 	}
@@ -126,6 +140,42 @@ func (p *Provisioner) cloneSourceVolume(pvc *corev1.PersistentVolumeClaim) (stri
 		return "", fmt.Errorf("clone source claim %s is not a hostpath volume on node %s", src, p.cfg.NodeName)
 	}
 	return id, nil
+}
+
+// refusal is a reason a claim cannot be provisioned until it changes.
+type refusal struct{ err error }
+
+func (r *refusal) Error() string { return r.err.Error() }
+func (r *refusal) Unwrap() error { return r.err }
+
+// sourceSnapshot resolves a VolumeSnapshot data source to the CSI snapshot
+// it names, which must be ready, on this node, and no larger than the
+// claim.
+func (p *Provisioner) sourceSnapshot(ctx context.Context, pvc *corev1.PersistentVolumeClaim) (string, error) {
+	name := snapshotSource(pvc)
+	if name == "" {
+		return "", nil
+	}
+	if p.cfg.Snapshots == nil {
+		return "", &refusal{fmt.Errorf("volumesnapshot %s: this provisioner has no snapshot client", name)}
+	}
+	loc, err := p.cfg.Snapshots.Locate(ctx, pvc.Namespace, name)
+	if err != nil {
+		return "", fmt.Errorf("restore source: %w", err)
+	}
+	switch {
+	case loc.Driver != hostpath.DriverName:
+		return "", &refusal{fmt.Errorf("volumesnapshot %s/%s belongs to driver %s, not %s", pvc.Namespace, name, loc.Driver, hostpath.DriverName)}
+	case loc.Node != p.cfg.NodeName:
+		return "", &refusal{fmt.Errorf("volumesnapshot %s/%s is held by node %q, the claim is selected for node %s", pvc.Namespace, name, loc.Node, p.cfg.NodeName)}
+	case !loc.Ready:
+		return "", fmt.Errorf("volumesnapshot %s/%s is not ready to use yet", pvc.Namespace, name)
+	}
+	if size, err := requestedBytes(pvc); err == nil && loc.RestoreSize > size {
+		return "", &refusal{fmt.Errorf("requested size %d bytes is smaller than the restore size %d bytes of volumesnapshot %s/%s",
+			size, loc.RestoreSize, pvc.Namespace, name)}
+	}
+	return loc.Handle, nil
 }
 
 // syncVolume deletes a released volume of ours per its reclaim policy.

@@ -112,6 +112,16 @@ type Snapshotter struct {
 	events    record.EventBroadcaster
 }
 
+// recordedRetry is how often a snapshot whose error is on its status is
+// looked at again without a watched change.
+const recordedRetry = time.Minute
+
+// recordedError is an error already shown on the object's status.
+type recordedError struct{ err error }
+
+func (e *recordedError) Error() string { return e.err.Error() }
+func (e *recordedError) Unwrap() error { return e.err }
+
 // Queue keys carry their kind.
 const (
 	snapshotPrefix = "snapshot/"
@@ -189,6 +199,17 @@ func New(cfg Config) (*Snapshotter, error) {
 		return nil, fmt.Errorf("watch claims: %w", err)
 	}
 	_ = factory.Core().V1().PersistentVolumes().Informer()
+	// A class that appears may resolve a recorded error.
+	onClass := func(any) {
+		for _, key := range s.snapshots.GetIndexer().ListKeys() {
+			s.queue.Add(snapshotPrefix + key)
+		}
+	}
+	if _, err := s.classes.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc: onClass, UpdateFunc: func(_, obj any) { onClass(obj) },
+	}); err != nil {
+		return nil, fmt.Errorf("watch volumesnapshotclasses: %w", err)
+	}
 	return s, nil
 }
 
@@ -240,7 +261,15 @@ func (s *Snapshotter) next(ctx context.Context) bool {
 	case strings.HasPrefix(key, contentPrefix):
 		err = s.syncContent(ctx, strings.TrimPrefix(key, contentPrefix))
 	}
-	if err != nil {
+	var recorded *recordedError
+	switch {
+	case errors.As(err, &recorded):
+		// On the object's status already; the user or a class must change.
+		s.log.Info("snapshot error recorded", "key", key, "err", err)
+		s.queue.Forget(key)
+		s.queue.AddAfter(key, recordedRetry)
+		return true
+	case err != nil:
 		s.log.Warn("sync failed, retrying", "key", key, "err", err)
 		s.queue.AddRateLimited(key)
 		return true

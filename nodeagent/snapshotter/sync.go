@@ -348,7 +348,7 @@ func (s *Snapshotter) snapshotError(ctx context.Context, vs *snapshotv1.VolumeSn
 		}
 		s.recorder.Event(vs, corev1.EventTypeWarning, reason, msg)
 	}
-	return fmt.Errorf("volumesnapshot %s/%s: %w", vs.Namespace, vs.Name, err)
+	return &recordedError{fmt.Errorf("volumesnapshot %s/%s: %w", vs.Namespace, vs.Name, err)}
 }
 
 func (s *Snapshotter) contentError(ctx context.Context, c *snapshotv1.VolumeSnapshotContent, err error) error {
