@@ -40,6 +40,9 @@ const (
 	BrainRole = "nodevirt:clusterbrain"
 )
 
+// volumeSnapshot is the CSI snapshot API group.
+const volumeSnapshot = "snapshot.storage.k8s.io"
+
 // NodeLeaseNamespace is where node Leases live.
 const NodeLeaseNamespace = "kube-node-lease"
 
@@ -61,6 +64,12 @@ func NodeAgentRules() []rbacv1.PolicyRule {
 		rule("", []string{"persistentvolumes"}, "get", "list", "watch", "create", "update", "patch", "delete"),
 		rule("storage.k8s.io", []string{"storageclasses"}, read...),
 		rule("cdi.kubevirt.io", []string{"datavolumes", "cdis", "cdiconfigs"}, read...),
+		// The snapshotter role (snapshot-controller and csi-snapshotter of
+		// its volumes) and restores by the provisioner.
+		rule(volumeSnapshot, []string{"volumesnapshots"}, "get", "list", "watch", "update", "patch"),
+		rule(volumeSnapshot, []string{"volumesnapshots/status", "volumesnapshotcontents/status"}, "get", "update", "patch"),
+		rule(volumeSnapshot, []string{"volumesnapshotcontents"}, "get", "list", "watch", "create", "update", "patch", "delete"),
+		rule(volumeSnapshot, []string{"volumesnapshotclasses"}, read...),
 		// Import sources' CA bundles and the CDI configuration.
 		rule("", []string{"configmaps"}, "get"),
 		// Its own certificate (nodevirt.io/node signer).
@@ -79,6 +88,7 @@ func BrainRules() []rbacv1.PolicyRule {
 		rule(core, []string{"*"}, all...),
 		rule(subresources, []string{"*"}, all...),
 		rule(snapshot, []string{"*"}, all...),
+		rule(volumeSnapshot, []string{"*"}, all...), // CSI snapshots: restores, the default class
 		rule(instancetype, []string{"*"}, all...),
 		rule(pool, []string{"*"}, all...),
 		rule(clone, []string{"*"}, all...),

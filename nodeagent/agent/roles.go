@@ -10,6 +10,7 @@ import (
 var nodeRoles = []RoleFactory{
 	newCSIRole,
 	newProvisionerRole,
+	newSnapshotterRole,
 	newBridgeMarkerRole,
 	newImportRole,
 	newPodNetworkRole,

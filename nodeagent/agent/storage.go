@@ -2,9 +2,14 @@ package agent
 
 import (
 	"context"
+	"fmt"
 
+	"k8s.io/client-go/dynamic"
+
+	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport"
 	"github.com/nodevirt/nodevirt/nodeagent/provisioner"
+	"github.com/nodevirt/nodevirt/nodeagent/snapshotter"
 )
 
 // namedRole adapts a Run function to Role.
@@ -19,11 +24,25 @@ func (r namedRole) Run(ctx context.Context) error { return r.run(ctx) }
 // newCSIRole serves the node's CSI driver on its socket.
 func newCSIRole(d *Deps) (Role, error) { return namedRole{"csi", d.Volumes.Run}, nil }
 
+// snapshotClient reaches snapshot.storage.k8s.io (CRDs the brain installs
+// when the cluster has none).
+func snapshotClient(d *Deps) (*snapshotv1.Client, error) {
+	dyn, err := dynamic.NewForConfig(d.RestConfig)
+	if err != nil {
+		return nil, fmt.Errorf("snapshot client: %w", err)
+	}
+	return snapshotv1.NewClient(dyn), nil
+}
+
 // newProvisionerRole provisions PersistentVolumes on this node for claims of
-// the hostpath storage classes.
+// the hostpath storage classes, restoring VolumeSnapshots this node holds.
 func newProvisionerRole(d *Deps) (Role, error) {
+	snaps, err := snapshotClient(d)
+	if err != nil {
+		return nil, err
+	}
 	p, err := provisioner.New(provisioner.Config{NodeName: d.Config.NodeName, Client: d.Kube, Driver: d.Volumes,
-		Logger: d.Log.With("role", "provisioner")})
+		Snapshots: snaps, Logger: d.Log.With("role", "provisioner")})
 	if err != nil {
 		return nil, err
 	}
@@ -44,4 +63,19 @@ func newImportRole(d *Deps) (Role, error) {
 		return nil, err
 	}
 	return namedRole{"importer", a.Run}, nil
+}
+
+// newSnapshotterRole takes, binds and deletes the CSI snapshots of this
+// node's volumes for VolumeSnapshots (snapshot-controller + csi-snapshotter).
+func newSnapshotterRole(d *Deps) (Role, error) {
+	snaps, err := snapshotClient(d)
+	if err != nil {
+		return nil, err
+	}
+	s, err := snapshotter.New(snapshotter.Config{NodeName: d.Config.NodeName, Kube: d.Kube, Snapshots: snaps,
+		Driver: d.Volumes, Logger: d.Log.With("role", "snapshotter")})
+	if err != nil {
+		return nil, err
+	}
+	return namedRole{"snapshotter", s.Run}, nil
 }
