@@ -24,6 +24,9 @@ import (
 // DefaultAgentPollInterval is how often a connected agent is asked again.
 const DefaultAgentPollInterval = 30 * time.Second
 
+// agentStatusTimeout bounds each agent call made for the VMI's status.
+const agentStatusTimeout = 5 * time.Second
+
 // agentDue reports whether the VMI's agent should be asked now, and
 // records that it is being asked.
 func (h *Handler) agentDue(vmi *v1.VirtualMachineInstance) bool {
@@ -69,6 +72,9 @@ func (h *Handler) observeAgent(ctx context.Context, lv *launcher.Manager, vmi, o
 	log := h.log.With("vmi", vmi.Namespace+"/"+vmi.Name)
 	key := vmi.Namespace + "/" + vmi.Name
 	h.queue.AddAfter(key, h.cfg.AgentPollInterval)
+	// A hung agent must not hold a reconcile worker for long.
+	ctx, cancel := context.WithTimeout(ctx, agentStatusTimeout)
+	defer cancel()
 	osInfo, err := lv.GuestOSInfo(ctx, info.Name)
 	if err != nil {
 		log.Info("guest agent: os info", "err", err)

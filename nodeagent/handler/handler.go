@@ -338,7 +338,7 @@ func (h *Handler) watchDomains(ctx context.Context, lv *launcher.Manager) {
 			}
 			if e.Type == launcher.EventAgentConnected || e.Type == launcher.EventAgentDisconnected {
 				if ns, name, ok := domain.SplitName(e.Domain); ok {
-					h.log.Info("guest agent "+e.Type.String(), "vmi", ns+"/"+name, "reason", e.Reason)
+					h.log.Debug("guest agent "+e.Type.String(), "vmi", ns+"/"+name, "reason", e.Reason)
 					h.forgetAgentKey(ns + "/" + name)
 					h.queue.Add(ns + "/" + name)
 				}

@@ -485,7 +485,15 @@ func TestOrphanCleanedAfterRestart(t *testing.T) {
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
-	if _, err := os.Stat(h.vmDir(running.UID)); !os.IsNotExist(err) {
-		t.Errorf("state of the orphan: %v", err)
+	// The state goes right after the domain (taps are detached first).
+	for {
+		_, err := os.Stat(h.vmDir(running.UID))
+		if os.IsNotExist(err) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("state of the orphan still there: %v", err)
+		}
+		time.Sleep(100 * time.Millisecond)
 	}
 }

@@ -2,8 +2,11 @@ package handler
 
 import (
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
+	"reflect"
+	"slices"
 	"testing"
 	"time"
 
@@ -136,5 +139,40 @@ func TestHostDiskAndFormat(t *testing.T) {
 	if p, block, err := hostDisk("/dev/null"); err != nil || block || p != "/dev/null" {
 		// a character device is not a block disk
 		t.Errorf("/dev/null: %q %v %v", p, block, err)
+	}
+}
+
+func TestInterfaceStatusWithAgent(t *testing.T) {
+	vmi := &v1.VirtualMachineInstance{}
+	vmi.Spec.Domain.Devices.Interfaces = []v1.Interface{
+		{Name: "lan", MacAddress: "02:00:00:00:00:01"},
+		{Name: "pod", MacAddress: "02:00:00:00:00:02"},
+	}
+	leases := func(*v1.VirtualMachineInstance, map[string]string) map[string]net.IP {
+		return map[string]net.IP{"pod": net.ParseIP("10.0.2.2")}
+	}
+	agent := []launcher.GuestInterface{
+		{Name: "eth0", MAC: "02:00:00:00:00:01", IPs: []string{"192.168.1.5", "fd00::5"}},
+		{Name: "eth1", MAC: "02:00:00:00:00:02", IPs: []string{"10.0.2.2", "fd00::6"}},
+	}
+	got := interfaceStatus(vmi, nil, leases, agent)
+	if len(got) != 2 || got[0].IP != "192.168.1.5" || !slices.Equal(got[0].IPs, []string{"192.168.1.5", "fd00::5"}) ||
+		got[0].InterfaceName != "eth0" || got[0].InfoSource != "domain, guest-agent" {
+		t.Fatalf("agent addresses: %+v", got)
+	}
+	if got[1].IP != "10.0.2.2" || !slices.Equal(got[1].IPs, []string{"10.0.2.2", "fd00::6"}) || got[1].InterfaceName != "eth1" {
+		t.Fatalf("lease stays primary: %+v", got[1])
+	}
+	// Not asked this time: what the agent said is kept.
+	vmi.Status.Interfaces = got
+	kept := interfaceStatus(vmi, nil, leases, nil)
+	if !reflect.DeepEqual(kept, got) {
+		t.Fatalf("kept %+v, want %+v", kept, got)
+	}
+	// No agent: its addresses go, the lease stays.
+	gone := interfaceStatus(vmi, nil, leases, []launcher.GuestInterface{})
+	if gone[0].IP != "" || len(gone[0].IPs) != 0 || gone[0].InterfaceName != "" || gone[0].InfoSource != "domain" ||
+		gone[1].IP != "10.0.2.2" || !slices.Equal(gone[1].IPs, []string{"10.0.2.2"}) {
+		t.Fatalf("without agent: %+v", gone)
 	}
 }
