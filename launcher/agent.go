@@ -286,6 +286,14 @@ func (m *Manager) GuestAgentInfo(ctx context.Context, name string) (*v1.VirtualM
 		return nil, err
 	}
 	info.FSInfo.Filesystems = fss
+	var freeze string
+	if err := partial(m.AgentCommand(ctx, name, "guest-fsfreeze-status", nil, &freeze)); err != nil {
+		return nil, err
+	}
+	if freeze == "frozen" {
+		// KubeVirt shows only a frozen state; thawed is the normal one.
+		info.FSFreezeStatus = freeze
+	}
 	return info, nil
 }
 
@@ -295,8 +303,10 @@ type GuestInterface struct {
 	Name string
 	// MAC is its hardware address, lower case.
 	MAC string
-	// IPs are its addresses without prefix, IPv4 first as the agent lists
-	// them; link-local IPv6 addresses are left out.
+	// IP is its primary address: the first IPv4 address, else the first.
+	IP string
+	// IPs are its addresses without prefix, in the agent's order;
+	// link-local and loopback addresses are left out.
 	IPs []string
 }
 
@@ -307,6 +317,10 @@ func (m *Manager) GuestInterfaces(ctx context.Context, name string) ([]GuestInte
 	if err := m.AgentCommand(ctx, name, "guest-network-get-interfaces", nil, &ifs); err != nil {
 		return nil, err
 	}
+	return guestInterfaces(ifs), nil
+}
+
+func guestInterfaces(ifs []agentInterface) []GuestInterface {
 	var out []GuestInterface
 	for _, i := range ifs {
 		if i.Name == "lo" {
@@ -322,8 +336,14 @@ func (m *Manager) GuestInterfaces(ctx context.Context, name string) ([]GuestInte
 				continue
 			}
 			gi.IPs = append(gi.IPs, ip.String())
+			if gi.IP == "" && ip.To4() != nil {
+				gi.IP = ip.String()
+			}
+		}
+		if gi.IP == "" && len(gi.IPs) > 0 {
+			gi.IP = gi.IPs[0]
 		}
 		out = append(out, gi)
 	}
-	return out, nil
+	return out
 }

@@ -152,11 +152,11 @@ func TestInterfaceStatusWithAgent(t *testing.T) {
 		return map[string]net.IP{"pod": net.ParseIP("10.0.2.2")}
 	}
 	agent := []launcher.GuestInterface{
-		{Name: "eth0", MAC: "02:00:00:00:00:01", IPs: []string{"192.168.1.5", "fd00::5"}},
-		{Name: "eth1", MAC: "02:00:00:00:00:02", IPs: []string{"10.0.2.2", "fd00::6"}},
+		{Name: "eth0", MAC: "02:00:00:00:00:01", IP: "192.168.1.5", IPs: []string{"fd00::5", "192.168.1.5"}},
+		{Name: "eth1", MAC: "02:00:00:00:00:02", IP: "fd00::6", IPs: []string{"fd00::6", "10.0.2.2"}},
 	}
 	got := interfaceStatus(vmi, nil, leases, agent)
-	if len(got) != 2 || got[0].IP != "192.168.1.5" || !slices.Equal(got[0].IPs, []string{"192.168.1.5", "fd00::5"}) ||
+	if len(got) != 2 || got[0].IP != "192.168.1.5" || !slices.Equal(got[0].IPs, []string{"fd00::5", "192.168.1.5"}) ||
 		got[0].InterfaceName != "eth0" || got[0].InfoSource != "domain, guest-agent" {
 		t.Fatalf("agent addresses: %+v", got)
 	}

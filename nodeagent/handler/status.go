@@ -165,10 +165,7 @@ func interfaceStatus(vmi *v1.VirtualMachineInstance, devs *libvirtxml.DomainDevi
 			for _, gi := range agent {
 				if mac != "" && strings.EqualFold(gi.MAC, mac) {
 					st.InterfaceName, st.InfoSource = gi.Name, "domain, guest-agent"
-					st.IPs = gi.IPs
-					if len(gi.IPs) > 0 {
-						st.IP = gi.IPs[0]
-					}
+					st.IP, st.IPs = gi.IP, gi.IPs
 				}
 			}
 		}
