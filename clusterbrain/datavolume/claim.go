@@ -30,6 +30,8 @@ const defaultOverhead = 0.06
 type claimError struct {
 	reason string
 	err    error
+	// fatal fails the DataVolume: waiting cannot help.
+	fatal bool
 }
 
 func (e *claimError) Error() string { return e.err.Error() }
@@ -104,7 +106,7 @@ func sourceKind(src *cdiv1.DataVolumeSource) string {
 	case src.PVC != nil:
 		return importstate.SourcePVC
 	case src.Snapshot != nil:
-		return "snapshot"
+		return importstate.SourceSnapshot
 	case src.S3 != nil:
 		return "s3"
 	case src.GCS != nil:
@@ -121,6 +123,7 @@ func sourceKind(src *cdiv1.DataVolumeSource) string {
 var supportedKinds = map[string]bool{
 	importstate.SourceNone: true, importstate.SourceHTTP: true, importstate.SourceRegistry: true,
 	importstate.SourceBlank: true, importstate.SourceUpload: true, importstate.SourcePVC: true,
+	importstate.SourceSnapshot: true,
 }
 
 // buildClaim makes the PVC of dv.
@@ -160,7 +163,20 @@ func (c *Controller) buildClaim(ctx context.Context, dv *cdiv1.DataVolume, src *
 		mode := corev1.PersistentVolumeFilesystem
 		spec.VolumeMode = &mode
 	}
+	var restore int64
+	if src != nil && src.Snapshot != nil {
+		loc, err := c.snapshotSource(ctx, src)
+		if err != nil {
+			return nil, err
+		}
+		restore = loc.RestoreSize
+		snapshotDataSource(&spec, src.Snapshot.Name)
+	}
 	size, ok := spec.Resources.Requests[corev1.ResourceStorage]
+	if !ok && restore > 0 {
+		// The snapshot's size is the volume's: no overhead to add.
+		size, ok, inflate = *resource.NewQuantity(restore, resource.BinarySI), true, false
+	}
 	if !ok && src != nil && src.PVC != nil {
 		srcPVC, err := c.kube.CoreV1().PersistentVolumeClaims(src.PVC.Namespace).Get(ctx, src.PVC.Name, metav1.GetOptions{})
 		if err != nil {
@@ -182,6 +198,11 @@ func (c *Controller) buildClaim(ctx context.Context, dv *cdiv1.DataVolume, src *
 			usable = int64(float64(usable) * (1 - overhead))
 		}
 	}
+	if size.Value() < restore {
+		return nil, &claimError{reason: "SnapshotTooLarge", fatal: true, err: fmt.Errorf(
+			"requested size %s is smaller than the restore size %s of volumesnapshot %s/%s", size.String(),
+			resource.NewQuantity(restore, resource.BinarySI).String(), src.Snapshot.Namespace, src.Snapshot.Name)}
+	}
 	if spec.Resources.Requests == nil {
 		spec.Resources.Requests = corev1.ResourceList{}
 	}
@@ -201,6 +222,8 @@ func (c *Controller) buildClaim(ctx context.Context, dv *cdiv1.DataVolume, src *
 		ann[importstate.AnnUploadTarget] = ""
 	case src != nil && src.PVC != nil:
 		ann[importstate.AnnCloneRequest] = src.PVC.Namespace + "/" + src.PVC.Name
+	case src != nil && src.Snapshot != nil:
+		ann[importstate.AnnEndpoint] = "volumesnapshot/" + src.Snapshot.Namespace + "/" + src.Snapshot.Name
 	}
 	for _, k := range []string{importstate.AnnImmediateBinding, importstate.AnnSelectedNode} {
 		if v, ok := dv.Annotations[k]; ok {
@@ -288,12 +311,22 @@ func (c *Controller) filesystemOverhead(ctx context.Context, className string) f
 }
 
 // placeImmediately gives a pending WaitForFirstConsumer claim a node when
-// nothing will consume it soon: a clone goes to its source's node, any
+// nothing will consume it soon: a clone goes to its source's node, a
+// snapshot restore to the node holding the snapshot, any
 // other claim to a node picked from the claim's UID among the nodes that
 // can take it (for an upload, nodes with an upload endpoint).
 func (c *Controller) placeImmediately(ctx context.Context, pvc *corev1.PersistentVolumeClaim, src *cdiv1.DataVolumeSource) error {
 	node := ""
-	if src != nil && src.PVC != nil {
+	if src != nil && src.Snapshot != nil {
+		loc, err := c.snapshotSource(ctx, src)
+		if err != nil {
+			return err
+		}
+		if loc.Node == "" {
+			return claimErrorf("SnapshotNotPlaced", "volumesnapshot %s/%s is on no known node", src.Snapshot.Namespace, src.Snapshot.Name)
+		}
+		node = loc.Node
+	} else if src != nil && src.PVC != nil {
 		n, err := c.claimNode(ctx, src.PVC.Namespace, src.PVC.Name)
 		if err != nil {
 			return err

@@ -32,6 +32,7 @@ import (
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
 	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
 )
@@ -45,9 +46,13 @@ type Config struct {
 	Workers int
 	// Resync re-reads every object this often (default 10 minutes).
 	Resync time.Duration
-	// SkipStorageClass leaves the StorageClass hostpath-csi alone (the
-	// StorageProfiles are still kept).
+	// SkipStorageClass leaves the StorageClass hostpath-csi and the
+	// VolumeSnapshotClass hostpath-csi-snapclass alone (the StorageProfiles
+	// are still kept).
 	SkipStorageClass bool
+	// Snapshots reads the VolumeSnapshots DataVolumes restore and keeps the
+	// default VolumeSnapshotClass; nil fails snapshot sources.
+	Snapshots *snapshotv1.Client
 }
 
 func (c *Config) defaults() {
@@ -162,6 +167,9 @@ func (c *Controller) Run(ctx context.Context) error {
 			return err
 		}
 	}
+	if !c.cfg.SkipStorageClass && c.cfg.Snapshots != nil {
+		go c.keepSnapshotClass(ctx)
+	}
 	go c.dvInformer.RunWithContext(ctx)
 	c.factory.Start(ctx.Done())
 	defer c.factory.Shutdown()
@@ -175,6 +183,18 @@ func (c *Controller) Run(ctx context.Context) error {
 	go wait.UntilWithContext(ctx, c.profileWorker, time.Second)
 	<-ctx.Done()
 	return nil
+}
+
+// keepSnapshotClass creates the default VolumeSnapshotClass once the
+// snapshot API is served.
+func (c *Controller) keepSnapshotClass(ctx context.Context) {
+	_ = wait.PollUntilContextCancel(ctx, 10*time.Second, true, func(ctx context.Context) (bool, error) {
+		if err := c.ensureSnapshotClass(ctx); err != nil {
+			c.log.Info("volumesnapshotclass not created yet", "err", err)
+			return false, nil
+		}
+		return true, nil
+	})
 }
 
 func (c *Controller) worker(ctx context.Context) {

@@ -15,10 +15,13 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport/dvimporttest"
@@ -30,9 +33,11 @@ func TestMain(m *testing.M) {
 }
 
 type env struct {
-	kube kubernetes.Interface
-	virt *client.Set
-	ns   string
+	kube  kubernetes.Interface
+	virt  *client.Set
+	snaps *snapshotv1.Client
+	rest  *rest.Config
+	ns    string
 }
 
 var (
@@ -47,7 +52,11 @@ func setup(t *testing.T) env {
 	cp := controlplane.Shared(t)
 	setupOnce.Do(func() {
 		ctx := context.Background()
-		if err := crds.Install(ctx, apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.Catalog()); err != nil {
+		ext := apiextensionsclient.NewForConfigOrDie(cp.RestConfig)
+		if err := crds.Install(ctx, ext, crds.Catalog()); err != nil {
+			t.Fatal(err)
+		}
+		if err := crds.InstallAbsent(ctx, ext, crds.SnapshotCatalog()); err != nil {
 			t.Fatal(err)
 		}
 		kube := cp.Clientset(t)
@@ -77,12 +86,13 @@ func setup(t *testing.T) env {
 			}
 		}
 		log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
-		c, err := New(Config{Kube: kube, Virt: virt, Log: log})
+		snaps := snapshotv1.NewClient(dynamic.NewForConfigOrDie(cp.RestConfig))
+		c, err := New(Config{Kube: kube, Virt: virt, Snapshots: snaps, Log: log})
 		if err != nil {
 			t.Fatal(err)
 		}
 		go func() { _ = c.Run(ctx) }()
-		shared = env{kube: kube, virt: virt}
+		shared = env{kube: kube, virt: virt, snaps: snaps, rest: cp.RestConfig}
 	})
 	if shared.kube == nil {
 		t.Fatal("setup failed earlier")

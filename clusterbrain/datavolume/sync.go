@@ -42,6 +42,15 @@ func (c *Controller) sync(ctx context.Context, key string) (time.Duration, error
 		st := failedStatus(dv, "UnsupportedSource", fmt.Sprintf("source %s is not supported by nodevirt", kind))
 		return 0, c.writeStatus(ctx, dv, st)
 	}
+	if src != nil && src.Snapshot != nil && src.Snapshot.Namespace == "" {
+		src = src.DeepCopy()
+		src.Snapshot.Namespace = dv.Namespace
+	}
+	if src != nil && src.Snapshot != nil && src.Snapshot.Namespace != dv.Namespace {
+		st := failedStatus(dv, "CrossNamespaceSnapshot",
+			"restoring a snapshot of another namespace needs an authorization check nodevirt does not make yet")
+		return 0, c.writeStatus(ctx, dv, st)
+	}
 	if src != nil && src.PVC != nil && src.PVC.Namespace != dv.Namespace {
 		st := failedStatus(dv, "CrossNamespaceClone",
 			"cloning from another namespace needs an authorization check nodevirt does not make yet")
@@ -92,6 +101,9 @@ func (c *Controller) pending(ctx context.Context, dv *cdiv1.DataVolume, cause er
 	var ce *claimError
 	if !errors.As(cause, &ce) {
 		return 0, cause
+	}
+	if ce.fatal {
+		return 0, c.writeStatus(ctx, dv, failedStatus(dv, ce.reason, ce.Error()))
 	}
 	st := cdiv1.DataVolumeStatus{ClaimName: dv.Name, Phase: cdiv1.Pending, Progress: "N/A", RestartCount: dv.Status.RestartCount}
 	setConditions(&st, dv.Status.Conditions,
@@ -150,6 +162,9 @@ func (c *Controller) emitEvents(dv *cdiv1.DataVolume, old, cur cdiv1.DataVolumeS
 		reason, msg = "ImportSucceeded", fmt.Sprintf("Successfully imported into PVC %s", dv.Name)
 		if dv.Spec.Source != nil && dv.Spec.Source.Upload != nil {
 			reason, msg = "UploadSucceeded", fmt.Sprintf("Successfully uploaded into PVC %s", dv.Name)
+		}
+		if dv.Spec.Source != nil && dv.Spec.Source.Snapshot != nil {
+			reason, msg = "CloneSucceeded", fmt.Sprintf("Successfully restored snapshot %s into PVC %s", dv.Spec.Source.Snapshot.Name, dv.Name)
 		}
 	case cdiv1.Failed:
 		typ = corev1.EventTypeWarning
@@ -255,7 +270,7 @@ func boundPhase(kind string, rep importstate.Report) cdiv1.DataVolumePhase {
 			return cdiv1.UploadReady
 		case kind == importstate.SourceUpload:
 			return cdiv1.UploadScheduled
-		case kind == importstate.SourcePVC:
+		case kind == importstate.SourcePVC, kind == importstate.SourceSnapshot:
 			return cdiv1.CloneInProgress
 		}
 		return cdiv1.ImportInProgress
@@ -263,7 +278,7 @@ func boundPhase(kind string, rep importstate.Report) cdiv1.DataVolumePhase {
 	switch kind {
 	case importstate.SourceUpload:
 		return cdiv1.UploadScheduled
-	case importstate.SourcePVC:
+	case importstate.SourcePVC, importstate.SourceSnapshot:
 		return cdiv1.CloneScheduled
 	}
 	return cdiv1.ImportScheduled

@@ -278,6 +278,11 @@ func (a *Agent) sync(ctx context.Context, key string) error {
 	switch t.kind {
 	case importstate.SourceNone:
 		return nil
+	case importstate.SourceSnapshot:
+		// The provisioner restored the snapshot when it made the volume.
+		t.log(a.log).Info("restored from snapshot")
+		return a.report(ctx, t, importstate.Report{Phase: corev1.PodSucceeded, Node: a.cfg.NodeName,
+			Reason: "Completed", Progress: "100.0%"})
 	case importstate.SourceUpload:
 		if a.upload == nil {
 			return a.report(ctx, t, importstate.Report{Phase: corev1.PodFailed, Node: a.cfg.NodeName,

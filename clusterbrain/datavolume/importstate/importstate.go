@@ -39,8 +39,8 @@ const (
 
 // Keys the brain writes when it creates the PVC.
 const (
-	// AnnSource is the kind of source: http, registry, blank, upload, pvc
-	// or none.
+	// AnnSource is the kind of source: http, registry, blank, upload, pvc,
+	// snapshot or none.
 	AnnSource = "cdi.kubevirt.io/storage.import.source"
 	// AnnEndpoint is the URL of an http or registry source (informative).
 	AnnEndpoint = "cdi.kubevirt.io/storage.import.endpoint"
@@ -80,6 +80,10 @@ const (
 	SourceUpload   = "upload"
 	SourcePVC      = "pvc"
 	SourceNone     = "none"
+	// SourceSnapshot is a restore from a VolumeSnapshot: the node's
+	// provisioner fills the volume when it creates it, so the node reports
+	// Succeeded once the claim is bound.
+	SourceSnapshot = "snapshot"
 )
 
 // Report is what the node says about one PVC.
