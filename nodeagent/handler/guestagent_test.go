@@ -3,8 +3,10 @@ package handler
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"net/http"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -12,10 +14,12 @@ import (
 	"time"
 
 	k8sv1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	v1 "kubevirt.io/api/core/v1"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
 	"github.com/nodevirt/nodevirt/nodeagent/console"
 	"github.com/nodevirt/nodevirt/test/guest"
 )
@@ -131,6 +135,30 @@ func TestGuestAgent(t *testing.T) {
 		t.Errorf("filesystemlist %+v, want /boot on vda1 with its usage", fss.Items)
 	}
 
+	// The brain's own node client (clusterbrain/subresources) reads the
+	// same answers, finding this node's server through its Node object.
+	tc, err := n.pki.ClientTLS()
+	if err != nil {
+		t.Fatal(err)
+	}
+	nodeObj := &k8sv1.Node{ObjectMeta: metav1.ObjectMeta{Name: n.name,
+		Annotations: map[string]string{subresources.NodeAddressAnnotation: h.ConsoleAddr()}}}
+	if _, err := n.kube.CoreV1().Nodes().Create(ctx, nodeObj, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { n.kube.CoreV1().Nodes().Delete(context.Background(), n.name, metav1.DeleteOptions{}) })
+	brain := subresources.NewHTTPSNodeClient(n.kube, tc)
+	for _, what := range []string{"guestosinfo", "userlist", "filesystemlist"} {
+		data, err := brain.Call(ctx, got, http.MethodGet, what, nil)
+		if err != nil {
+			t.Fatalf("brain client %s: %v", what, err)
+		}
+		var anyJSON map[string]any
+		if err := json.Unmarshal(data, &anyJSON); err != nil || len(anyJSON) == 0 {
+			t.Errorf("brain client %s: %q %v", what, data, err)
+		}
+	}
+
 	// qemu-ga stops: the condition goes while the guest runs on, and the
 	// node refuses agent calls with a conflict.
 	con, err := c.Console(ctx, n.ns, "agent")
@@ -144,6 +172,9 @@ func TestGuestAgent(t *testing.T) {
 	})
 	if err := c.GuestAgent(ctx, n.ns, "agent", "userlist", &users); !errors.Is(err, console.ErrNoGuestAgent) {
 		t.Errorf("userlist without agent: %v, want ErrNoGuestAgent", err)
+	}
+	if _, err := brain.Call(ctx, got, http.MethodGet, "userlist", nil); !apierrors.IsConflict(err) {
+		t.Errorf("brain client userlist without agent: %v, want a conflict", err)
 	}
 
 	// The agent comes back, then the guest powers off: Succeeded, no
