@@ -231,19 +231,30 @@ func (m *Manager) GuestFileSystems(ctx context.Context, name string) ([]v1.Virtu
 	return out, nil
 }
 
+// GuestAgentVersion asks the agent for its version and the commands it
+// supports (guest-info).
+func (m *Manager) GuestAgentVersion(ctx context.Context, name string) (string, []v1.GuestAgentCommandInfo, error) {
+	var ga agentInfo
+	if err := m.AgentCommand(ctx, name, "guest-info", nil, &ga); err != nil {
+		return "", nil, err
+	}
+	var cmds []v1.GuestAgentCommandInfo
+	for _, c := range ga.SupportedCommands {
+		cmds = append(cmds, v1.GuestAgentCommandInfo{Name: c.Name, Enabled: c.Enabled})
+	}
+	return ga.Version, cmds, nil
+}
+
 // GuestAgentInfo gathers what `virtctl guestosinfo` shows: the agent's
 // version and commands (guest-info), host name, operating system, time
 // zone, users and filesystems. A command the agent lacks or refuses leaves
 // its part empty; only a lost agent is an error.
 func (m *Manager) GuestAgentInfo(ctx context.Context, name string) (*v1.VirtualMachineInstanceGuestAgentInfo, error) {
-	var ga agentInfo
-	if err := m.AgentCommand(ctx, name, "guest-info", nil, &ga); err != nil {
+	version, cmds, err := m.GuestAgentVersion(ctx, name)
+	if err != nil {
 		return nil, err
 	}
-	info := &v1.VirtualMachineInstanceGuestAgentInfo{GAVersion: ga.Version}
-	for _, c := range ga.SupportedCommands {
-		info.SupportedCommands = append(info.SupportedCommands, v1.GuestAgentCommandInfo{Name: c.Name, Enabled: c.Enabled})
-	}
+	info := &v1.VirtualMachineInstanceGuestAgentInfo{GAVersion: version, SupportedCommands: cmds}
 	partial := func(err error) error {
 		if errors.Is(err, ErrAgentNotConnected) {
 			return err

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	v1 "kubevirt.io/api/core/v1"
@@ -28,17 +29,50 @@ const DefaultAgentPollInterval = 30 * time.Second
 const agentStatusTimeout = 5 * time.Second
 
 // agentDue reports whether the VMI's agent should be asked now, and
-// records that it is being asked.
-func (h *Handler) agentDue(vmi *v1.VirtualMachineInstance) bool {
+// whether it is the first time since it connected; it records that it is
+// being asked.
+func (h *Handler) agentDue(vmi *v1.VirtualMachineInstance) (due, first bool) {
 	key := vmi.Namespace + "/" + vmi.Name
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	last, ok := h.agentPolled[key]
 	if ok && last.uid == vmi.UID && time.Since(last.at) < h.cfg.AgentPollInterval {
-		return false
+		return false, false
 	}
 	h.agentPolled[key] = agentPoll{uid: vmi.UID, at: time.Now()}
-	return true
+	return true, !ok || last.uid != vmi.UID
+}
+
+// requiredAgentCommands are the agent commands KubeVirt expects of a
+// supported guest agent; an agent that lists its commands and lacks one of
+// these gets the UnsupportedAgent condition.
+var requiredAgentCommands = []string{
+	"guest-ping", "guest-get-time", "guest-info", "guest-shutdown", "guest-network-get-interfaces",
+	"guest-get-fsinfo", "guest-get-host-name", "guest-get-users", "guest-get-timezone", "guest-get-osinfo",
+}
+
+// agentSupport sets or clears the UnsupportedAgent condition from the
+// commands the agent lists (guest-info).
+func agentSupport(out *v1.VirtualMachineInstance, cmds []v1.GuestAgentCommandInfo) {
+	if len(cmds) == 0 {
+		return // an agent that lists nothing is not judged
+	}
+	enabled := map[string]bool{}
+	for _, c := range cmds {
+		enabled[c.Name] = c.Enabled
+	}
+	var missing []string
+	for _, c := range requiredAgentCommands {
+		if !enabled[c] {
+			missing = append(missing, c)
+		}
+	}
+	if len(missing) == 0 {
+		removeCondition(out, v1.VirtualMachineInstanceUnsupportedAgent)
+		return
+	}
+	setCondition(out, v1.VirtualMachineInstanceUnsupportedAgent, true, "This guest agent doesn't support required basic commands",
+		"missing or disabled: "+strings.Join(missing, ", "))
 }
 
 // forgetAgent makes the next reconcile with a connected agent ask it
@@ -61,12 +95,17 @@ func (h *Handler) observeAgent(ctx context.Context, lv *launcher.Manager, vmi, o
 	info launcher.DomainInfo, x *libvirtxml.Domain) []launcher.GuestInterface {
 	if !launcher.AgentChannelConnected(x) {
 		removeCondition(out, v1.VirtualMachineInstanceAgentConnected)
+		removeCondition(out, v1.VirtualMachineInstanceUnsupportedAgent)
 		h.forgetAgent(vmi)
 		return []launcher.GuestInterface{}
 	}
 	setCondition(out, v1.VirtualMachineInstanceAgentConnected, true, "", "")
-	if info.State != launcher.StateRunning || !h.agentDue(vmi) {
+	if info.State != launcher.StateRunning {
 		// A paused guest's agent cannot answer; it is asked after unpause.
+		return nil
+	}
+	due, first := h.agentDue(vmi)
+	if !due {
 		return nil
 	}
 	log := h.log.With("vmi", vmi.Namespace+"/"+vmi.Name)
@@ -75,6 +114,16 @@ func (h *Handler) observeAgent(ctx context.Context, lv *launcher.Manager, vmi, o
 	// A hung agent must not hold a reconcile worker for long.
 	ctx, cancel := context.WithTimeout(ctx, agentStatusTimeout)
 	defer cancel()
+	if first {
+		// The agent's command list does not change while it runs.
+		_, cmds, err := lv.GuestAgentVersion(ctx, info.Name)
+		if err != nil {
+			log.Info("guest agent: info", "err", err)
+			h.forgetAgent(vmi) // judged on the next poll
+			return nil
+		}
+		agentSupport(out, cmds)
+	}
 	osInfo, err := lv.GuestOSInfo(ctx, info.Name)
 	if err != nil {
 		log.Info("guest agent: os info", "err", err)

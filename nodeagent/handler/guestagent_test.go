@@ -88,6 +88,9 @@ func TestGuestAgent(t *testing.T) {
 	got = n.waitVMI(ctx, "agent", 30*time.Second, "with guestOSInfo and the guest's address", func(v *v1.VirtualMachineInstance) bool {
 		return v != nil && v.Status.GuestOSInfo.ID != "" && len(v.Status.Interfaces) == 1 && v.Status.Interfaces[0].IP != ""
 	})
+	if c := condition(got, v1.VirtualMachineInstanceUnsupportedAgent); c != nil {
+		t.Errorf("Debian's qemu-ga judged unsupported: %+v", c)
+	}
 	rel := osRelease(t)
 	_, modulesDir, err := guest.Kernel(ctx)
 	if err != nil {

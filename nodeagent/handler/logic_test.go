@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"reflect"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -174,5 +175,32 @@ func TestInterfaceStatusWithAgent(t *testing.T) {
 	if gone[0].IP != "" || len(gone[0].IPs) != 0 || gone[0].InterfaceName != "" || gone[0].InfoSource != "domain" ||
 		gone[1].IP != "10.0.2.2" || !slices.Equal(gone[1].IPs, []string{"10.0.2.2"}) {
 		t.Fatalf("without agent: %+v", gone)
+	}
+}
+
+func TestAgentSupport(t *testing.T) {
+	vmi := &v1.VirtualMachineInstance{}
+	var all []v1.GuestAgentCommandInfo
+	for _, c := range requiredAgentCommands {
+		all = append(all, v1.GuestAgentCommandInfo{Name: c, Enabled: true})
+	}
+	agentSupport(vmi, all[:3])
+	c := conditionOf(vmi, v1.VirtualMachineInstanceUnsupportedAgent)
+	if c == nil || c.Status != k8sv1.ConditionTrue || !strings.Contains(c.Message, "guest-get-osinfo") {
+		t.Fatalf("three commands: %+v", c)
+	}
+	all[len(all)-1].Enabled = false
+	agentSupport(vmi, all)
+	if c := conditionOf(vmi, v1.VirtualMachineInstanceUnsupportedAgent); c == nil || c.Message != "missing or disabled: guest-get-osinfo" {
+		t.Fatalf("disabled command: %+v", c)
+	}
+	all[len(all)-1].Enabled = true
+	agentSupport(vmi, all)
+	if c := conditionOf(vmi, v1.VirtualMachineInstanceUnsupportedAgent); c != nil {
+		t.Fatalf("every command: %+v", c)
+	}
+	agentSupport(vmi, nil) // an agent that lists nothing is not judged
+	if c := conditionOf(vmi, v1.VirtualMachineInstanceUnsupportedAgent); c != nil {
+		t.Fatalf("no list: %+v", c)
 	}
 }
