@@ -4,8 +4,12 @@
 //
 //	nodevirt-guest requirements                  Debian packages needed, one a line
 //	nodevirt-guest kernel                        kernel image and modules directory
-//	nodevirt-guest initramfs                     the default guest's initramfs
-//	nodevirt-guest bootdisk [-size MiB] [-cmdline S] [-format raw|qcow2]
+//	nodevirt-guest initramfs [-guest-agent]      the default guest's initramfs
+//	nodevirt-guest bootdisk [-size MiB] [-cmdline S] [-format raw|qcow2] [-guest-agent]
+//
+// -guest-agent adds Debian's QEMU guest agent (package qemu-guest-agent),
+// so that the guest's VMI gets AgentConnected and virtctl guestosinfo,
+// userlist and fslist answer.
 //
 // Artefacts are cached in $NODEVIRT_GUEST_CACHE (default /var/cache/nodevirt/guest).
 package main
@@ -46,7 +50,12 @@ func run(ctx context.Context, args []string) error {
 		fmt.Println(vmlinuz)
 		fmt.Println(modules)
 	case "initramfs":
-		p, err := guest.Initramfs(ctx, guest.Spec{})
+		fs := flag.NewFlagSet("initramfs", flag.ContinueOnError)
+		agent := fs.Bool("guest-agent", false, "add the QEMU guest agent")
+		if err := fs.Parse(args[1:]); err != nil {
+			return err
+		}
+		p, err := guest.Initramfs(ctx, guest.Spec{GuestAgent: *agent})
 		if err != nil {
 			return err
 		}
@@ -56,10 +65,12 @@ func run(ctx context.Context, args []string) error {
 		size := fs.Int("size", 64, "disk size in MiB")
 		cmdline := fs.String("cmdline", "", "extra kernel command line")
 		format := fs.String("format", "raw", "raw or qcow2")
+		agent := fs.Bool("guest-agent", false, "add the QEMU guest agent")
 		if err := fs.Parse(args[1:]); err != nil {
 			return err
 		}
-		p, err := guest.BootDisk(ctx, guest.DiskSpec{SizeMiB: *size, Cmdline: *cmdline})
+		p, err := guest.BootDisk(ctx, guest.DiskSpec{SizeMiB: *size, Cmdline: *cmdline,
+			Initramfs: guest.Spec{GuestAgent: *agent}})
 		if err != nil {
 			return err
 		}
