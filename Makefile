@@ -5,7 +5,7 @@ BIN := $(CURDIR)/bin
 LAB := $(CURDIR)/.lab
 EMULATION ?= on
 DEBIAN_PACKAGES := libvirt-daemon-system libvirt-dev qemu-system-x86 qemu-utils etcd-server \
-	containernetworking-plugins nftables iptables busybox-static extlinux syslinux-common genisoimage \
+	containernetworking-plugins nftables iptables busybox-static extlinux syslinux-common genisoimage qemu-guest-agent \
 	iproute2 ovmf xz-utils zstd curl cpio kmod e2fsprogs util-linux
 TEST_TIMEOUT ?= 35m
 
