@@ -63,7 +63,7 @@ func Demo(ctx context.Context, cfg Config) error {
 	}
 
 	step(cfg.Out, "guest image (Debian cloud kernel + busybox, built here, no download)")
-	raw, err := guest.BootDisk(ctx, guest.DiskSpec{})
+	raw, err := guest.BootDisk(ctx, guest.DiskSpec{Initramfs: guest.Spec{GuestAgent: true}})
 	if err != nil {
 		return fmt.Errorf("step guest image: %w", err)
 	}
@@ -114,14 +114,19 @@ func Demo(ctx context.Context, cfg Config) error {
 	if err := showConsole(ctx, cfg, rc, mac); err != nil {
 		return fmt.Errorf("step console: %w", err)
 	}
+	step(cfg.Out, "guest agent of "+demoVM)
+	if err := showGuestInfo(ctx, cfg, rc, virt); err != nil {
+		return fmt.Errorf("step guest agent: %w", err)
+	}
 	fmt.Fprintf(cfg.Out, "\nThe demo VM runs. Go further:\n"+
 		"  export KUBECONFIG=%s\n"+
 		"  kubectl get vm,vmi,dv -n %s\n"+
 		"  %s/virtctl console %s -n %s       # Ctrl+] to leave\n"+
+		"  %s/virtctl guestosinfo %s -n %s   # from the guest agent\n"+
 		"  %s/virtctl stop %s -n %s; %s/virtctl start %s -n %s\n"+
 		"  virsh -c qemu:///system list         # the domain as an administrator sees it\n"+
 		"Tear down: make lab-down\n",
-		cfg.Kubeconfig(), demoNamespace, cfg.BinDir, demoVM, demoNamespace,
+		cfg.Kubeconfig(), demoNamespace, cfg.BinDir, demoVM, demoNamespace, cfg.BinDir, demoVM, demoNamespace,
 		cfg.BinDir, demoVM, demoNamespace, cfg.BinDir, demoVM, demoNamespace)
 	return nil
 }
@@ -328,6 +333,49 @@ func vmiReason(vmi *kubevirtv1.VirtualMachineInstance) string {
 		}
 	}
 	return strings.Join(out, "; ")
+}
+
+// showGuestInfo waits for the guest agent to connect and shows what it
+// tells through the guestosinfo subresource, as `virtctl guestosinfo` reads it.
+func showGuestInfo(ctx context.Context, cfg Config, rc *rest.Config, virt *client.Set) error {
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		vmi, err := virt.VMIs.Get(ctx, demoNamespace, demoVM)
+		if err != nil {
+			return err
+		}
+		if hasAgent(vmi) {
+			break
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("vmi %s/%s: no AgentConnected condition within 60s", demoNamespace, demoVM)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(time.Second):
+		}
+	}
+	c, err := virtctl.NewClient(rc, demoNamespace)
+	if err != nil {
+		return err
+	}
+	var info kubevirtv1.VirtualMachineInstanceGuestAgentInfo
+	if err := c.GuestInfo(ctx, demoVM, "guestosinfo", &info); err != nil {
+		return fmt.Errorf("guestosinfo of %s/%s: %w", demoNamespace, demoVM, err)
+	}
+	fmt.Fprintf(cfg.Out, "    agent| %s, kernel %s, hostname %s, agent %s\n",
+		info.OS.PrettyName, info.OS.KernelRelease, info.Hostname, info.GAVersion)
+	return nil
+}
+
+func hasAgent(vmi *kubevirtv1.VirtualMachineInstance) bool {
+	for _, c := range vmi.Status.Conditions {
+		if c.Type == kubevirtv1.VirtualMachineInstanceAgentConnected && c.Status == "True" {
+			return true
+		}
+	}
+	return false
 }
 
 // showConsole types commands on the VM's serial console through the
