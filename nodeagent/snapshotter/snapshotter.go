@@ -19,7 +19,9 @@ import (
 
 	csispec "github.com/container-storage-interface/spec/lib/go/csi"
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
@@ -218,6 +220,9 @@ func (s *Snapshotter) Run(ctx context.Context) error {
 	defer s.queue.ShutDown()
 	s.events.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: s.cfg.Kube.CoreV1().Events("")})
 	defer s.events.Shutdown()
+	if err := s.waitForAPI(ctx); err != nil {
+		return nil // stopped before the API came
+	}
 	s.factory.Start(ctx.Done())
 	defer s.factory.Shutdown()
 	for _, inf := range []cache.SharedIndexInformer{s.snapshots, s.contents, s.classes} {
@@ -246,6 +251,30 @@ func (s *Snapshotter) Run(ctx context.Context) error {
 	s.queue.ShutDown()
 	wg.Wait()
 	return nil
+}
+
+// apiPoll is how often the role looks for the snapshot API while the
+// cluster does not serve it (the brain installs its CRDs when absent).
+const apiPoll = 5 * time.Second
+
+// waitForAPI returns once snapshot.storage.k8s.io is served, logging once
+// while it is not, or with ctx's error.
+func (s *Snapshotter) waitForAPI(ctx context.Context) error {
+	logged := false
+	return wait.PollUntilContextCancel(ctx, apiPoll, true, func(ctx context.Context) (bool, error) {
+		_, err := s.cfg.Snapshots.Classes.List(ctx, "", metav1.ListOptions{Limit: 1})
+		if err == nil {
+			if logged {
+				s.log.Info("snapshot API served")
+			}
+			return true, nil
+		}
+		if !logged {
+			s.log.Warn("waiting for the snapshot.storage.k8s.io API", "err", err)
+			logged = true
+		}
+		return false, nil
+	})
 }
 
 func (s *Snapshotter) next(ctx context.Context) bool {

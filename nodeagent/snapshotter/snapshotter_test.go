@@ -4,10 +4,12 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -23,9 +25,11 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
 
 	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
+	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	hostpath "github.com/nodevirt/nodevirt/csi"
 	"github.com/nodevirt/nodevirt/nodeagent/provisioner"
 	"github.com/nodevirt/nodevirt/test/controlplane"
@@ -45,6 +49,26 @@ type env struct {
 	pool   string
 	ns     string
 	class  string // StorageClass
+	log    *slog.Logger
+	logs   *logBuffer
+}
+
+// logBuffer keeps the roles' log lines to look for refused calls.
+type logBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (l *logBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.buf.Write(p)
+}
+
+func (l *logBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.buf.String()
 }
 
 func quiet() *slog.Logger {
@@ -64,7 +88,9 @@ func setup(t *testing.T) env {
 	if err := crds.InstallAbsent(ctx, apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.SnapshotCatalog()); err != nil {
 		t.Fatal(err)
 	}
-	e := env{kube: cp.Clientset(t), snaps: snapshotv1.NewClient(dynamic.NewForConfigOrDie(cp.RestConfig)), ns: cp.Namespace(t)}
+	e := env{kube: cp.Clientset(t), snaps: snapshotv1.NewClient(dynamic.NewForConfigOrDie(cp.RestConfig)), ns: cp.Namespace(t),
+		logs: &logBuffer{}}
+	e.log = slog.New(slog.NewTextHandler(io.MultiWriter(os.Stderr, e.logs), &slog.HandlerOptions{Level: slog.LevelInfo}))
 	root := t.TempDir()
 	e.pool = filepath.Join(root, "fast")
 	d, err := hostpath.New(hostpath.Config{NodeID: node, StateRoot: root, Endpoint: filepath.Join(root, "csi.sock"),
@@ -84,11 +110,26 @@ func setup(t *testing.T) env {
 	}
 	t.Cleanup(func() { _ = e.kube.StorageV1().StorageClasses().Delete(ctx, e.class, metav1.DeleteOptions{}) })
 
-	p, err := provisioner.New(provisioner.Config{NodeName: node, Client: e.kube, Driver: d, Snapshots: e.snaps, Logger: quiet()})
+	// The roles run as the nodeagent does: system:node:<node> under the
+	// nodeagent's least-privilege role.
+	if err := rbac.EnsureDaemons(ctx, e.kube); err != nil {
+		t.Fatal(err)
+	}
+	kc := filepath.Join(root, "node.kubeconfig")
+	if err := cp.WriteKubeconfig(kc, rbac.NodeUser(node), rbac.NodesGroup); err != nil {
+		t.Fatal(err)
+	}
+	rc, err := clientcmd.BuildConfigFromFlags("", kc)
 	if err != nil {
 		t.Fatal(err)
 	}
-	s, err := New(Config{NodeName: node, Kube: e.kube, Snapshots: e.snaps, Driver: d, Logger: quiet()})
+	nodeKube := kubernetes.NewForConfigOrDie(rc)
+	nodeSnaps := snapshotv1.NewClient(dynamic.NewForConfigOrDie(rc))
+	p, err := provisioner.New(provisioner.Config{NodeName: node, Client: nodeKube, Driver: d, Snapshots: nodeSnaps, Logger: e.log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(Config{NodeName: node, Kube: nodeKube, Snapshots: nodeSnaps, Driver: d, Logger: e.log})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -102,6 +143,9 @@ func setup(t *testing.T) env {
 			if err := <-done; err != nil {
 				t.Errorf("role: %v", err)
 			}
+		}
+		if l := e.logs.String(); strings.Contains(strings.ToLower(l), "forbidden") {
+			t.Errorf("a call of the roles was forbidden under the nodeagent's role:\n%s", l)
 		}
 	})
 	return e
@@ -409,4 +453,39 @@ func TestRetainPreProvisionedAndErrors(t *testing.T) {
 	}
 	_ = e.snaps.Contents.Delete(ctx, "", e.ns+"-hostile")
 	_ = e.snaps.Snapshots.Delete(ctx, e.ns, "no-class")
+}
+
+// TestSnapshotCRDsAreNotReplaced: InstallAbsent leaves a snapshot CRD that
+// exists alone (a cluster's external-snapshotter owns it), where Install
+// would apply nodevirt's over it.
+func TestSnapshotCRDsAreNotReplaced(t *testing.T) {
+	cp := controlplane.Shared(t)
+	ctx := context.Background()
+	ext := apiextensionsclient.NewForConfigOrDie(cp.RestConfig)
+	if err := crds.InstallAbsent(ctx, ext, crds.SnapshotCatalog()); err != nil {
+		t.Fatal(err)
+	}
+	name := "volumesnapshotclasses." + snapshotv1.GroupName
+	crd, err := ext.ApiextensionsV1().CustomResourceDefinitions().Get(ctx, name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Play the other installer: its CRD has other labels.
+	crd.Labels = map[string]string{"app.kubernetes.io/part-of": "external-snapshotter"}
+	if _, err := ext.ApiextensionsV1().CustomResourceDefinitions().Update(ctx, crd, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := crds.InstallAbsent(ctx, ext, crds.SnapshotCatalog()); err != nil {
+		t.Fatal(err)
+	}
+	crd, err = ext.ApiextensionsV1().CustomResourceDefinitions().Get(ctx, name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if crd.Labels["app.kubernetes.io/managed-by"] == "nodevirt" || crd.Labels["app.kubernetes.io/part-of"] != "external-snapshotter" {
+		t.Errorf("existing crd was re-applied: labels %v", crd.Labels)
+	}
+	if crd.Annotations["api-approved.kubernetes.io"] == "" {
+		t.Error("crd of a protected group without its approval annotation")
+	}
 }
