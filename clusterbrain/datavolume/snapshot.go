@@ -3,11 +3,13 @@ package datavolume
 import (
 	"context"
 	"fmt"
+	"strings"
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/validation"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
@@ -58,6 +60,10 @@ func (c *Controller) ensureSnapshotClass(ctx context.Context) error {
 // the DataVolume pending.
 func (c *Controller) snapshotSource(ctx context.Context, src *cdiv1.DataVolumeSource) (snapshotv1.Location, error) {
 	ns, name := src.Snapshot.Namespace, src.Snapshot.Name
+	if errs := validation.IsDNS1123Subdomain(name); len(errs) > 0 {
+		return snapshotv1.Location{}, &claimError{reason: "InvalidSnapshotName", fatal: true,
+			err: fmt.Errorf("volumesnapshot name %q is not valid: %s", name, strings.Join(errs, "; "))}
+	}
 	if c.cfg.Snapshots == nil {
 		return snapshotv1.Location{}, claimErrorf("SnapshotUnavailable", "volumesnapshot %s/%s: the brain has no snapshot client", ns, name)
 	}

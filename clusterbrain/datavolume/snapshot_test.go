@@ -167,6 +167,7 @@ func TestDataVolumeFromSnapshot(t *testing.T) {
 	e.create(t, pvcDV("restored", "16Mi", &cdiv1.DataVolumeSource{Snapshot: &cdiv1.DataVolumeSourceSnapshot{Name: "golden"}}))
 	e.create(t, pvcDV("too-small", "8Mi", &cdiv1.DataVolumeSource{Snapshot: &cdiv1.DataVolumeSourceSnapshot{Name: "golden"}}))
 	e.create(t, pvcDV("missing", "16Mi", &cdiv1.DataVolumeSource{Snapshot: &cdiv1.DataVolumeSourceSnapshot{Name: "nope"}}))
+	e.create(t, pvcDV("hostile", "16Mi", &cdiv1.DataVolumeSource{Snapshot: &cdiv1.DataVolumeSourceSnapshot{Name: "../../golden"}}))
 	ds := &cdiv1.DataSource{ObjectMeta: metav1.ObjectMeta{Name: "golden-ds", Namespace: e.ns},
 		Spec: cdiv1.DataSourceSpec{Source: cdiv1.DataSourceSource{Snapshot: &cdiv1.DataVolumeSourceSnapshot{Name: "golden"}}}}
 	if _, err := e.virt.DataSources.Create(ctx, ds); err != nil {
@@ -211,6 +212,10 @@ func TestDataVolumeFromSnapshot(t *testing.T) {
 	small := e.wait(t, "too-small", "Failed", func(dv *cdiv1.DataVolume) bool { return dv.Status.Phase == cdiv1.Failed })
 	if c := dvimporttest.Condition(small, cdiv1.DataVolumeRunning); c.Reason != "SnapshotTooLarge" || !strings.Contains(c.Message, "smaller than the restore size 16Mi") {
 		t.Errorf("too-small: running condition %+v", c)
+	}
+	hostile := e.wait(t, "hostile", "Failed", func(dv *cdiv1.DataVolume) bool { return dv.Status.Phase == cdiv1.Failed })
+	if c := dvimporttest.Condition(hostile, cdiv1.DataVolumeBound); c.Reason != "InvalidSnapshotName" || !strings.Contains(c.Message, `"../../golden" is not valid`) {
+		t.Errorf("hostile: bound condition %+v", c)
 	}
 	missing := e.wait(t, "missing", "pending on its snapshot", func(dv *cdiv1.DataVolume) bool {
 		return dvimporttest.Condition(dv, cdiv1.DataVolumeBound).Reason == "SnapshotNotFound"

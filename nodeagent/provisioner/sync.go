@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 
 	csispec "github.com/container-storage-interface/spec/lib/go/csi"
 	corev1 "k8s.io/api/core/v1"
@@ -12,6 +13,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/tools/cache"
 
 	hostpath "github.com/nodevirt/nodevirt/csi"
@@ -155,6 +157,9 @@ func (p *Provisioner) sourceSnapshot(ctx context.Context, pvc *corev1.Persistent
 	name := snapshotSource(pvc)
 	if name == "" {
 		return "", nil
+	}
+	if errs := validation.IsDNS1123Subdomain(name); len(errs) > 0 {
+		return "", &refusal{fmt.Errorf("volumesnapshot name %q is not valid: %s", name, strings.Join(errs, "; "))}
 	}
 	if p.cfg.Snapshots == nil {
 		return "", &refusal{fmt.Errorf("volumesnapshot %s: this provisioner has no snapshot client", name)}

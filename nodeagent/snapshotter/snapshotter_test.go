@@ -184,8 +184,38 @@ func (e env) snapshotClass(t *testing.T, policy snapshotv1.DeletionPolicy) strin
 
 func (e env) claim(t *testing.T, name, size, fromSnapshot string) {
 	t.Helper()
+	e.claimOn(t, name, size, fromSnapshot, node)
+}
+
+// startOtherNode runs a second node's driver and provisioner (as admin).
+func (e env) startOtherNode(t *testing.T, name string) {
+	t.Helper()
+	root := t.TempDir()
+	d, err := hostpath.New(hostpath.Config{NodeID: name, StateRoot: root, Endpoint: filepath.Join(root, "csi.sock"),
+		Pools: []hostpath.PoolConfig{{Name: "fast", Path: filepath.Join(root, "fast")}}, Logger: quiet()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cleanDriver(t, d) })
+	p, err := provisioner.New(provisioner.Config{NodeName: name, Client: e.kube, Driver: d, Snapshots: e.snaps, Logger: quiet()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- p.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("provisioner of %s: %v", name, err)
+		}
+	})
+}
+
+func (e env) claimOn(t *testing.T, name, size, fromSnapshot, selected string) {
+	t.Helper()
 	pvc := &corev1.PersistentVolumeClaim{
-		ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: name, Annotations: map[string]string{provisioner.AnnSelectedNode: node}},
+		ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: name, Annotations: map[string]string{provisioner.AnnSelectedNode: selected}},
 		Spec: corev1.PersistentVolumeClaimSpec{
 			StorageClassName: &e.class,
 			AccessModes:      []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
@@ -317,28 +347,37 @@ func TestSnapshotRestoreAndDelete(t *testing.T) {
 	}
 	e.claim(t, "restored", "16Mi", "snap")
 	e.claim(t, "too-small", "8Mi", "snap")
+	e.claim(t, "hostile", "16Mi", "../../snap")
+	e.claimOn(t, "elsewhere", "16Mi", "snap", "snap-node-b")
+	e.startOtherNode(t, "snap-node-b")
 	dir, _ := e.boundDir(t, "restored")
 	got, err := os.ReadFile(filepath.Join(dir, "data"))
 	if err != nil || !bytes.Equal(got, original) {
 		t.Fatalf("restored data: %d bytes, equal %v, err %v", len(got), bytes.Equal(got, original), err)
 	}
 
-	waitFor(t, "refusal event on too-small", func() (bool, error) {
-		events, err := e.kube.CoreV1().Events(e.ns).List(ctx, metav1.ListOptions{
-			FieldSelector: fields.OneTermEqualSelector("involvedObject.name", "too-small").String()})
-		if err != nil {
-			return false, err
-		}
-		for _, ev := range events.Items {
-			if ev.Reason == "ProvisioningFailed" && strings.Contains(ev.Message, "smaller than the restore size") {
-				return true, nil
+	for claim, want := range map[string]string{
+		"too-small": "requested size 8388608 bytes is smaller than the restore size 16777216 bytes",
+		"hostile":   `volumesnapshot name "../../snap" is not valid`,
+		"elsewhere": `is held by node "snap-node", the claim is selected for node snap-node-b`,
+	} {
+		waitFor(t, "refusal event on "+claim, func() (bool, error) {
+			events, err := e.kube.CoreV1().Events(e.ns).List(ctx, metav1.ListOptions{
+				FieldSelector: fields.OneTermEqualSelector("involvedObject.name", claim).String()})
+			if err != nil {
+				return false, err
 			}
+			for _, ev := range events.Items {
+				if ev.Reason == "ProvisioningFailed" && strings.Contains(ev.Message, want) {
+					return true, nil
+				}
+			}
+			return false, nil
+		})
+		pvc, err := e.kube.CoreV1().PersistentVolumeClaims(e.ns).Get(ctx, claim, metav1.GetOptions{})
+		if err != nil || pvc.Status.Phase != corev1.ClaimPending {
+			t.Errorf("%s claim: %v %s", claim, err, pvc.Status.Phase)
 		}
-		return false, nil
-	})
-	small, err := e.kube.CoreV1().PersistentVolumeClaims(e.ns).Get(ctx, "too-small", metav1.GetOptions{})
-	if err != nil || small.Status.Phase != corev1.ClaimPending {
-		t.Errorf("too-small claim: %v %s", err, small.Status.Phase)
 	}
 
 	if err := e.snaps.Snapshots.Delete(ctx, e.ns, "snap"); err != nil {
