@@ -4,6 +4,7 @@ package main
 
 import (
 	"os"
+	"runtime/debug"
 
 	"github.com/containernetworking/cni/pkg/skel"
 
@@ -14,5 +15,8 @@ func main() {
 	if bridge.IsUnregisterHelper() {
 		os.Exit(bridge.RunUnregisterHelper())
 	}
+	// A run lives for milliseconds and allocates little: collecting
+	// garbage would only cost CPU that concurrent runs compete for.
+	debug.SetGCPercent(-1)
 	skel.PluginMainFuncs(bridge.Funcs, bridge.VersionInfo, bridge.About)
 }
