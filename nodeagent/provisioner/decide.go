@@ -11,6 +11,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
 	hostpath "github.com/nodevirt/nodevirt/csi"
 )
 
@@ -140,23 +141,15 @@ func planClaim(pvc *corev1.PersistentVolumeClaim, sc *storagev1.StorageClass, no
 	return plan
 }
 
-// SnapshotGroup is the API group of VolumeSnapshot data sources.
-const SnapshotGroup = "snapshot.storage.k8s.io"
-
 func isSnapshotSource(group *string, kind string) bool {
-	return group != nil && *group == SnapshotGroup && kind == "VolumeSnapshot"
+	return group != nil && *group == snapshotv1.GroupName && kind == "VolumeSnapshot"
 }
 
 // snapshotSource returns the name of the VolumeSnapshot pvc restores, ""
 // if none.
 func snapshotSource(pvc *corev1.PersistentVolumeClaim) string {
-	if ds := pvc.Spec.DataSourceRef; ds != nil && isSnapshotSource(ds.APIGroup, ds.Kind) {
-		return ds.Name
-	}
-	if ds := pvc.Spec.DataSource; ds != nil && isSnapshotSource(ds.APIGroup, ds.Kind) {
-		return ds.Name
-	}
-	return ""
+	name, _ := snapshotv1.ClaimSource(pvc)
+	return name
 }
 
 func isClaimSource(group *string, kind string) bool {

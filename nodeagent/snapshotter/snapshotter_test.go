@@ -212,7 +212,17 @@ func (e env) startOtherNode(t *testing.T, name string) {
 	})
 }
 
+func (e env) claimMode(t *testing.T, name, fromSnapshot string, mode *corev1.PersistentVolumeMode) {
+	t.Helper()
+	e.claimWith(t, name, "8Mi", fromSnapshot, node, mode)
+}
+
 func (e env) claimOn(t *testing.T, name, size, fromSnapshot, selected string) {
+	t.Helper()
+	e.claimWith(t, name, size, fromSnapshot, selected, nil)
+}
+
+func (e env) claimWith(t *testing.T, name, size, fromSnapshot, selected string, mode *corev1.PersistentVolumeMode) {
 	t.Helper()
 	pvc := &corev1.PersistentVolumeClaim{
 		ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: name, Annotations: map[string]string{provisioner.AnnSelectedNode: selected}},
@@ -222,6 +232,7 @@ func (e env) claimOn(t *testing.T, name, size, fromSnapshot, selected string) {
 			Resources:        corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse(size)}},
 		},
 	}
+	pvc.Spec.VolumeMode = mode
 	if fromSnapshot != "" {
 		group := snapshotv1.GroupName
 		pvc.Spec.DataSource = &corev1.TypedLocalObjectReference{APIGroup: &group, Kind: "VolumeSnapshot", Name: fromSnapshot}
@@ -233,7 +244,7 @@ func (e env) claimOn(t *testing.T, name, size, fromSnapshot, selected string) {
 }
 
 // boundDir waits for the claim to bind and returns its volume directory.
-func (e env) boundDir(t *testing.T, name string) (dir, volumeID string) {
+func (e env) boundDir(t *testing.T, name string, block ...bool) (dir, volumeID string) {
 	t.Helper()
 	var pvc *corev1.PersistentVolumeClaim
 	waitFor(t, "claim "+name+" bound", func() (bool, error) {
@@ -244,6 +255,9 @@ func (e env) boundDir(t *testing.T, name string) (dir, volumeID string) {
 	pv, err := e.kube.CoreV1().PersistentVolumes().Get(context.Background(), pvc.Spec.VolumeName, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
+	}
+	if len(block) > 0 && block[0] {
+		return "", pv.Spec.CSI.VolumeHandle
 	}
 	dir, err = e.driver.VolumePath(pv.Spec.CSI.VolumeHandle)
 	if err != nil {
@@ -526,5 +540,57 @@ func TestSnapshotCRDsAreNotReplaced(t *testing.T) {
 	}
 	if crd.Annotations["api-approved.kubernetes.io"] == "" {
 		t.Error("crd of a protected group without its approval annotation")
+	}
+}
+
+// TestBlockSnapshotRestore: a block volume's bytes survive a snapshot and
+// a restore into a block claim.
+func TestBlockSnapshotRestore(t *testing.T) {
+	e := setup(t)
+	class := e.snapshotClass(t, snapshotv1.VolumeSnapshotContentDelete)
+	block := corev1.PersistentVolumeBlock
+	e.claimMode(t, "raw", "", &block)
+	_, rawID := e.boundDir(t, "raw", true)
+	disk, isBlock, err := e.driver.VolumeDisk(rawID)
+	if err != nil || !isBlock {
+		t.Fatalf("block volume disk %s block %v: %v", disk, isBlock, err)
+	}
+	pattern := bytes.Repeat([]byte{0xde, 0xad, 0xbe, 0xef}, 1<<18) // 1 MiB
+	writeAt(t, disk, pattern)
+	e.snapshot(t, "raw-snap", snapshotv1.VolumeSnapshotSource{PersistentVolumeClaimName: ptr("raw")}, class)
+	e.waitSnapshot(t, "raw-snap", "ready", ready)
+	writeAt(t, disk, bytes.Repeat([]byte{0}, len(pattern)))
+
+	e.claimMode(t, "raw-restored", "raw-snap", &block)
+	_, id := e.boundDir(t, "raw-restored", true)
+	restored, _, err := e.driver.VolumeDisk(id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Open(restored)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	got := make([]byte, len(pattern))
+	if _, err := io.ReadFull(f, got); err != nil || !bytes.Equal(got, pattern) {
+		t.Errorf("restored block volume: equal %v, err %v", bytes.Equal(got, pattern), err)
+	}
+}
+
+func writeAt(t *testing.T, path string, data []byte) {
+	t.Helper()
+	f, err := os.OpenFile(path, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.WriteAt(data, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Close(); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"reflect"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -187,6 +188,22 @@ func (r Resource[T]) Informer(resync time.Duration) cache.SharedIndexInformer {
 		},
 	}
 	return cache.NewSharedIndexInformer(lw, example, resync, cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc})
+}
+
+// ClaimSource returns the name of the VolumeSnapshot a claim is restored
+// from (its dataSourceRef, else its dataSource), "" if none. A snapshot of
+// another namespace (dataSourceRef.namespace) is returned with ok false.
+func ClaimSource(pvc *corev1.PersistentVolumeClaim) (name string, ok bool) {
+	if ds := pvc.Spec.DataSourceRef; ds != nil && ds.APIGroup != nil && *ds.APIGroup == GroupName && ds.Kind == "VolumeSnapshot" {
+		if ds.Namespace != nil && *ds.Namespace != "" && *ds.Namespace != pvc.Namespace {
+			return ds.Name, false
+		}
+		return ds.Name, true
+	}
+	if ds := pvc.Spec.DataSource; ds != nil && ds.APIGroup != nil && *ds.APIGroup == GroupName && ds.Kind == "VolumeSnapshot" {
+		return ds.Name, true
+	}
+	return "", true
 }
 
 // AnnNode is the nodevirt annotation on a VolumeSnapshotContent that names
