@@ -42,6 +42,9 @@ func TestComputeStatus(t *testing.T) {
 			"http", false, cdiv1.Succeeded, "100.0%", "True", "False", "True", "Completed", 1},
 		"failed": {claim(corev1.ClaimBound, map[string]string{importstate.AnnPhase: "Failed", importstate.AnnReason: "ChecksumMismatch"}),
 			"http", false, cdiv1.Failed, "N/A", "True", "False", "False", "ChecksumMismatch", 0},
+		"restore scheduled": {claim(corev1.ClaimBound, nil), "snapshot", false, cdiv1.CloneScheduled, "N/A", "True", "False", "False", "Pending", 0},
+		"restored": {claim(corev1.ClaimBound, map[string]string{importstate.AnnPhase: "Succeeded", importstate.AnnReason: "Completed"}),
+			"snapshot", false, cdiv1.Succeeded, "100.0%", "True", "False", "True", "Completed", 0},
 		"no source": {claim(corev1.ClaimBound, nil), "none", false, cdiv1.Succeeded, "100.0%", "True", "False", "True", "Completed", 0},
 		"lost":      {claim(corev1.ClaimLost, nil), "http", false, cdiv1.Failed, "N/A", "False", "False", "False", "ClaimLost", 0},
 	} {
