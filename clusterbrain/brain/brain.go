@@ -232,6 +232,11 @@ func (b *Brain) install(ctx context.Context) error {
 	if err := crds.Install(ctx, ext, crds.Catalog()); err != nil {
 		return fmt.Errorf("install crds: %w", err)
 	}
+	// The snapshot API is the cluster's when it has one (external-snapshotter);
+	// else the brain installs it, so nodes can take and restore snapshots.
+	if err := crds.InstallAbsent(ctx, ext, crds.SnapshotCatalog()); err != nil {
+		return fmt.Errorf("install snapshot crds: %w", err)
+	}
 	b.cfg.Log.Info("api installed", "kinds", len(crds.Catalog()))
 	return nil
 }

@@ -1,7 +1,10 @@
 package brain
 
 import (
+	"k8s.io/client-go/dynamic"
+
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
+	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
 	"github.com/nodevirt/nodevirt/clusterbrain/clidownload"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume"
 	"github.com/nodevirt/nodevirt/clusterbrain/hco"
@@ -44,7 +47,11 @@ var everyBrainRoles = []RoleFactory{
 // leaderRoles run only on the elected brain: controllers that write.
 var leaderRoles = []RoleFactory{
 	func(d *Deps) (Role, error) {
-		return datavolume.New(datavolume.Config{Kube: d.Kube, Virt: d.Virt, Log: d.Log})
+		dyn, err := dynamic.NewForConfig(d.RestConfig)
+		if err != nil {
+			return nil, err
+		}
+		return datavolume.New(datavolume.Config{Kube: d.Kube, Virt: d.Virt, Log: d.Log, Snapshots: snapshotv1.NewClient(dyn)})
 	},
 	func(d *Deps) (Role, error) {
 		return hco.New(hco.Config{Namespace: d.Config.Namespace, Kube: d.Kube, Virt: d.Virt, Log: d.Log.With("role", "hco"), BrainHealth: d.Health.Ready})

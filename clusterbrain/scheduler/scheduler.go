@@ -23,6 +23,7 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
@@ -37,6 +38,7 @@ import (
 	nadv1 "github.com/k8snetworkplumbingwg/network-attachment-definition-client/pkg/apis/k8s.cni.cncf.io/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
 	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
 )
 
@@ -59,6 +61,10 @@ type Config struct {
 	// Retry is how often an unschedulable VMI is tried again without any
 	// change in the cluster (default 15s).
 	Retry time.Duration
+	// Snapshots locates the VolumeSnapshots unbound claims restore from,
+	// whose node the VMI must land on. Nil: made from RestConfig when set,
+	// else such claims are placed like any other.
+	Snapshots *snapshotv1.Client
 }
 
 // Scheduler places VMIs.
@@ -104,6 +110,13 @@ func New(cfg Config) (*Scheduler, error) {
 		}
 		if cfg.Virt, err = client.NewSet(rc); err != nil {
 			return nil, err
+		}
+		if cfg.Snapshots == nil {
+			dyn, err := dynamic.NewForConfig(rc)
+			if err != nil {
+				return nil, err
+			}
+			cfg.Snapshots = snapshotv1.NewClient(dyn)
 		}
 	}
 	if cfg.Kube == nil || cfg.Virt == nil {

@@ -17,11 +17,13 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
@@ -41,6 +43,9 @@ func setup(t *testing.T) env {
 	if err := crds.Install(context.Background(), apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.Catalog()); err != nil {
 		t.Fatal(err)
 	}
+	if err := crds.InstallAbsent(context.Background(), apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.SnapshotCatalog()); err != nil {
+		t.Fatal(err)
+	}
 	rc := rest.CopyConfig(cp.RestConfig)
 	rc.QPS, rc.Burst = 500, 1000
 	virt, err := client.NewSet(rc)
@@ -55,7 +60,7 @@ func setup(t *testing.T) env {
 			_ = virt.VMIs.Delete(context.Background(), e.ns, v.Name, metav1.DeleteOptions{})
 		}
 	})
-	s, err := New(Config{Kube: kube, Virt: virt, Retry: time.Second,
+	s, err := New(Config{Kube: kube, Virt: virt, Retry: time.Second, Snapshots: snapshotv1.NewClient(dynamic.NewForConfigOrDie(rc)),
 		Log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
 	if err != nil {
 		t.Fatal(err)

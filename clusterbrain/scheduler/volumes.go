@@ -1,13 +1,17 @@
 package scheduler
 
 import (
+	"context"
 	"fmt"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/labels"
 	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
 )
 
 // volumeConstraints adds to req what the VMI's claims require: bound
@@ -54,6 +58,18 @@ func (s *Scheduler) volumeConstraints(vmi *kubevirtv1.VirtualMachineInstance, re
 			}
 			req.pinned = node
 		} else {
+			// A claim restored from a snapshot is provisioned where the
+			// snapshot is kept: the VMI goes there.
+			node, err := s.snapshotNode(pvc)
+			if err != nil {
+				return nil, fmt.Errorf("persistentvolumeclaim %s: %w", claim, err)
+			}
+			if node != "" {
+				if req.pinned != "" && req.pinned != node {
+					return nil, fmt.Errorf("claims are held by different nodes (%s, %s)", req.pinned, node)
+				}
+				req.pinned = node
+			}
 			wffc = append(wffc, pvc)
 		}
 		if len(sc.AllowedTopologies) > 0 {
@@ -91,4 +107,27 @@ func (s *Scheduler) classOf(pvc *corev1.PersistentVolumeClaim) *storagev1.Storag
 		}
 	}
 	return nil
+}
+
+// snapshotNode is the node keeping the VolumeSnapshot pvc restores from, ""
+// when it restores from none. A snapshot not ready yet is an error: the VMI
+// waits.
+func (s *Scheduler) snapshotNode(pvc *corev1.PersistentVolumeClaim) (string, error) {
+	name, sameNamespace := snapshotv1.ClaimSource(pvc)
+	if name == "" || s.cfg.Snapshots == nil {
+		return "", nil
+	}
+	if !sameNamespace {
+		return "", fmt.Errorf("restores volumesnapshot %s of another namespace", name)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	loc, err := s.cfg.Snapshots.Locate(ctx, pvc.Namespace, name)
+	if err != nil {
+		return "", err
+	}
+	if !loc.Ready || loc.Node == "" {
+		return "", fmt.Errorf("volumesnapshot %s is not ready to restore yet", name)
+	}
+	return loc.Node, nil
 }

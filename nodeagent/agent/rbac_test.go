@@ -84,6 +84,9 @@ func TestAgentUnderNodeRole(t *testing.T) {
 	if err := crds.Install(ctx, ext, crds.Catalog()); err != nil {
 		t.Fatal(err)
 	}
+	if err := crds.InstallAbsent(ctx, ext, crds.SnapshotCatalog()); err != nil {
+		t.Fatal(err)
+	}
 	brainNS := cp.Namespace(t)
 	userNS := cp.Namespace(t)
 
