@@ -225,6 +225,7 @@ func (s *Server) Run(ctx context.Context) error {
 		_ = srv.Shutdown(shut)
 	}()
 	close(s.ready)
+	go s.keepRegistered(ctx)
 	s.log.Info("serving webhooks", "url", s.url)
 	if err := srv.ServeTLS(ln, "", ""); err != nil && !errors.Is(err, http.ErrServerClosed) {
 		return err

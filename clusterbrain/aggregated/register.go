@@ -116,19 +116,31 @@ func (r Registration) registerSlice(ctx context.Context, kube kubernetes.Interfa
 	cur = cur.DeepCopy()
 	addr := r.IP.String()
 	found := false
+	live := cur.Endpoints[:0]
 	for _, e := range cur.Endpoints {
+		keep := false
 		for _, a := range e.Addresses {
 			found = found || a == addr
+			// Endpoints of replicas that no longer answer are dropped.
+			keep = keep || a == addr || len(cur.Ports) == 1 && cur.Ports[0].Port != nil &&
+				Answers(net.JoinHostPort(a, strconv.Itoa(int(*cur.Ports[0].Port))))
+		}
+		if keep {
+			live = append(live, e)
 		}
 	}
-	if found && len(cur.Ports) == 1 && cur.Ports[0].Port != nil && *cur.Ports[0].Port == port {
+	pruned := len(live) != len(cur.Endpoints)
+	cur.Endpoints = live
+	if found && !pruned && len(cur.Ports) == 1 && cur.Ports[0].Port != nil && *cur.Ports[0].Port == port {
 		return nil
 	}
 	if len(cur.Ports) != 1 || cur.Ports[0].Port == nil || *cur.Ports[0].Port != port {
 		cur.Endpoints = nil // another port: the old endpoints are stale
 	}
 	cur.Labels, cur.AddressType, cur.Ports = l, addrType, want.Ports
-	cur.Endpoints = append(cur.Endpoints, want.Endpoints...)
+	if !found || len(cur.Endpoints) == 0 {
+		cur.Endpoints = append(cur.Endpoints, want.Endpoints...)
+	}
 	if _, err := slices.Update(ctx, cur, metav1.UpdateOptions{}); err != nil {
 		return fmt.Errorf("update endpointslice %s/%s: %w", r.Namespace, r.Service, err)
 	}

@@ -2,6 +2,8 @@ package brain
 
 import (
 	"context"
+	"fmt"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -11,6 +13,9 @@ import (
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/admission"
+	"github.com/nodevirt/nodevirt/clusterbrain/aggregated"
+	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
 
@@ -77,4 +82,64 @@ func TestKilledLeaderHandsOver(t *testing.T) {
 		t.Fatalf("%s took over after %s, want within 15s", next, took)
 	}
 	t.Logf("%s killed, %s leads after %s", leader, next, took.Round(100*time.Millisecond))
+
+	// Whichever brain registered the webhooks and the aggregated APIs last,
+	// they now point at the survivor.
+	kube := cp.Clientset(t)
+	serving := func() string {
+		ctx := context.Background()
+		cfg, err := kube.AdmissionregistrationV1().MutatingWebhookConfigurations().Get(ctx, admission.MutatingConfigName, metav1.GetOptions{})
+		if err != nil || len(cfg.Webhooks) == 0 || cfg.Webhooks[0].ClientConfig.URL == nil {
+			return "no mutating webhook configuration"
+		}
+		u, err := url.Parse(*cfg.Webhooks[0].ClientConfig.URL)
+		if err != nil || !aggregated.Answers(u.Host) {
+			return "webhook server " + *cfg.Webhooks[0].ClientConfig.URL + " does not answer"
+		}
+		for _, svc := range []string{subresources.ServiceName, "nodevirt-upload-api"} {
+			if ok, err := aggregated.EndpointsAnswer(ctx, kube, ns, svc); !ok {
+				return fmt.Sprintf("endpoints of %s do not answer (%v)", svc, err)
+			}
+		}
+		return ""
+	}
+	t0 := time.Now()
+	for why := serving(); why != ""; why = serving() {
+		if time.Since(t0) > 20*time.Second {
+			t.Fatalf("20s after the handover: %s", why)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	t.Logf("webhooks and aggregated APIs answer on the survivor %s after the handover", time.Since(t0).Round(100*time.Millisecond))
+
+	// A brain that is not the leader but registered last dies: the leader
+	// takes the registrations over.
+	webhookURL := func() string {
+		cfg, err := kube.AdmissionregistrationV1().MutatingWebhookConfigurations().Get(context.Background(), admission.MutatingConfigName, metav1.GetOptions{})
+		if err != nil || len(cfg.Webhooks) == 0 || cfg.Webhooks[0].ClientConfig.URL == nil {
+			return ""
+		}
+		return *cfg.Webhooks[0].ClientConfig.URL
+	}
+	before := webhookURL()
+	late := start("brain-c")
+	t0 = time.Now()
+	for webhookURL() == before {
+		if time.Since(t0) > 60*time.Second {
+			t.Fatal("brain-c never registered its webhooks")
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	if err := late.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	t0 = time.Now()
+	time.Sleep(200 * time.Millisecond)
+	for why := serving(); why != ""; why = serving() {
+		if time.Since(t0) > 20*time.Second {
+			t.Fatalf("20s after killing the last registrant: %s", why)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	t.Logf("the last registrant killed: webhooks and aggregated APIs back on the leader after %s", time.Since(t0).Round(100*time.Millisecond))
 }
