@@ -113,13 +113,21 @@ func Up(ctx context.Context, cfg Config) error {
 	if err := rbac.EnsureDaemons(ctx, kube); err != nil {
 		return fmt.Errorf("daemon roles: %w", err)
 	}
-	step(cfg.Out, "clusterbrain")
+	step(cfg.Out, "clusterbrain (and a standby)")
 	brainKC := cfg.path("clusterbrain.kubeconfig")
 	if err := cp.WriteKubeconfig(brainKC, rbac.BrainUser, rbac.BrainGroup); err != nil {
 		return err
 	}
 	if err := startDaemon(cfg, "clusterbrain", "--kubeconfig="+brainKC, "--health-addr=127.0.0.1:8480",
 		"--virtctl-dir="+filepath.Join(cfg.BinDir, "dist")); err != nil {
+		return err
+	}
+	// A standby brain on ports of its own: killing the leading brain hands
+	// over (controllers after the lease expires, webhooks and aggregated
+	// APIs as soon as their registered server stops answering).
+	if err := startDaemonAs(cfg, standbyBrain, "clusterbrain", "--kubeconfig="+brainKC, "--health-addr=127.0.0.1:8490",
+		"--webhook-addr=127.0.0.1:8453", "--subresources-addr=:8454", "--upload-api-addr=:8455", "--uploadproxy-addr=:8456",
+		"--metrics-addr=:8494", "--cli-download-addr=:8492", "--virtctl-dir="+filepath.Join(cfg.BinDir, "dist")); err != nil {
 		return err
 	}
 	step(cfg.Out, "nodeagent")
@@ -209,7 +217,7 @@ func waitReady(ctx context.Context, cfg Config, kube kubernetes.Interface, virt 
 }
 
 func readiness(ctx context.Context, cfg Config, kube kubernetes.Interface, virt *client.Set) string {
-	for _, d := range []string{"clusterbrain", "nodeagent"} {
+	for _, d := range []string{"clusterbrain", standbyBrain, "nodeagent"} {
 		if _, ok := controlplane.AlivePid(cfg.path(d + ".pid")); !ok {
 			return d + " is not running (see " + cfg.path(d+".log") + ")"
 		}
@@ -242,21 +250,28 @@ func readiness(ctx context.Context, cfg Config, kube kubernetes.Interface, virt 
 	return "HyperConverged has no Available condition yet"
 }
 
+// standbyBrain names the lab's second brain (pid and log files).
+const standbyBrain = "clusterbrain-standby"
+
 // startDaemon starts a nodevirt binary detached unless its pid file names a
 // live process.
 func startDaemon(cfg Config, name string, args ...string) error {
+	return startDaemonAs(cfg, name, name, args...)
+}
+
+// startDaemonAs starts the binary bin under name (its pid and log files).
+func startDaemonAs(cfg Config, name, bin string, args ...string) error {
 	pidFile := cfg.path(name + ".pid")
 	if pid, ok := controlplane.AlivePid(pidFile); ok {
 		fmt.Fprintf(cfg.Out, "    already running (pid %d)\n", pid)
 		return nil
 	}
-	bin := filepath.Join(cfg.BinDir, name)
 	logf, err := os.OpenFile(cfg.path(name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return err
 	}
 	defer logf.Close()
-	cmd := exec.Command(bin, args...)
+	cmd := exec.Command(filepath.Join(cfg.BinDir, bin), args...)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.Env = append(os.Environ(), "NODEVIRT_ROOT="+filepath.Dir(cfg.Dir))
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
@@ -330,7 +345,7 @@ func Down(ctx context.Context, cfg Config) error {
 	}
 	var errs []error
 	step(cfg.Out, "nodevirt daemons")
-	for _, d := range []string{"nodeagent", "clusterbrain"} {
+	for _, d := range []string{"nodeagent", "clusterbrain", standbyBrain} {
 		if pid, ok := controlplane.AlivePid(cfg.path(d + ".pid")); ok {
 			errs = append(errs, controlplane.TerminatePid(pid, 15*time.Second))
 		}
