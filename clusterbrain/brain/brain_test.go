@@ -21,8 +21,15 @@ import (
 
 func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
 
+// handoverBound is the longest a killed leader's lease may keep the others
+// waiting: the 10 s lease, up to two retry periods of 2 s before a standby
+// tries again, and 4 s for a loaded two-core machine (handovers measured
+// 10.3–13.8 s here; the former 15 s bound failed once under load).
+const handoverBound = 18 * time.Second
+
 // TestKilledLeaderHandsOver runs two brain processes, kills the leader with
-// SIGKILL (no lease release) and expects the other to lead within 15 s.
+// SIGKILL (no lease release) and expects the other to lead within the
+// lease's arithmetic (see handoverBound).
 func TestKilledLeaderHandsOver(t *testing.T) {
 	cp := controlplane.Shared(t)
 	dir := t.TempDir()
@@ -78,8 +85,8 @@ func TestKilledLeaderHandsOver(t *testing.T) {
 	if next == leader || brains[next] == nil {
 		t.Fatalf("after killing %s the lease is held by %q", leader, next)
 	}
-	if took > 15*time.Second {
-		t.Fatalf("%s took over after %s, want within 15s", next, took)
+	if took > handoverBound {
+		t.Fatalf("%s took over after %s, want within %s", next, took, handoverBound)
 	}
 	t.Logf("%s killed, %s leads after %s", leader, next, took.Round(100*time.Millisecond))
 
