@@ -23,6 +23,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/aggregated"
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/certs"
 )
@@ -225,7 +226,10 @@ func (s *Server) Run(ctx context.Context) error {
 		_ = srv.Shutdown(shut)
 	}()
 	close(s.ready)
-	go s.keepRegistered(ctx)
+	// When the server the webhook configurations name (the brain that
+	// published last) dies, this brain publishes its own.
+	go aggregated.KeepRegistered(ctx, s.log, "webhook configurations", s.registrationAlive,
+		func(ctx context.Context) error { return s.publish(ctx, s.cm.CABundle()) })
 	s.log.Info("serving webhooks", "url", s.url)
 	if err := srv.ServeTLS(ln, "", ""); err != nil && !errors.Is(err, http.ErrServerClosed) {
 		return err

@@ -164,9 +164,8 @@ func (s *Server) Run(ctx context.Context) error {
 		defer cancel()
 		_ = srv.Shutdown(sctx)
 	}()
-	go s.keepRegistered(ctx, func(ctx context.Context) error {
-		return Register(ctx, s.cfg.Kube, s.cfg.Dynamic, *reg, cm.CABundle())
-	})
+	go KeepRegistered(ctx, log, "endpointslice "+reg.Namespace+"/"+reg.Service, SliceAnswers(s.cfg.Kube, reg.Namespace, reg.Service),
+		func(ctx context.Context) error { return Register(ctx, s.cfg.Kube, s.cfg.Dynamic, *reg, cm.CABundle()) })
 	log.Info("aggregated api serving", "addr", s.addr.String(), "endpoint", net.JoinHostPort(reg.IP.String(), strconv.Itoa(reg.Port)))
 	s.once.Do(func() { close(s.ready) })
 	if err := srv.ServeTLS(ln, "", ""); err != nil && !errors.Is(err, http.ErrServerClosed) {

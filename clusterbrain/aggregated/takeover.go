@@ -51,11 +51,12 @@ func EndpointsAnswer(ctx context.Context, kube kubernetes.Interface, namespace, 
 	return false, nil
 }
 
-// keepRegistered takes the registration over whenever no registered
-// endpoint answers: with several brains, each serving its own port or
-// host, the API moves to a live one within TakeoverInterval of the
-// registered one dying.
-func (s *Server) keepRegistered(ctx context.Context, register func(context.Context) error) {
+// KeepRegistered takes a registration over until ctx ends: every
+// TakeoverInterval it asks alive whether the registered server answers and
+// calls register when it does not. With several brains, each serving its
+// own port or host, an API or webhook moves to a live brain within
+// TakeoverInterval of the registered one dying.
+func KeepRegistered(ctx context.Context, log *slog.Logger, what string, alive func(context.Context) bool, register func(context.Context) error) {
 	t := time.NewTicker(TakeoverInterval)
 	defer t.Stop()
 	for {
@@ -64,20 +65,22 @@ func (s *Server) keepRegistered(ctx context.Context, register func(context.Conte
 			return
 		case <-t.C:
 		}
-		r := s.cfg.Registration
-		KeepRegistered(ctx, s.cfg.Kube, r.Namespace, r.Service, s.cfg.Log.With("group", r.Group), register)
+		if alive(ctx) {
+			continue
+		}
+		log.Info("registered server gone: taking over", "registration", what)
+		if err := register(ctx); err != nil && ctx.Err() == nil {
+			log.Warn("take over", "registration", what, "err", err)
+		}
 	}
 }
 
-// KeepRegistered is one round of the takeover: register again when no
-// endpoint of the slice namespace/name answers.
-func KeepRegistered(ctx context.Context, kube kubernetes.Interface, namespace, name string, log *slog.Logger, register func(context.Context) error) {
-	alive, err := EndpointsAnswer(ctx, kube, namespace, name)
-	if err != nil || alive {
-		return
-	}
-	log.Info("registered endpoint gone: taking the api over", "endpointslice", namespace+"/"+name)
-	if err := register(ctx); err != nil && ctx.Err() == nil {
-		log.Warn("take the api over", "endpointslice", namespace+"/"+name, "err", err)
+// SliceAnswers is an alive check for KeepRegistered: whether an endpoint
+// of the EndpointSlice namespace/name answers. A failed read counts as
+// alive (nothing is known to be dead).
+func SliceAnswers(kube kubernetes.Interface, namespace, name string) func(context.Context) bool {
+	return func(ctx context.Context) bool {
+		ok, err := EndpointsAnswer(ctx, kube, namespace, name)
+		return err != nil || ok
 	}
 }

@@ -152,7 +152,8 @@ func (s *Server) Run(ctx context.Context) error {
 	s.ready.Store(true)
 	s.log.Info("serving", "api", s.APIAddr(), "proxy", s.ProxyAddr())
 	go s.keepProxyURL(ctx)
-	go s.keepRegistered(ctx)
+	go aggregated.KeepRegistered(ctx, s.log, "endpointslice "+s.cfg.Namespace+"/"+apiService,
+		aggregated.SliceAnswers(s.cfg.Kube, s.cfg.Namespace, apiService), s.register)
 	var err error
 	select {
 	case <-ctx.Done():
@@ -239,20 +240,4 @@ func (s *Server) apiPort() int32 {
 	_, port, _ := net.SplitHostPort(s.apiLn.Addr().String())
 	n, _ := strconv.Atoi(port)
 	return int32(n)
-}
-
-// keepRegistered registers this brain's upload API again whenever the
-// registered endpoint no longer answers (the brain that registered last
-// died).
-func (s *Server) keepRegistered(ctx context.Context) {
-	t := time.NewTicker(aggregated.TakeoverInterval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-		aggregated.KeepRegistered(ctx, s.cfg.Kube, s.cfg.Namespace, apiService, s.log, s.register)
-	}
 }
