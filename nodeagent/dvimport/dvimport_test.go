@@ -125,22 +125,7 @@ func (e env) create(t *testing.T, dv *cdiv1.DataVolume) {
 // waitDV polls the DataVolume until ok says so.
 func (e env) waitDV(t *testing.T, name string, timeout time.Duration, what string, ok func(*cdiv1.DataVolume) bool) *cdiv1.DataVolume {
 	t.Helper()
-	deadline := time.Now().Add(timeout)
-	var dv *cdiv1.DataVolume
-	var err error
-	for time.Now().Before(deadline) {
-		dv, err = e.virt.DataVolumes.Get(context.Background(), e.ns, name)
-		if err == nil && ok(dv) {
-			return dv
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-	if dv != nil {
-		t.Fatalf("datavolume %s: %s not reached in %s: phase %s progress %s restarts %d conditions %+v",
-			name, what, timeout, dv.Status.Phase, dv.Status.Progress, dv.Status.RestartCount, dv.Status.Conditions)
-	}
-	t.Fatalf("datavolume %s: %v", name, err)
-	return nil
+	return dvimporttest.WaitDV(t, e.virt.DataVolumes, e.ns, name, timeout, what, ok)
 }
 
 func (e env) waitPhase(t *testing.T, name string, phase cdiv1.DataVolumePhase, timeout time.Duration) *cdiv1.DataVolume {
@@ -155,15 +140,6 @@ func (e env) pvc(t *testing.T, name string) *corev1.PersistentVolumeClaim {
 		t.Fatal(err)
 	}
 	return pvc
-}
-
-func condition(dv *cdiv1.DataVolume, typ cdiv1.DataVolumeConditionType) cdiv1.DataVolumeCondition {
-	for _, c := range dv.Status.Conditions {
-		if c.Type == typ {
-			return c
-		}
-	}
-	return cdiv1.DataVolumeCondition{}
 }
 
 // images serves a raw image and its qcow2 conversion from a real HTTP
@@ -204,7 +180,7 @@ func TestHTTPImportFillsVolumeWithTheImage(t *testing.T) {
 		for typ, want := range map[cdiv1.DataVolumeConditionType]corev1.ConditionStatus{
 			cdiv1.DataVolumeBound: corev1.ConditionTrue, cdiv1.DataVolumeReady: corev1.ConditionTrue, cdiv1.DataVolumeRunning: corev1.ConditionFalse,
 		} {
-			if c := condition(dv, typ); c.Status != want {
+			if c := dvimporttest.Condition(dv, typ); c.Status != want {
 				t.Errorf("%s: condition %s is %q, want %q", name, typ, c.Status, want)
 			}
 		}
@@ -262,7 +238,7 @@ func TestWaitForFirstConsumerUntilANodeIsSelected(t *testing.T) {
 	im := serveImages(t)
 	e.create(t, newDV(e.ns, "wffc", "64Mi", cdiv1.DataVolumeSource{HTTP: &cdiv1.DataVolumeSourceHTTP{URL: im.srv.URL + "/disk.qcow2"}}, false))
 	dv := e.waitPhase(t, "wffc", cdiv1.WaitForFirstConsumer, 20*time.Second)
-	if c := condition(dv, cdiv1.DataVolumeBound); c.Status != corev1.ConditionFalse || c.Reason != "WaitForFirstConsumer" {
+	if c := dvimporttest.Condition(dv, cdiv1.DataVolumeBound); c.Status != corev1.ConditionFalse || c.Reason != "WaitForFirstConsumer" {
 		t.Errorf("bound condition %+v", c)
 	}
 	time.Sleep(time.Second)
@@ -302,7 +278,7 @@ func TestBadSourcesFailWithReasons(t *testing.T) {
 	}
 	for _, c := range cases {
 		dv := e.waitPhase(t, c.name, cdiv1.Failed, 60*time.Second)
-		running := condition(dv, cdiv1.DataVolumeRunning)
+		running := dvimporttest.Condition(dv, cdiv1.DataVolumeRunning)
 		if running.Status != corev1.ConditionFalse || running.Reason != c.reason || running.Message == "" {
 			t.Errorf("%s: running condition %+v, want reason %s", c.name, running, c.reason)
 		}
@@ -349,8 +325,8 @@ func TestTransientFailuresRestartAndCount(t *testing.T) {
 	defer dead.Close()
 	e.create(t, newDV(e.ns, "dead", "64Mi", cdiv1.DataVolumeSource{HTTP: &cdiv1.DataVolumeSourceHTTP{URL: dead.URL + "/disk.raw"}}, true))
 	dv = e.waitPhase(t, "dead", cdiv1.Failed, 60*time.Second)
-	if dv.Status.RestartCount != 3 || condition(dv, cdiv1.DataVolumeRunning).Reason != "SourceUnreachable" {
-		t.Errorf("restartCount %d, running %+v", dv.Status.RestartCount, condition(dv, cdiv1.DataVolumeRunning))
+	if dv.Status.RestartCount != 3 || dvimporttest.Condition(dv, cdiv1.DataVolumeRunning).Reason != "SourceUnreachable" {
+		t.Errorf("restartCount %d, running %+v", dv.Status.RestartCount, dvimporttest.Condition(dv, cdiv1.DataVolumeRunning))
 	}
 }
 
@@ -389,7 +365,7 @@ func TestProgressAndDeletionCancelsImport(t *testing.T) {
 	if !progressRE.MatchString(string(dv.Status.Progress)) {
 		t.Errorf("progress %q does not read NN.NN%%", dv.Status.Progress)
 	}
-	if c := condition(dv, cdiv1.DataVolumeRunning); c.Status != corev1.ConditionTrue {
+	if c := dvimporttest.Condition(dv, cdiv1.DataVolumeRunning); c.Status != corev1.ConditionTrue {
 		t.Errorf("running condition %+v while importing", c)
 	}
 	disk := e.resolver.Disk(e.pvc(t, "slow"))
