@@ -167,7 +167,8 @@ func TestBootRealGuest(t *testing.T) {
 	log.Expect(t, "NODEVIRT-SEED vdc cidata", 20*time.Second)
 	log.Expect(t, "from-user-data-42", 20*time.Second)
 	log.Expect(t, "NODEVIRT-GUEST-READY", 30*time.Second)
-	if _, err := io.WriteString(cons, "\necho console-$((6*7))-works\n"); err != nil {
+	log.Login(t, cons, 30*time.Second)
+	if _, err := io.WriteString(cons, "echo console-$((6*7))-works\n"); err != nil {
 		t.Fatal(err)
 	}
 	log.Expect(t, "console-42-works", 20*time.Second)

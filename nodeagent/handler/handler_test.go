@@ -164,6 +164,7 @@ func TestGuestLifecycle(t *testing.T) {
 	log.ExpectExact(t, fmt.Sprintf("NODEVIRT-DISK vda %d", diskSize), 60*time.Second)
 	log.ExpectExact(t, "from-secret-42", 60*time.Second)
 	log.ExpectExact(t, "NODEVIRT-GUEST-READY", 60*time.Second)
+	log.Login(t, conn, 30*time.Second)
 	if _, err := conn.Write([]byte("echo hello\n")); err != nil {
 		t.Fatal(err)
 	}

@@ -280,6 +280,7 @@ func TestPodNetwork(t *testing.T) {
 	}
 	defer conn2.Close()
 	log2 := guest.ReadConsole(conn2)
+	log2.Login(t, conn2, 30*time.Second)
 	if _, err := conn2.Write([]byte("udhcpc -i eth0 -n -q -t 5 -T 3 -s /run/lease.sh\n")); err != nil {
 		t.Fatal(err)
 	}

@@ -88,6 +88,42 @@ func (c *Console) expect(t testing.TB, text string, exact bool, timeout time.Dur
 	}
 }
 
+// Prompt is the guest's shell prompt on its console.
+const Prompt = "nodevirt# "
+
+// Login waits up to timeout for the console shell's prompt, pressing Enter
+// on w every two seconds while none shows: a line typed before init has
+// started the shell can be lost with the tty's input. Output up to the
+// prompt is consumed.
+func (c *Console) Login(t testing.TB, w io.Writer, timeout time.Duration) {
+	t.Helper()
+	deadline := time.After(timeout)
+	for {
+		c.mu.Lock()
+		i := bytes.LastIndex(c.buf[c.cursor:], []byte(Prompt))
+		if i >= 0 {
+			c.cursor += i + len(Prompt)
+		}
+		ch, err := c.changed, c.err
+		c.mu.Unlock()
+		switch {
+		case i >= 0:
+			return
+		case err != nil:
+			t.Fatalf("console ended (%v) before the shell prompt; got:\n%s", err, c.String())
+		}
+		select {
+		case <-ch:
+		case <-time.After(2 * time.Second):
+			if _, err := io.WriteString(w, "\n"); err != nil {
+				t.Fatalf("console: %v", err)
+			}
+		case <-deadline:
+			t.Fatalf("no shell prompt on the console within %s; got:\n%s", timeout, c.String())
+		}
+	}
+}
+
 // Ended waits up to timeout for the stream to end and tells whether it did.
 func (c *Console) Ended(timeout time.Duration) bool {
 	deadline := time.After(timeout)
