@@ -17,6 +17,7 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/aggregated"
+	"github.com/nodevirt/nodevirt/clusterbrain/migration"
 )
 
 // Messages as virt-api words them (virtctl users and scripts match them).
@@ -410,17 +411,15 @@ func (s *Server) migrateVM(w http.ResponseWriter, r *http.Request, req request, 
 		aggregated.WriteError(w, apierrors.NewConflict(vmResource, req.name, errors.New(msgVMNotRunning)))
 		return
 	}
-	if len(opts.DryRun) == 0 {
-		mig := &kubevirtv1.VirtualMachineInstanceMigration{
-			ObjectMeta: metav1.ObjectMeta{GenerateName: "kubevirt-migrate-vm-", Namespace: req.namespace},
-			Spec:       kubevirtv1.VirtualMachineInstanceMigrationSpec{VMIName: req.name, AddedNodeSelector: opts.AddedNodeSelector},
-		}
-		created, err := s.cfg.Virt.Migrations.Create(ctx, mig)
-		if err != nil {
-			aggregated.WriteError(w, apierrors.NewInternalError(err))
-			return
-		}
-		log.Info("migration created", "migration", created.Name)
+	// Refused before a migration object exists: what KubeVirt's migration
+	// webhook refuses, and what nodevirt cannot do yet (the migration
+	// controller fails migrations created directly for the same reasons).
+	if ok, why := migration.Migratable(vmi); !ok {
+		log.Info("migration refused", "reason", why)
+		aggregated.WriteError(w, apierrors.NewConflict(vmResource, req.name, errors.New(why)))
+		return
 	}
-	accepted(w)
+	log.Info("migration refused", "reason", migration.NotImplemented)
+	aggregated.WriteError(w, &apierrors.StatusError{ErrStatus: metav1.Status{
+		Status: metav1.StatusFailure, Code: http.StatusNotImplemented, Message: migration.NotImplemented}})
 }

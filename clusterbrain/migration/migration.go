@@ -1,0 +1,214 @@
+// Package migration answers VirtualMachineInstanceMigrations (what `virtctl
+// migrate` and `kubectl create` of a migration ask for).
+//
+// nodevirt does not move running guests between nodes yet. Rather than leave
+// a migration Pending for ever, the controller settles every new one as
+// Failed, with the reason a user can act on: the VMI does not exist or does
+// not run, the VMI cannot be migrated (its LiveMigratable condition, as
+// KubeVirt words it: node-local disks, the bridge binding on the pod
+// network), or, for a VMI KubeVirt could migrate, that live migration is not
+// implemented. The guest is never touched.
+package migration
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes"
+	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/record"
+	"k8s.io/client-go/util/workqueue"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
+)
+
+// ReasonFailed is the reason of the Warning event a failed migration gets
+// (KubeVirt's word for it).
+const ReasonFailed = "FailedMigration"
+
+// NotImplemented is how a migration of a migratable VMI fails.
+const NotImplemented = "live migration is not implemented by nodevirt yet; the VMI keeps running on its node"
+
+// Config configures the controller.
+type Config struct {
+	Kube kubernetes.Interface
+	Virt *client.Set
+	Log  *slog.Logger
+	// Resync re-reads every migration this often (default 10 minutes).
+	Resync time.Duration
+}
+
+func (c *Config) defaults() {
+	if c.Resync == 0 {
+		c.Resync = 10 * time.Minute
+	}
+	if c.Log == nil {
+		c.Log = slog.Default()
+	}
+}
+
+func (c *Config) validate() error {
+	if c.Kube == nil || c.Virt == nil {
+		return errors.New("migration: Kube and Virt clients are required")
+	}
+	return nil
+}
+
+// Controller settles VirtualMachineInstanceMigrations.
+type Controller struct {
+	cfg      Config
+	log      *slog.Logger
+	informer cache.SharedIndexInformer
+	queue    workqueue.TypedRateLimitingInterface[string]
+	recorder record.EventRecorder
+}
+
+// New validates cfg and builds the controller; Run starts it.
+func New(cfg Config) (*Controller, error) {
+	cfg.defaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	c := &Controller{
+		cfg: cfg, log: cfg.Log.With("role", "migration"),
+		informer: cfg.Virt.Migrations.Informer("", cfg.Resync, nil),
+		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[string](),
+			workqueue.TypedRateLimitingQueueConfig[string]{Name: "migrations"}),
+	}
+	enqueue := func(obj any) {
+		if key, err := cache.MetaNamespaceKeyFunc(obj); err == nil {
+			c.queue.Add(key)
+		}
+	}
+	_, _ = c.informer.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc: enqueue, UpdateFunc: func(_, obj any) { enqueue(obj) },
+	})
+	return c, nil
+}
+
+// Run serves until ctx ends.
+func (c *Controller) Run(ctx context.Context) error {
+	defer utilruntime.HandleCrash()
+	defer c.queue.ShutDown()
+	broadcaster := record.NewBroadcaster(record.WithContext(ctx))
+	broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: c.cfg.Kube.CoreV1().Events("")})
+	defer broadcaster.Shutdown()
+	c.recorder = broadcaster.NewRecorder(client.NewScheme(), corev1.EventSource{Component: "nodevirt-migration"})
+
+	go c.informer.RunWithContext(ctx)
+	if !cache.WaitForCacheSync(ctx.Done(), c.informer.HasSynced) {
+		return fmt.Errorf("migration: caches did not sync: %w", ctx.Err())
+	}
+	c.log.Info("started")
+	go wait.UntilWithContext(ctx, c.worker, time.Second)
+	<-ctx.Done()
+	return nil
+}
+
+func (c *Controller) worker(ctx context.Context) {
+	for {
+		key, quit := c.queue.Get()
+		if quit {
+			return
+		}
+		err := c.sync(ctx, key)
+		metrics.Reconciled("migration", err)
+		switch {
+		case err == nil:
+			c.queue.Forget(key)
+		default:
+			c.log.Warn("sync failed", "migration", key, "err", err)
+			c.queue.AddRateLimited(key)
+		}
+		c.queue.Done(key)
+	}
+}
+
+func (c *Controller) sync(ctx context.Context, key string) error {
+	obj, exists, err := c.informer.GetIndexer().GetByKey(key)
+	if err != nil || !exists {
+		return err
+	}
+	mig := obj.(*kubevirtv1.VirtualMachineInstanceMigration)
+	if mig.DeletionTimestamp != nil || settled(mig.Status.Phase) {
+		return nil
+	}
+	vmi, err := c.cfg.Virt.VMIs.Get(ctx, mig.Namespace, mig.Spec.VMIName)
+	if err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("vmi %s/%s: %w", mig.Namespace, mig.Spec.VMIName, err)
+	}
+	if apierrors.IsNotFound(err) {
+		vmi = nil
+	}
+	failed := mig.DeepCopy()
+	why := Refusal(vmi, mig.Spec.VMIName)
+	fail(failed, vmi, why)
+	if _, err := c.cfg.Virt.Migrations.UpdateStatus(ctx, failed); err != nil {
+		return fmt.Errorf("migration %s status: %w", key, err)
+	}
+	c.recorder.Event(mig, corev1.EventTypeWarning, ReasonFailed, why)
+	c.log.Info("migration failed", "migration", key, "vmi", mig.Namespace+"/"+mig.Spec.VMIName, "reason", why)
+	return nil
+}
+
+// Refusal says why a migration of vmi (nil when it does not exist) fails:
+// KubeVirt's reasons first, then that nodevirt cannot move a guest.
+func Refusal(vmi *kubevirtv1.VirtualMachineInstance, name string) string {
+	switch {
+	case vmi == nil:
+		return fmt.Sprintf("the VMI %q does not exist", name)
+	case vmi.Status.Phase != kubevirtv1.Running:
+		return fmt.Sprintf("cannot migrate VMI %q: it is %s, not Running", name, phaseOf(vmi))
+	}
+	for _, cond := range vmi.Status.Conditions {
+		if cond.Type == kubevirtv1.VirtualMachineInstanceIsMigratable && cond.Status == corev1.ConditionFalse {
+			return fmt.Sprintf("Cannot migrate VMI, Reason: %s, Message: %s", cond.Reason, cond.Message)
+		}
+	}
+	return NotImplemented
+}
+
+// Migratable reports whether KubeVirt would migrate vmi (running, and not
+// LiveMigratable=False); when not, it returns the refusal.
+func Migratable(vmi *kubevirtv1.VirtualMachineInstance) (bool, string) {
+	why := Refusal(vmi, vmi.Name)
+	return why == NotImplemented, why
+}
+
+func phaseOf(vmi *kubevirtv1.VirtualMachineInstance) kubevirtv1.VirtualMachineInstancePhase {
+	if vmi.Status.Phase == "" {
+		return kubevirtv1.Pending
+	}
+	return vmi.Status.Phase
+}
+
+func settled(p kubevirtv1.VirtualMachineInstanceMigrationPhase) bool {
+	return p == kubevirtv1.MigrationSucceeded || p == kubevirtv1.MigrationFailed
+}
+
+// fail marks mig Failed with why, as KubeVirt's status would show it.
+func fail(mig *kubevirtv1.VirtualMachineInstanceMigration, vmi *kubevirtv1.VirtualMachineInstance, why string) {
+	now := metav1.Now()
+	mig.Status.Phase = kubevirtv1.MigrationFailed
+	mig.Status.PhaseTransitionTimestamps = append(mig.Status.PhaseTransitionTimestamps,
+		kubevirtv1.VirtualMachineInstanceMigrationPhaseTransitionTimestamp{Phase: kubevirtv1.MigrationFailed, PhaseTransitionTimestamp: now})
+	state := &kubevirtv1.VirtualMachineInstanceMigrationState{
+		MigrationUID: mig.UID, StartTimestamp: &now, EndTimestamp: &now,
+		Completed: true, Failed: true, FailureReason: why,
+	}
+	if vmi != nil {
+		state.SourceNode = vmi.Status.NodeName
+	}
+	mig.Status.MigrationState = state
+}
