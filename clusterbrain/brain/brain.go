@@ -25,6 +25,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/daemon"
+	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 )
 
 // Config is the brain's configuration.
@@ -101,6 +102,10 @@ type Deps struct {
 	Virt       *client.Set
 	Log        *slog.Logger
 	Health     *daemon.Health
+
+	// scheduler is the leader's scheduler once built, for the VM
+	// controller's placements before creation.
+	scheduler *scheduler.Scheduler
 }
 
 // Role is one job of the brain.

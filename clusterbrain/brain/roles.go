@@ -44,6 +44,8 @@ var everyBrainRoles = []RoleFactory{
 	},
 }
 
+var _ vmcontroller.Placer = (*scheduler.Scheduler)(nil)
+
 // leaderRoles run only on the elected brain: controllers that write.
 var leaderRoles = []RoleFactory{
 	func(d *Deps) (Role, error) {
@@ -60,10 +62,14 @@ var leaderRoles = []RoleFactory{
 		return instancetypes.New(instancetypes.Config{Virt: d.Virt, Namespace: d.Config.Namespace, Log: d.Log.With("role", "common-instancetypes")})
 	},
 	func(d *Deps) (Role, error) {
-		return vmcontroller.New(vmcontroller.Config{RestConfig: d.RestConfig, Log: d.Log.With("role", "vm-controller")})
+		s, err := scheduler.New(scheduler.Config{RestConfig: d.RestConfig, Log: d.Log.With("role", "scheduler")})
+		d.scheduler = s
+		return s, err
 	},
 	func(d *Deps) (Role, error) {
-		return scheduler.New(scheduler.Config{RestConfig: d.RestConfig, Log: d.Log.With("role", "scheduler")})
+		// The scheduler places each VMI before it is created, so the VMI is
+		// created with its node label and bound by one status write.
+		return vmcontroller.New(vmcontroller.Config{RestConfig: d.RestConfig, Log: d.Log.With("role", "vm-controller"), Placer: d.scheduler})
 	},
 	func(d *Deps) (Role, error) {
 		// Nodes' certificates, signed with the node CA only the brain reads.

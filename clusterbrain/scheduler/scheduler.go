@@ -15,6 +15,7 @@ import (
 	"log/slog"
 	"math"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -87,9 +88,16 @@ type Scheduler struct {
 	memoMu sync.Mutex
 	memo   map[types.UID]placedMemo // bound VMIs' placements by UID
 
-	mu      sync.Mutex
-	assumed map[types.UID]assumption
-	waiting map[string]bool // unschedulable VMIs, retried on cluster changes
+	// decideMu makes decisions one at a time: each sees every earlier
+	// one in the assume cache (the scheduler's loop and Reserve).
+	decideMu sync.Mutex
+	ready    atomic.Bool // the caches decisions read have synced
+	now      func() time.Time
+
+	mu       sync.Mutex
+	assumed  map[types.UID]assumption
+	reserved map[string]reservation // namespace/name → node held before creation
+	waiting  map[string]bool        // unschedulable VMIs, retried on cluster changes
 }
 
 type assumption struct {
@@ -144,10 +152,12 @@ func New(cfg Config) (*Scheduler, error) {
 		queue: workqueue.NewTypedRateLimitingQueueWithConfig(
 			workqueue.NewTypedItemExponentialFailureRateLimiter[string](50*time.Millisecond, 30*time.Second),
 			workqueue.TypedRateLimitingQueueConfig[string]{Name: "scheduler"}),
-		sem:     make(chan struct{}, cfg.Binders),
-		assumed: map[types.UID]assumption{},
-		memo:    map[types.UID]placedMemo{},
-		waiting: map[string]bool{},
+		sem:      make(chan struct{}, cfg.Binders),
+		assumed:  map[types.UID]assumption{},
+		reserved: map[string]reservation{},
+		memo:     map[types.UID]placedMemo{},
+		waiting:  map[string]bool{},
+		now:      time.Now,
 	}
 	if s.vmis == nil {
 		s.vmis = cfg.Virt.VMIs.Informer("", 0, nil)
@@ -250,6 +260,8 @@ func (s *Scheduler) Run(ctx context.Context) error {
 	if !s.startInformers(ctx) {
 		return ctx.Err()
 	}
+	s.ready.Store(true)
+	defer s.ready.Store(false)
 	s.cfg.Log.Info("scheduler started")
 	var wg sync.WaitGroup
 	defer wg.Wait()
@@ -318,22 +330,32 @@ func (s *Scheduler) Sync(ctx context.Context, key string, wg *sync.WaitGroup) er
 	if binding {
 		return nil
 	}
-	node, wffc, p, err := s.decide(vmi)
-	var fe *FitError
-	if errors.As(err, &fe) {
+	s.decideMu.Lock()
+	var wffc []*corev1.PersistentVolumeClaim
+	node := s.claimReservation(key, vmi) // decided before creation
+	if node == "" {
+		var p placed
+		var err error
+		node, wffc, p, err = s.decide(vmi)
+		var fe *FitError
+		if errors.As(err, &fe) {
+			s.decideMu.Unlock()
+			s.mu.Lock()
+			s.waiting[key] = true
+			s.mu.Unlock()
+			s.queue.AddAfter(key, s.cfg.Retry)
+			return s.markUnschedulable(ctx, vmi, fe.Error())
+		}
+		if err != nil {
+			s.decideMu.Unlock()
+			return err
+		}
 		s.mu.Lock()
-		s.waiting[key] = true
+		delete(s.waiting, key)
+		s.assumed[vmi.UID] = assumption{node: node, p: p}
 		s.mu.Unlock()
-		s.queue.AddAfter(key, s.cfg.Retry)
-		return s.markUnschedulable(ctx, vmi, fe.Error())
 	}
-	if err != nil {
-		return err
-	}
-	s.mu.Lock()
-	delete(s.waiting, key)
-	s.assumed[vmi.UID] = assumption{node: node, p: p}
-	s.mu.Unlock()
+	s.decideMu.Unlock()
 	s.sem <- struct{}{}
 	wg.Add(1)
 	go func() {
@@ -407,13 +429,15 @@ func (s *Scheduler) decide(vmi *kubevirtv1.VirtualMachineInstance) (string, []*c
 	return states[best].node.Name, wffc, p, nil
 }
 
-// snapshot is every node with the VMIs bound to it and those assumed.
+// snapshot is every node with the VMIs bound to it and those assumed or
+// reserved.
 func (s *Scheduler) snapshot() []*nodeState {
 	s.mu.Lock()
 	assumed := make(map[types.UID]assumption, len(s.assumed))
 	for k, v := range s.assumed {
 		assumed[k] = v
 	}
+	reserved := s.liveReservations()
 	s.mu.Unlock()
 	nodes := s.nodes.GetStore().List()
 	states := make([]*nodeState, 0, len(nodes))
@@ -432,6 +456,11 @@ func (s *Scheduler) snapshot() []*nodeState {
 		}
 	}
 	for _, a := range assumed {
+		if st, ok := byName[a.node]; ok {
+			st.add(a.p)
+		}
+	}
+	for _, a := range reserved {
 		if st, ok := byName[a.node]; ok {
 			st.add(a.p)
 		}
@@ -539,7 +568,8 @@ func (s *Scheduler) markUnschedulable(ctx context.Context, vmi *kubevirtv1.Virtu
 }
 
 // bind writes the decision: selected-node on waiting claims, then
-// status.nodeName and phase Scheduled, then the nodeName label.
+// status.nodeName and phase Scheduled, then the nodeName label unless the
+// VMI was created with it.
 func (s *Scheduler) bind(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance, node string, wffc []*corev1.PersistentVolumeClaim) error {
 	for _, pvc := range wffc {
 		patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": map[string]string{SelectedNodeAnno: node}}})
@@ -565,6 +595,10 @@ func (s *Scheduler) bind(ctx context.Context, vmi *kubevirtv1.VirtualMachineInst
 		if upd.UID != vmi.UID || !pending(upd) {
 			return nil
 		}
+	}
+	if upd.Labels[kubevirtv1.NodeNameLabel] == node {
+		s.cfg.Log.Debug("bound", "namespace", vmi.Namespace, "name", vmi.Name, "node", node)
+		return nil
 	}
 	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"labels": map[string]string{kubevirtv1.NodeNameLabel: node}}})
 	if _, err := s.cfg.Virt.VMIs.Patch(ctx, vmi.Namespace, vmi.Name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil && !apierrors.IsNotFound(err) {

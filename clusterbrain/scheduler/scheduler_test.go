@@ -31,10 +31,11 @@ import (
 func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
 
 type env struct {
-	kube kubernetes.Interface
-	virt *client.Set
-	ns   string
-	t    *testing.T
+	kube  kubernetes.Interface
+	virt  *client.Set
+	ns    string
+	t     *testing.T
+	sched *Scheduler
 }
 
 func setup(t *testing.T) env {
@@ -65,6 +66,7 @@ func setup(t *testing.T) env {
 	if err != nil {
 		t.Fatal(err)
 	}
+	e.sched = s
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); _ = s.Run(ctx) }()

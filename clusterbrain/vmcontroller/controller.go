@@ -51,10 +51,23 @@ type Config struct {
 	// controller waits for their sync. Nil: the controller makes and runs
 	// its own.
 	VMInformer, VMIInformer cache.SharedIndexInformer
+	// Placer, when set, picks each VMI's node before the VMI is created.
+	Placer Placer
 	// BackoffBase and BackoffMax bound the delay before a failed VMI is
 	// started again: base·2^(failures-1), at most max (default 10s, 5m,
 	// like KubeVirt).
 	BackoffBase, BackoffMax time.Duration
+}
+
+// Placer decides where a VMI goes before it is created, so it is created
+// with its kubevirt.io/nodeName label and bound by one status write (the
+// scheduler's Reserve). Without one, or when it returns "", the VMI is
+// created without a node and the scheduler places it when it appears.
+type Placer interface {
+	// Reserve returns the node held for vmi (which has no UID yet), or "".
+	Reserve(vmi *kubevirtv1.VirtualMachineInstance) string
+	// Unreserve releases the node held for a VMI that was not created.
+	Unreserve(namespace, name string)
 }
 
 // Controller reconciles VirtualMachines.

@@ -161,7 +161,16 @@ func (c *Controller) start(ctx context.Context, st *state, log *slog.Logger) (ti
 		vmi.Annotations[k] = v
 	}
 	vmi.Annotations["kubevirt.io/vm-generation"] = fmt.Sprint(vm.Generation)
+	reserved := ""
+	if c.cfg.Placer != nil {
+		if reserved = c.cfg.Placer.Reserve(vmi); reserved != "" {
+			vmi.Labels[kubevirtv1.NodeNameLabel] = reserved
+		}
+	}
 	if _, err := c.cfg.Virt.VMIs.Create(ctx, vmi); err != nil {
+		if reserved != "" {
+			c.cfg.Placer.Unreserve(vmi.Namespace, vmi.Name)
+		}
 		if apierrors.IsAlreadyExists(err) {
 			return 0, nil // an older one is still going away
 		}

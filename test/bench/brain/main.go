@@ -102,11 +102,11 @@ func brain(ctx context.Context, kubeconfig string, share bool) error {
 	if share {
 		vmInf, vmiInf = virt.VMs.Informer("", 0, nil), virt.VMIs.Informer("", 0, nil)
 	}
-	vmc, err := vmcontroller.New(vmcontroller.Config{RestConfig: rc, Log: log, VMInformer: vmInf, VMIInformer: vmiInf})
+	sch, err := scheduler.New(scheduler.Config{RestConfig: rc, Log: log, VMIInformer: vmiInf})
 	if err != nil {
 		return err
 	}
-	sch, err := scheduler.New(scheduler.Config{RestConfig: rc, Log: log, VMIInformer: vmiInf})
+	vmc, err := vmcontroller.New(vmcontroller.Config{RestConfig: rc, Log: log, VMInformer: vmInf, VMIInformer: vmiInf, Placer: sch})
 	if err != nil {
 		return err
 	}
@@ -195,6 +195,8 @@ func bench(ctx context.Context, nVMs, nNodes int, share bool) error {
 	if err != nil {
 		return err
 	}
+	latBefore, _ := latencySums(ctx, kube)
+	stopPerf := perfRecord(apiPid)
 	apiCPU1 := cpuTime(apiPid)
 
 	// Bindings are observed through a watch started before the burst, not
@@ -261,12 +263,16 @@ func bench(ctx context.Context, nVMs, nNodes int, share bool) error {
 	bound := int(boundN.Load())
 	wall := time.Since(start)
 	brainAPICPU := cpuTime(apiPid) - apiCPU1
+	stopPerf()
 	peak := rssMiB(child.Process.Pid, "VmHWM")
 	if bound != nVMs {
 		return fmt.Errorf("only %d of %d vmis bound after %s", bound, nVMs, wall)
 	}
 	if countsAfter, err := requestCounts(ctx, kube); err == nil {
 		printRequestDelta(countsBefore, countsAfter, nVMs)
+	}
+	if latAfter, err := latencySums(ctx, kube); err == nil {
+		printLatencyDelta(latBefore, latAfter)
 	}
 	if err := verify(ctx, virt, kube, nVMs); err != nil {
 		return err
@@ -397,6 +403,23 @@ func verify(ctx context.Context, virt *client.Set, kube kubernetes.Interface, n 
 		}
 	}
 	return nil
+}
+
+// perfRecord samples the API server's stacks with perf while the burst
+// runs when NODEVIRT_BENCH_APISERVER_PERF names an output file (an
+// analysis aid, off by default); the returned func stops it.
+func perfRecord(pid int) func() {
+	out := os.Getenv("NODEVIRT_BENCH_APISERVER_PERF")
+	if out == "" || pid == 0 {
+		return func() {}
+	}
+	cmd := exec.Command("perf", "record", "-F", "199", "-g", "-p", strconv.Itoa(pid), "-o", out)
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		fmt.Fprintln(os.Stderr, "perf:", err)
+		return func() {}
+	}
+	return func() { _ = cmd.Process.Signal(syscall.SIGINT); _ = cmd.Wait() }
 }
 
 // rssMiB reads a memory figure (VmRSS, VmHWM) of a process.
