@@ -59,7 +59,7 @@ func main() {
 	flag.IntVar(&cfg.vms, "vms", 20, "VMs created at once in the parallel measurement")
 	flag.IntVar(&cfg.rounds, "rounds", 5, "rounds of the single-VM measurement")
 	flag.IntVar(&cfg.connections, "connections", 0, "libvirt connections of the launcher (0: its default)")
-	flag.IntVar(&cfg.manyRounds, "many-rounds", 2, "rounds of the N-VM measurement")
+	flag.IntVar(&cfg.manyRounds, "many-rounds", 4, "rounds of the N-VM measurement (TCG guests booting at once make single rounds noisy)")
 	flag.Parse()
 	slog.SetDefault(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: logLevel()})))
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
