@@ -124,8 +124,11 @@ func Catalog() []Kind {
 			Namespaced: true, Status: true, Type: reflect.TypeOf(sspv1beta2.SSP{})},
 		{Group: "nodevirt.io", Version: "v1alpha1", Kind: "MACAllocation", Plural: "macallocations", Singular: "macallocation",
 			ShortNames: []string{"macalloc"}, Columns: []apiextensionsv1.CustomResourceColumnDefinition{
-				col("MAC", "string", ".spec.mac", 0), col("Namespace", "string", ".spec.namespace", 0),
-				col("VM", "string", ".spec.vmName", 0), age},
+				// A record is a block of addresses (the block's first MAC,
+				// its taken addresses under entries) or, from before blocks,
+				// one address with its owner.
+				col("MAC", "string", ".spec.mac", 0), col("Taken", "string", ".spec.entries[*].mac", 0),
+				col("Namespace", "string", ".spec.namespace", 1), col("VM", "string", ".spec.vmName", 1), age},
 			Type: reflect.TypeOf(macv1alpha1.MACAllocation{})},
 	}
 }
