@@ -1,0 +1,443 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
+	"github.com/nodevirt/nodevirt/launcher/libvirttest"
+	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/guest"
+)
+
+// env is one run: a control plane, the brain and the agent as child
+// processes, all under one temporary directory.
+type env struct {
+	dir      string
+	bin      string
+	node     string
+	ns       string
+	bridge   string
+	cidr     string
+	cp       *controlplane.ControlPlane
+	kube     kubernetes.Interface
+	virt     *client.Set
+	brain    *exec.Cmd
+	agent    *exec.Cmd
+	agentAt  string
+	agentErr chan error
+}
+
+func newEnv(ctx context.Context, cfg config) (*env, error) {
+	dir, err := os.MkdirTemp("", "nodevirt-bench-nodeagent-")
+	if err != nil {
+		return nil, err
+	}
+	// QEMU's user reaches the guest's disk below it.
+	if err := os.Chmod(dir, 0o755); err != nil {
+		return nil, err
+	}
+	// Names of this run: its node, its guest's namespace, its pod network
+	// (a bridge and subnet of its own, so a lab's is left alone).
+	id := strconv.Itoa(os.Getpid() % 100000)
+	e := &env{dir: dir, bin: cfg.bin, node: "bench-" + id, ns: "bench-nodeagent-" + id,
+		bridge: "nvbenchp" + id, cidr: fmt.Sprintf("10.%d.%d.0/24", 250+os.Getpid()%5, os.Getpid()%256)}
+	if e.bin == "" {
+		e.bin = filepath.Join(dir, "bin")
+		if err := build(ctx, e.bin); err != nil {
+			os.RemoveAll(dir)
+			return nil, err
+		}
+	}
+	return e, nil
+}
+
+// build compiles the daemons as the Makefile's build rule does.
+func build(ctx context.Context, bin string) error {
+	for _, args := range [][]string{
+		{"build", "-trimpath", "-ldflags=-s -w", "-o", bin + "/", "./nodeagent/cmd/nodeagent"},
+		{"build", "-o", bin + "/", "./clusterbrain/cmd/clusterbrain"},
+	} {
+		cmd := exec.CommandContext(ctx, "go", args...)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("go %s: %w\n%s", strings.Join(args, " "), err, out)
+		}
+	}
+	return nil
+}
+
+func (e *env) path(parts ...string) string {
+	return filepath.Join(append([]string{e.dir}, parts...)...)
+}
+
+// start brings up the control plane, libvirt, the brain and the agent, and
+// waits until the node serves.
+func (e *env) start(ctx context.Context) error {
+	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	var err error
+	e.cp, err = controlplane.Start(ctx, controlplane.Config{Dir: e.path("controlplane"), ControllerManager: true, Log: quiet})
+	if err != nil {
+		return fmt.Errorf("control plane: %w", err)
+	}
+	if e.kube, err = kubernetes.NewForConfig(e.cp.RestConfig); err != nil {
+		return err
+	}
+	if e.virt, err = client.NewSet(e.cp.RestConfig); err != nil {
+		return err
+	}
+	if err := libvirttest.Start(); err != nil {
+		return fmt.Errorf("libvirtd: %w", err)
+	}
+	if err := rbac.EnsureDaemons(ctx, e.kube); err != nil {
+		return fmt.Errorf("daemon roles: %w", err)
+	}
+	brainKC, agentKC := e.path("clusterbrain.kubeconfig"), e.path("nodeagent.kubeconfig")
+	if err := e.cp.WriteKubeconfig(brainKC, rbac.BrainUser, rbac.BrainGroup); err != nil {
+		return err
+	}
+	if err := e.cp.WriteKubeconfig(agentKC, rbac.NodeUser(e.node), rbac.NodesGroup); err != nil {
+		return err
+	}
+	if e.brain, err = e.daemon("clusterbrain", "--kubeconfig="+brainKC, "--health-addr="+freeAddr("127.0.0.1"),
+		"--webhook-addr=127.0.0.1:0", "--subresources-addr=:0", "--upload-api-addr=:0", "--uploadproxy-addr=:0",
+		"--metrics-addr=127.0.0.1:0", "--cli-download-addr=127.0.0.1:0"); err != nil {
+		return err
+	}
+	e.agentAt = freeAddr("127.0.0.1")
+	agentDir := e.path("nodeagent")
+	if e.agent, err = e.daemon("nodeagent", "--kubeconfig="+agentKC, "--node-name="+e.node,
+		"--state-dir="+agentDir, "--emulation=on", "--health-addr="+e.agentAt,
+		"--csi-socket="+filepath.Join(agentDir, "csi", "csi.sock"), "--pools=default="+e.path("pools", "default"),
+		"--console-addr="+freeAddr("127.0.0.1"), "--upload-addr="+freeAddr(""), "--metrics-addr="+freeAddr(""),
+		"--pod-bridge="+e.bridge, "--pod-cidr="+e.cidr); err != nil {
+		return err
+	}
+	e.agentErr = make(chan error, 1)
+	go func(cmd *exec.Cmd) { e.agentErr <- cmd.Wait() }(e.agent)
+	if err := e.createHCO(ctx); err != nil {
+		return err
+	}
+	return e.waitReady(ctx, 3*time.Minute)
+}
+
+// daemon starts a built binary with its output in <dir>/<name>.log.
+func (e *env) daemon(name string, args ...string) (*exec.Cmd, error) {
+	logf, err := os.Create(e.path(name + ".log"))
+	if err != nil {
+		return nil, err
+	}
+	defer logf.Close()
+	cmd := exec.Command(filepath.Join(e.bin, name), args...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGTERM}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start %s: %w", name, err)
+	}
+	return cmd, nil
+}
+
+func freeAddr(host string) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		panic(err) // loopback always has free ports
+	}
+	defer l.Close()
+	_, port, _ := net.SplitHostPort(l.Addr().String())
+	return net.JoinHostPort(host, port)
+}
+
+// createHCO creates the HyperConverged with emulation, retrying while the
+// brain installs its CRDs.
+func (e *env) createHCO(ctx context.Context) error {
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: hcov1beta1.DefaultNamespace}}
+	if _, err := e.kube.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return err
+	}
+	hco := &hcov1beta1.HyperConverged{ObjectMeta: metav1.ObjectMeta{Name: hcov1beta1.Name, Namespace: hcov1beta1.DefaultNamespace,
+		Annotations: map[string]string{"nodevirt.io/use-emulation": "true"}}}
+	return e.poll(ctx, 90*time.Second, func() (string, error) {
+		_, err := e.virt.HyperConvergeds.Create(ctx, hco)
+		if err == nil || apierrors.IsAlreadyExists(err) {
+			return "", nil
+		}
+		return "create HyperConverged: " + err.Error(), nil
+	})
+}
+
+// waitReady waits until the Node is Ready, the HyperConverged Available and
+// the agent's /readyz (every role started) answers.
+func (e *env) waitReady(ctx context.Context, timeout time.Duration) error {
+	return e.poll(ctx, timeout, func() (string, error) {
+		node, err := e.kube.CoreV1().Nodes().Get(ctx, e.node, metav1.GetOptions{})
+		if err != nil {
+			return "node: " + err.Error(), nil
+		}
+		ready := false
+		for _, c := range node.Status.Conditions {
+			ready = ready || (c.Type == corev1.NodeReady && c.Status == corev1.ConditionTrue)
+		}
+		if !ready {
+			return "node not Ready", nil
+		}
+		hco, err := e.virt.HyperConvergeds.Get(ctx, hcov1beta1.DefaultNamespace, hcov1beta1.Name)
+		if err != nil {
+			return "HyperConverged: " + err.Error(), nil
+		}
+		if !meta(hco.Status.Conditions, "Available") {
+			return "HyperConverged not Available", nil
+		}
+		resp, err := (&http.Client{Timeout: 2 * time.Second}).Get("http://" + e.agentAt + "/readyz")
+		if err != nil {
+			return "agent /readyz: " + err.Error(), nil
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			return fmt.Sprintf("agent /readyz: %d %s", resp.StatusCode, body), nil
+		}
+		return "", nil
+	})
+}
+
+func meta(conds []metav1.Condition, t string) bool {
+	for _, c := range conds {
+		if c.Type == t && c.Status == metav1.ConditionTrue {
+			return true
+		}
+	}
+	return false
+}
+
+// poll calls check until it returns "" or an error, the agent exits or
+// timeout passes; the last answer of check says what was missing.
+func (e *env) poll(ctx context.Context, timeout time.Duration, check func() (string, error)) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		missing, err := check()
+		if err != nil || missing == "" {
+			return err
+		}
+		select {
+		case err := <-e.agentErr:
+			e.agentErr <- err
+			return fmt.Errorf("nodeagent exited (%v): %s", err, tail(e.path("nodeagent.log"), 20))
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(300 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("after %s: %s\nnodeagent log:\n%s", timeout, missing, tail(e.path("nodeagent.log"), 20))
+		}
+	}
+}
+
+// runGuest creates one VMI from a private copy of the test suite's boot
+// disk and waits until it runs.
+func (e *env) runGuest(ctx context.Context) error {
+	src, err := guest.BootDisk(ctx, guest.DiskSpec{})
+	if err != nil {
+		return fmt.Errorf("guest disk: %w", err)
+	}
+	disk := e.path("disks", "guest.raw")
+	if err := os.MkdirAll(filepath.Dir(disk), 0o755); err != nil {
+		return err
+	}
+	if out, err := exec.CommandContext(ctx, "cp", "--sparse=always", src, disk).CombinedOutput(); err != nil {
+		return fmt.Errorf("copy guest disk: %w: %s", err, out)
+	}
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: e.ns}}
+	if _, err := e.kube.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return err
+	}
+	grace := int64(5)
+	no := false
+	vmi := &kubevirtv1.VirtualMachineInstance{ObjectMeta: metav1.ObjectMeta{Name: "guest", Namespace: e.ns},
+		Spec: kubevirtv1.VirtualMachineInstanceSpec{
+			TerminationGracePeriodSeconds: &grace,
+			Domain: kubevirtv1.DomainSpec{
+				Resources: kubevirtv1.ResourceRequirements{Requests: corev1.ResourceList{
+					corev1.ResourceMemory: resource.MustParse("128Mi")}},
+				Devices: kubevirtv1.Devices{AutoattachPodInterface: &no,
+					Disks: []kubevirtv1.Disk{{Name: "rootdisk",
+						DiskDevice: kubevirtv1.DiskDevice{Disk: &kubevirtv1.DiskTarget{Bus: kubevirtv1.DiskBusVirtio}}}}},
+			},
+			Volumes: []kubevirtv1.Volume{{Name: "rootdisk", VolumeSource: kubevirtv1.VolumeSource{
+				HostDisk: &kubevirtv1.HostDisk{Path: disk, Type: kubevirtv1.HostDiskExists}}}},
+		}}
+	if _, err := e.virt.VMIs.Create(ctx, vmi); err != nil {
+		return fmt.Errorf("create vmi: %w", err)
+	}
+	return e.poll(ctx, 2*time.Minute, func() (string, error) {
+		got, err := e.virt.VMIs.Get(ctx, e.ns, "guest")
+		if err != nil {
+			return "vmi: " + err.Error(), nil
+		}
+		if got.Status.Phase == kubevirtv1.Failed {
+			return "", fmt.Errorf("vmi failed: %+v", got.Status.Conditions)
+		}
+		if got.Status.Phase != kubevirtv1.Running {
+			return fmt.Sprintf("vmi phase %q", got.Status.Phase), nil
+		}
+		return "", nil
+	})
+}
+
+// memory is what /proc/<pid>/status says of a process, in bytes.
+type memory struct{ rss, anon, file, shmem int64 }
+
+// sample lets the agent run for settle, then reads its memory.
+func (e *env) sample(ctx context.Context, settle time.Duration) (memory, error) {
+	select {
+	case <-time.After(settle):
+	case <-ctx.Done():
+		return memory{}, ctx.Err()
+	}
+	select {
+	case err := <-e.agentErr:
+		e.agentErr <- err
+		return memory{}, fmt.Errorf("nodeagent exited (%v): %s", err, tail(e.path("nodeagent.log"), 20))
+	default:
+	}
+	return readStatus(e.agent.Process.Pid)
+}
+
+func readStatus(pid int) (memory, error) {
+	f, err := os.Open(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return memory{}, err
+	}
+	defer f.Close()
+	var m memory
+	fields := map[string]*int64{"VmRSS:": &m.rss, "RssAnon:": &m.anon, "RssFile:": &m.file, "RssShmem:": &m.shmem}
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		f := strings.Fields(sc.Text())
+		if len(f) == 3 && fields[f[0]] != nil {
+			kb, err := strconv.ParseInt(f[1], 10, 64)
+			if err != nil {
+				return memory{}, fmt.Errorf("%s in /proc/%d/status: %w", f[0], pid, err)
+			}
+			*fields[f[0]] = kb * 1024
+		}
+	}
+	if m.rss == 0 {
+		return memory{}, fmt.Errorf("no VmRSS in /proc/%d/status", pid)
+	}
+	return m, sc.Err()
+}
+
+// teardown deletes the guest (the agent destroys its domain), stops the
+// daemons, removes the pod network, leftover domains and the control plane.
+func (e *env) teardown(keep bool) error {
+	var errs []error
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	if e.virt != nil {
+		if err := e.virt.VMIs.Delete(ctx, e.ns, "guest", metav1.DeleteOptions{}); err == nil {
+			errs = append(errs, e.poll(ctx, 60*time.Second, func() (string, error) {
+				if _, err := e.virt.VMIs.Get(ctx, e.ns, "guest"); !apierrors.IsNotFound(err) {
+					return "vmi still there", nil
+				}
+				return "", nil
+			}))
+		}
+	}
+	for _, cmd := range []*exec.Cmd{e.agent, e.brain} {
+		if cmd != nil && cmd.Process != nil {
+			_ = cmd.Process.Signal(syscall.SIGTERM)
+		}
+	}
+	if e.agent != nil {
+		select {
+		case <-e.agentErr:
+		case <-time.After(30 * time.Second):
+			_ = e.agent.Process.Kill()
+		}
+	}
+	if e.brain != nil {
+		done := make(chan struct{})
+		go func() { e.brain.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(30 * time.Second):
+			_ = e.brain.Process.Kill()
+		}
+	}
+	// A domain the agent left (it was killed) goes with its namespace.
+	dom := e.ns + "_guest"
+	if exec.Command("virsh", "-c", "qemu:///system", "domstate", dom).Run() == nil {
+		_ = exec.Command("virsh", "-c", "qemu:///system", "destroy", dom).Run()
+		_ = exec.Command("virsh", "-c", "qemu:///system", "undefine", dom).Run()
+	}
+	if e.agent != nil {
+		out, err := exec.Command(filepath.Join(e.bin, "nodeagent"), "--teardown-podnet", "--state-dir="+e.path("nodeagent"),
+			"--node-name="+e.node, "--pod-bridge="+e.bridge, "--pod-cidr="+e.cidr).CombinedOutput()
+		if err != nil {
+			errs = append(errs, fmt.Errorf("pod network teardown: %w: %s", err, out))
+		}
+	}
+	errs = append(errs, unmountBelow(e.dir))
+	if e.cp != nil {
+		e.cp.Stop()
+	}
+	if err := errors.Join(errs...); err != nil || keep {
+		fmt.Fprintf(os.Stderr, "bench nodeagent: keeping %s\n", e.dir)
+		return err
+	}
+	return os.RemoveAll(e.dir)
+}
+
+// unmountBelow unmounts whatever the agent left mounted under dir
+// (volumes of its CSI driver), deepest first.
+func unmountBelow(dir string) error {
+	data, err := os.ReadFile("/proc/self/mounts")
+	if err != nil {
+		return err
+	}
+	var mounts []string
+	for _, l := range strings.Split(string(data), "\n") {
+		f := strings.Fields(l)
+		if len(f) > 1 && strings.HasPrefix(f[1], dir+"/") {
+			mounts = append(mounts, f[1])
+		}
+	}
+	var errs []error
+	for i := len(mounts) - 1; i >= 0; i-- {
+		if err := syscall.Unmount(mounts[i], syscall.MNT_DETACH); err != nil {
+			errs = append(errs, fmt.Errorf("unmount %s: %w", mounts[i], err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// tail is the last n lines of a log file.
+func tail(path string, n int) string {
+	data, _ := os.ReadFile(path)
+	lines := strings.Split(strings.TrimRight(string(data), "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
