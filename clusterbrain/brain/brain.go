@@ -18,6 +18,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/client-go/tools/leaderelection"
 	"k8s.io/client-go/tools/leaderelection/resourcelock"
@@ -106,6 +107,11 @@ type Deps struct {
 	// scheduler is the leader's scheduler once built, for the VM
 	// controller's placements before creation.
 	scheduler *scheduler.Scheduler
+	// vms and vmis are the informers of all VMs and VMIs the leader's
+	// roles share (the VM controller, the scheduler, the MAC reconciler):
+	// one watch and one cache of each instead of one per role. They run
+	// while this brain leads.
+	vms, vmis cache.SharedIndexInformer
 }
 
 // Role is one job of the brain.
@@ -142,7 +148,8 @@ func New(cfg Config) (*Brain, error) {
 		return nil, err
 	}
 	d := &Deps{Config: cfg, RestConfig: rc, Kube: kube, Virt: virt, Log: cfg.Log,
-		Health: daemon.NewHealth("api-installed")}
+		Health: daemon.NewHealth("api-installed"),
+		vms:    virt.VMs.Informer("", 0, nil), vmis: virt.VMIs.Informer("", 0, nil)}
 	b := &Brain{cfg: cfg, deps: d}
 	for _, f := range everyBrainRoles {
 		r, err := f(d)
@@ -196,6 +203,8 @@ func (b *Brain) Run(ctx context.Context) error {
 		Callbacks: leaderelection.LeaderCallbacks{
 			OnStartedLeading: func(ctx context.Context) {
 				log.Info("leading", "identity", b.cfg.Identity)
+				go b.deps.vms.RunWithContext(ctx)
+				go b.deps.vmis.RunWithContext(ctx)
 				groups = append(groups, daemon.Start(ctx, log, nil, b.leader...))
 			},
 			OnStoppedLeading: func() { log.Info("stopped leading", "identity", b.cfg.Identity) },

@@ -62,14 +62,15 @@ var leaderRoles = []RoleFactory{
 		return instancetypes.New(instancetypes.Config{Virt: d.Virt, Namespace: d.Config.Namespace, Log: d.Log.With("role", "common-instancetypes")})
 	},
 	func(d *Deps) (Role, error) {
-		s, err := scheduler.New(scheduler.Config{RestConfig: d.RestConfig, Log: d.Log.With("role", "scheduler")})
+		s, err := scheduler.New(scheduler.Config{RestConfig: d.RestConfig, Log: d.Log.With("role", "scheduler"), VMIInformer: d.vmis})
 		d.scheduler = s
 		return s, err
 	},
 	func(d *Deps) (Role, error) {
 		// The scheduler places each VMI before it is created, so the VMI is
 		// created with its node label and bound by one status write.
-		return vmcontroller.New(vmcontroller.Config{RestConfig: d.RestConfig, Log: d.Log.With("role", "vm-controller"), Placer: d.scheduler})
+		return vmcontroller.New(vmcontroller.Config{RestConfig: d.RestConfig, Log: d.Log.With("role", "vm-controller"), Placer: d.scheduler,
+			VMInformer: d.vms, VMIInformer: d.vmis})
 	},
 	func(d *Deps) (Role, error) {
 		// Nodes' certificates, signed with the node CA only the brain reads.
@@ -81,6 +82,7 @@ var leaderRoles = []RoleFactory{
 		return rbac.NewNodeSecretAccess(d.Kube, d.Config.Namespace, d.Log)
 	},
 	func(d *Deps) (Role, error) {
-		return macpool.NewReconciler(macpool.Config{RestConfig: d.RestConfig, Virt: d.Virt, Namespace: d.Config.Namespace, Log: d.Log.With("role", "macpool")})
+		return macpool.NewReconciler(macpool.Config{RestConfig: d.RestConfig, Virt: d.Virt, Namespace: d.Config.Namespace, Log: d.Log.With("role", "macpool"),
+			VMInformer: d.vms})
 	},
 }

@@ -50,7 +50,7 @@ func main() {
 	kubeconfig := flag.String("kubeconfig", "", "kubeconfig (child mode)")
 	vms := flag.Int("vms", 1000, "virtual machines to create")
 	nodes := flag.Int("nodes", 100, "nodes to register")
-	share := flag.Bool("share-informers", false, "the roles share one VM and one VMI informer (clusterbrain/brain does not yet)")
+	share := flag.Bool("share-informers", true, "the roles share one VM and one VMI informer (as clusterbrain/brain does)")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
