@@ -40,6 +40,9 @@ type RegistrySource struct {
 	// Platform chosen from an image index, "os/architecture"; default
 	// "linux/amd64".
 	Platform string
+	// File is the disk's path inside the image (a containerDisk's path);
+	// empty means the first regular file under /disk/.
+	File string
 }
 
 const (
@@ -100,7 +103,49 @@ func importRegistry(ctx context.Context, req Request) (Result, error) {
 			return res, err
 		}
 	}
+	if f := req.Registry.file(); f != "" {
+		return Result{}, failf(ReasonInvalidImage, "%s has no file /%s", req.Registry.URL, f)
+	}
 	return Result{}, failf(ReasonInvalidImage, "%s has no file under /disk/", req.Registry.URL)
+}
+
+// file is File cleaned and without its leading slash, "" when unset.
+func (src *RegistrySource) file() string {
+	if src.File == "" {
+		return ""
+	}
+	return strings.TrimPrefix(path.Clean("/"+src.File), "/")
+}
+
+// ResolveDigest returns the digest of the manifest (or image index) that
+// src.URL names, without downloading any layer: the URL's own digest when it
+// names one, else the digest of what the registry serves for the tag now.
+// Importing docker://host/repo@<digest> afterwards reads exactly that image.
+// Errors are *Error.
+func ResolveDigest(ctx context.Context, src *RegistrySource) (digest string, err error) {
+	defer func() { err = asImportError(ctx, err) }()
+	c, err := newRegistryClient(ctx, src)
+	if err != nil {
+		return "", err
+	}
+	defer c.client.CloseIdleConnections()
+	if strings.Contains(c.ref, ":") {
+		return c.ref, nil
+	}
+	resp, err := c.get("/v2/"+c.repo+"/manifests/"+c.ref, mediaOCIIndex, mediaOCIManifest, mediaDockerList, mediaDockerV2)
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, maxManifestBytes+1))
+	if err != nil {
+		return "", failf(ReasonSourceUnreachable, "read manifest %s: %w", c.ref, err)
+	}
+	if len(body) > maxManifestBytes {
+		return "", failf(ReasonInvalidImage, "manifest %s is too large", c.ref)
+	}
+	sum := sha256.Sum256(body)
+	return "sha256:" + hex.EncodeToString(sum[:]), nil
 }
 
 func newRegistryClient(ctx context.Context, src *RegistrySource) (*registryClient, error) {
@@ -418,7 +463,10 @@ func (c *registryClient) importFromLayer(req Request, l ociDescriptor, t *tracke
 			return Result{}, false, failf(ReasonInvalidImage, "layer %s: %w", l.Digest, err)
 		}
 		name := strings.TrimPrefix(path.Clean("/"+hdr.Name), "/")
-		if hdr.Typeflag != tar.TypeReg || !strings.HasPrefix(name, "disk/") {
+		if hdr.Typeflag != tar.TypeReg {
+			continue
+		}
+		if f := req.Registry.file(); (f != "" && name != f) || (f == "" && !strings.HasPrefix(name, "disk/")) {
 			continue
 		}
 		req.logger().Debug("disk found in layer", "dest", req.Dest, "layer", l.Digest, "file", name, "size", hdr.Size)
