@@ -54,6 +54,10 @@ func testEnv(vmi *v1.VirtualMachineInstance) Env {
 			claim = v.DataVolume.Name
 		case v.Ephemeral != nil:
 			claim = v.Ephemeral.PersistentVolumeClaim.ClaimName
+		case v.ContainerDisk != nil:
+			// The node agent's image cache.
+			env.Disks[v.Name] = DiskSource{Path: "/var/lib/nodevirt/vms/containerdisks/images/" + v.Name + "/disk.img", Format: FormatRaw}
+			continue
 		default:
 			continue
 		}
@@ -182,9 +186,15 @@ func TestRefusals(t *testing.T) {
 		{"gpus", func(v *v1.VirtualMachineInstance) {
 			v.Spec.Domain.Devices.GPUs = []v1.GPU{{Name: "g", DeviceName: "nvidia.com/x"}}
 		}, "spec.domain.devices.gpus: not supported", true},
-		{"containerDisk", func(v *v1.VirtualMachineInstance) {
-			v.Spec.Volumes[0].VolumeSource = v1.VolumeSource{ContainerDisk: &v1.ContainerDiskSource{Image: "quay.io/x/fedora"}}
-		}, `containerDisk volumes are not supported yet: spec.volumes[0] ("root", image quay.io/x/fedora)`, false},
+		{"containerDisk path", func(v *v1.VirtualMachineInstance) {
+			v.Spec.Volumes[0].VolumeSource = v1.VolumeSource{ContainerDisk: &v1.ContainerDiskSource{Image: "quay.io/x/fedora", Path: "disk/../x.img"}}
+		}, `spec.volumes[0].containerDisk.path: "disk/../x.img" is not an absolute, clean path of a file in the image`, false},
+		{"containerDisk policy", func(v *v1.VirtualMachineInstance) {
+			v.Spec.Volumes[0].VolumeSource = v1.VolumeSource{ContainerDisk: &v1.ContainerDiskSource{Image: "quay.io/x/fedora", ImagePullPolicy: "Sometimes"}}
+		}, `spec.volumes[0].containerDisk.imagePullPolicy: unknown policy "Sometimes"`, false},
+		{"containerDisk image", func(v *v1.VirtualMachineInstance) {
+			v.Spec.Volumes[0].VolumeSource = v1.VolumeSource{ContainerDisk: &v1.ContainerDiskSource{}}
+		}, `spec.volumes[0].containerDisk.image: empty`, false},
 		{"sriov", func(v *v1.VirtualMachineInstance) {
 			v.Spec.Domain.Devices.Interfaces[0].InterfaceBindingMethod = v1.InterfaceBindingMethod{SRIOV: &v1.InterfaceSRIOV{}}
 		}, "spec.domain.devices.interfaces[0].sriov: not supported", true},
@@ -268,6 +278,27 @@ func TestNodeMissingParts(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("error %v does not contain %q", err, want)
 		}
+	}
+}
+
+func TestContainerDiskOverlay(t *testing.T) {
+	vmi := loadVMI(t, "testdata/containerdisk.yaml")
+	env := testEnv(vmi)
+	d, err := Convert(vmi, env)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, vol := range []string{"containerdisk", "tools"} {
+		disk := d.Devices.Disks[i]
+		if disk.Source.File.File != env.ContainerDiskPath(vol) || disk.Driver.Type != "qcow2" || disk.ReadOnly != nil {
+			t.Errorf("disk %s: source %s format %s, want a writable qcow2 overlay at %s",
+				vol, disk.Source.File.File, disk.Driver.Type, env.ContainerDiskPath(vol))
+		}
+	}
+	delete(env.Disks, "tools")
+	if _, err := Convert(vmi, env); err == nil ||
+		!strings.Contains(err.Error(), `spec.volumes[1].containerDisk: no disk image for volume "tools" on this node`) {
+		t.Errorf("conversion without the pulled image: %v", err)
 	}
 }
 

@@ -2,7 +2,10 @@ package domain
 
 import (
 	"fmt"
+	pathpkg "path"
+	"strings"
 
+	k8sv1 "k8s.io/api/core/v1"
 	v1 "kubevirt.io/api/core/v1"
 	"libvirt.org/go/libvirtxml"
 )
@@ -112,7 +115,12 @@ func (c *converter) volumeSource(i int, vol *v1.Volume) (volumeSource, bool) {
 	case s.CloudInitNoCloud != nil || s.CloudInitConfigDrive != nil:
 		return volumeSource{source: fileSource(c.env.CloudInitPath(vol.Name)), format: FormatRaw}, true
 	case s.ContainerDisk != nil:
-		c.fail(fmt.Errorf("containerDisk volumes are not supported yet: %s (%q, image %s)", path, vol.Name, s.ContainerDisk.Image))
+		c.containerDisk(path+".containerDisk", s.ContainerDisk)
+		backing, ok := c.nodeDisk(path+".containerDisk", vol.Name)
+		if ok && backing.block {
+			c.refuse(path+".containerDisk", "a containerDisk image on a block device is not supported")
+		}
+		return volumeSource{source: fileSource(c.env.ContainerDiskPath(vol.Name)), format: FormatQcow2}, ok
 	case s.Sysprep != nil:
 		c.refuse(path+".sysprep", "not supported")
 	case s.ConfigMap != nil, s.Secret != nil:
@@ -314,5 +322,21 @@ func (c *converter) disks(d *libvirtxml.Domain) {
 		d.Devices.Controllers = append(d.Devices.Controllers, libvirtxml.DomainController{
 			Type: "scsi", Index: &idx, Model: model,
 		})
+	}
+}
+
+// containerDisk checks the fields of a containerDisk volume; the node
+// supplies the pulled image in Env.Disks.
+func (c *converter) containerDisk(path string, cd *v1.ContainerDiskSource) {
+	if cd.Image == "" {
+		c.invalid(path+".image", "empty")
+	}
+	switch cd.ImagePullPolicy {
+	case "", k8sv1.PullAlways, k8sv1.PullIfNotPresent, k8sv1.PullNever:
+	default:
+		c.invalid(path+".imagePullPolicy", "unknown policy %q", cd.ImagePullPolicy)
+	}
+	if p := cd.Path; p != "" && (!strings.HasPrefix(p, "/") || pathpkg.Clean(p) != p || p == "/") {
+		c.invalid(path+".path", "%q is not an absolute, clean path of a file in the image", p)
 	}
 }

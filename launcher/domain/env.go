@@ -52,7 +52,9 @@ type Env struct {
 	// reachable by the user QEMU runs as. Required.
 	StateDir string
 	// Disks maps a volume name (spec.volumes[].name) to its image, for
-	// persistentVolumeClaim, dataVolume and ephemeral volumes.
+	// persistentVolumeClaim, dataVolume and ephemeral volumes, and to the
+	// pulled image (read-only, the backing of an overlay) for containerDisk
+	// volumes.
 	Disks map[string]DiskSource
 	// Taps maps an interface name (spec.domain.devices.interfaces[].name) to
 	// the tap device the node prepared for it.
@@ -119,6 +121,12 @@ func (e *Env) EmptyDiskPath(volume string) string {
 // EphemeralPath is where the ephemeral volume's qcow2 overlay is created.
 func (e *Env) EphemeralPath(volume string) string {
 	return filepath.Join(e.StateDir, "ephemeral-"+volume+".qcow2")
+}
+
+// ContainerDiskPath is where the containerDisk volume's qcow2 overlay on
+// the pulled image is created.
+func (e *Env) ContainerDiskPath(volume string) string {
+	return filepath.Join(e.StateDir, "containerdisk-"+volume+".qcow2")
 }
 
 // CloudInitPath is where the cloud-init seed ISO of a volume is built.

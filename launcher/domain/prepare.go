@@ -13,7 +13,8 @@ import (
 
 // Prepare creates the files vmi's domain refers to inside env.StateDir (made
 // if missing): qcow2 images of emptyDisk volumes, qcow2 overlays of ephemeral
-// volumes on their node disk, sparse images of hostDisk DiskOrCreate volumes,
+// volumes on their node disk and of containerDisk volumes on their pulled
+// image, sparse images of hostDisk DiskOrCreate volumes,
 // and cloud-init seed ISOs.
 //
 // Prepare is idempotent: images that exist are kept (they hold the guest's
@@ -52,8 +53,11 @@ func Prepare(ctx context.Context, vmi *v1.VirtualMachineInstance, env Env) (err 
 				return fmt.Errorf("%s: empty disk: %w", path, err)
 			}
 			created = append(created, p)
-		case s.Ephemeral != nil:
-			p := env.EphemeralPath(vol.Name)
+		case s.Ephemeral != nil || s.ContainerDisk != nil:
+			p, what := env.EphemeralPath(vol.Name), "ephemeral overlay"
+			if s.ContainerDisk != nil {
+				p, what = env.ContainerDiskPath(vol.Name), "containerDisk overlay"
+			}
 			if exists(p) {
 				continue
 			}
@@ -66,7 +70,7 @@ func Prepare(ctx context.Context, vmi *v1.VirtualMachineInstance, env Env) (err 
 				format = FormatRaw
 			}
 			if err := qemuImg(ctx, "create", "-q", "-f", "qcow2", "-F", string(format), "-b", backing.Path, p); err != nil {
-				return fmt.Errorf("%s: ephemeral overlay: %w", path, err)
+				return fmt.Errorf("%s: %s: %w", path, what, err)
 			}
 			created = append(created, p)
 		case s.HostDisk != nil && s.HostDisk.Type == v1.HostDiskExistsOrCreate:

@@ -189,3 +189,37 @@ func TestCloudInitSourcesAreExclusive(t *testing.T) {
 		t.Fatalf("err = %v", err)
 	}
 }
+
+func TestPrepareContainerDiskOverlay(t *testing.T) {
+	ctx := context.Background()
+	tmp := t.TempDir()
+	cached := filepath.Join(tmp, "cache", "disk.img")
+	os.MkdirAll(filepath.Dir(cached), 0o755)
+	if err := os.WriteFile(cached, make([]byte, 2<<20), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	vmi := loadVMI(t, "testdata/containerdisk.yaml")
+	env := Env{StateDir: filepath.Join(tmp, "state"), Disks: map[string]DiskSource{
+		"containerdisk": {Path: cached, Format: FormatRaw},
+		"tools":         {Path: cached},
+	}}
+	if err := Prepare(ctx, vmi, env); err != nil {
+		t.Fatal(err)
+	}
+	for _, vol := range []string{"containerdisk", "tools"} {
+		info := qemuImgInfo(t, env.ContainerDiskPath(vol))
+		if info["format"] != "qcow2" || info["backing-filename"] != cached || info["backing-filename-format"] != "raw" ||
+			info["virtual-size"] != float64(2<<20) {
+			t.Errorf("containerDisk overlay %s: %v", vol, info)
+		}
+	}
+	// Without the pulled image nothing is made.
+	env.StateDir = filepath.Join(tmp, "state2")
+	delete(env.Disks, "tools")
+	if err := Prepare(ctx, vmi, env); err == nil || !strings.Contains(err.Error(), `no disk image for volume "tools"`) {
+		t.Fatalf("prepare without the image: %v", err)
+	}
+	if _, err := os.Stat(env.StateDir); !os.IsNotExist(err) {
+		t.Errorf("failed prepare left %s: %v", env.StateDir, err)
+	}
+}
