@@ -37,6 +37,22 @@ type env struct {
 
 func setup(t *testing.T) env {
 	t.Helper()
+	e := newEnv(t)
+	c, err := New(Config{RestConfig: controlplane.Shared(t).RestConfig, BackoffBase: time.Second, BackoffMax: 2 * time.Second,
+		Log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = c.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return e
+}
+
+// newEnv makes the clients and namespace of a test, without a controller.
+func newEnv(t *testing.T) env {
+	t.Helper()
 	cp := controlplane.Shared(t)
 	if err := crds.Install(context.Background(), apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.Catalog()); err != nil {
 		t.Fatal(err)
@@ -47,17 +63,7 @@ func setup(t *testing.T) env {
 	if err != nil {
 		t.Fatal(err)
 	}
-	e := env{t: t, kube: cp.Clientset(t), virt: virt, ns: cp.Namespace(t)}
-	c, err := New(Config{RestConfig: cp.RestConfig, BackoffBase: time.Second, BackoffMax: 2 * time.Second,
-		Log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); _ = c.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
-	return e
+	return env{t: t, kube: cp.Clientset(t), virt: virt, ns: cp.Namespace(t)}
 }
 
 func strategy(s kubevirtv1.VirtualMachineRunStrategy) *kubevirtv1.VirtualMachineRunStrategy {
