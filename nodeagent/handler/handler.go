@@ -56,6 +56,7 @@ import (
 	"github.com/nodevirt/nodevirt/launcher"
 	"github.com/nodevirt/nodevirt/launcher/domain"
 	"github.com/nodevirt/nodevirt/nodeagent/console"
+	"github.com/nodevirt/nodevirt/nodeagent/containerdisk"
 )
 
 // Names the handler writes on VMIs.
@@ -177,6 +178,9 @@ type Handler struct {
 	agentPolled map[string]agentPoll
 	bg          sync.WaitGroup // graceful shutdowns under way
 	ready       chan struct{}
+	// cdisks is the containerDisk image cache, made on first use
+	// (containerdisk.go).
+	cdisks *containerdisk.Puller
 }
 
 type agentPoll struct {

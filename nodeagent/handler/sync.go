@@ -115,6 +115,9 @@ func (h *Handler) start(ctx context.Context, lv *launcher.Manager, vmi *v1.Virtu
 	if err != nil {
 		return nil, err
 	}
+	if err := h.resolveContainerDisks(ctx, vmi, disks); err != nil {
+		return nil, err
+	}
 	secrets, err := h.resolveSecrets(ctx, vmi)
 	if err != nil {
 		return nil, err
@@ -182,6 +185,9 @@ func (h *Handler) syncFailed(ctx context.Context, vmi *v1.VirtualMachineInstance
 	if errors.Is(err, errWaiting) {
 		reason = "Waiting"
 	}
+	if r := pullReason(err); r != "" {
+		reason = r
+	}
 	out := vmi.DeepCopy()
 	setCondition(out, v1.VirtualMachineInstanceSynchronized, false, reason, err.Error())
 	_, werr := h.write(ctx, vmi, out)
@@ -239,6 +245,11 @@ func (h *Handler) isStopping(uid types.UID) bool {
 func (h *Handler) finish(ctx context.Context, lv *launcher.Manager, vmi *v1.VirtualMachineInstance, found bool) error {
 	if found || h.owns(vmi.UID) {
 		if err := h.cleanup(ctx, lv, vmi.UID, domain.Name(vmi.Namespace, vmi.Name)); err != nil {
+			return err
+		}
+	} else if hasContainerDisk(vmi) {
+		// An image may have been pulled for it before it failed to start.
+		if err := h.releaseContainerDisks(string(vmi.UID)); err != nil {
 			return err
 		}
 	}
@@ -304,5 +315,5 @@ func (h *Handler) cleanupState(ctx context.Context, r *record) error {
 	if err := os.RemoveAll(h.vmDir(r.UID)); err != nil {
 		return fmt.Errorf("remove state of vmi %s: %w", r.UID, err)
 	}
-	return nil
+	return h.releaseContainerDisks(string(r.UID))
 }

@@ -1,0 +1,149 @@
+package handler
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"path/filepath"
+
+	k8sv1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	v1 "kubevirt.io/api/core/v1"
+
+	"github.com/nodevirt/nodevirt/launcher/domain"
+	"github.com/nodevirt/nodevirt/nodeagent/containerdisk"
+)
+
+// ContainerDiskDir is where, inside Config.StateDir, pulled containerDisk
+// images are cached (package containerdisk). It holds no handler record,
+// so the handler never takes it for a VMI's state.
+const ContainerDiskDir = "containerdisks"
+
+// containerDisks returns the node's containerDisk image cache, made on
+// first use under Config.StateDir.
+func (h *Handler) containerDisks() (*containerdisk.Puller, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.cdisks != nil {
+		return h.cdisks, nil
+	}
+	p, err := containerdisk.New(containerdisk.Config{Dir: filepath.Join(h.cfg.StateDir, ContainerDiskDir), Log: h.cfg.Log})
+	if err != nil {
+		return nil, err
+	}
+	h.cdisks = p
+	return p, nil
+}
+
+// resolveContainerDisks adds the cached image of every containerDisk
+// volume of vmi to disks. An image not cached yet is pulled in the
+// background: the VMI waits (errWaiting, phase Scheduled) and is
+// reconciled again when the pull is over. A failed pull is a
+// *containerdisk.PullError, retried after the cache's back-off.
+func (h *Handler) resolveContainerDisks(ctx context.Context, vmi *v1.VirtualMachineInstance, disks map[string]domain.DiskSource) error {
+	var insecure []string
+	var cache *containerdisk.Puller
+	key := vmi.Namespace + "/" + vmi.Name
+	for i, vol := range vmi.Spec.Volumes {
+		cd := vol.ContainerDisk
+		if cd == nil {
+			continue
+		}
+		if cache == nil {
+			var err error
+			if cache, err = h.containerDisks(); err != nil {
+				return err
+			}
+			insecure = h.insecureRegistries(ctx)
+		}
+		req := containerdisk.Request{Image: cd.Image, PullPolicy: cd.ImagePullPolicy, Path: cd.Path, InsecureRegistries: insecure}
+		if cd.ImagePullSecret != "" {
+			sec, err := h.pullSecret(ctx, vmi.Namespace, cd.ImagePullSecret)
+			if err != nil {
+				return fmt.Errorf("spec.volumes[%d] (%s): %w", i, vol.Name, err)
+			}
+			req.PullSecret = sec
+		}
+		img, err := cache.Acquire(ctx, req, string(vmi.UID), func() {
+			if h.queue != nil {
+				h.queue.Add(key)
+			}
+		})
+		if errors.Is(err, containerdisk.ErrPulling) {
+			return fmt.Errorf("%w: spec.volumes[%d] (%s): pulling containerDisk image %s", errWaiting, i, vol.Name, cd.Image)
+		}
+		if err != nil {
+			return fmt.Errorf("spec.volumes[%d] (%s): %w", i, vol.Name, err)
+		}
+		disks[vol.Name] = domain.DiskSource{Path: img.Path, Format: domain.FormatRaw}
+	}
+	return nil
+}
+
+// pullSecret reads a kubernetes.io/dockerconfigjson (or legacy dockercfg)
+// Secret.
+func (h *Handler) pullSecret(ctx context.Context, namespace, name string) ([]byte, error) {
+	sec, err := h.cfg.Kube.CoreV1().Secrets(namespace).Get(ctx, name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		return nil, fmt.Errorf("%w: imagePullSecret %s/%s does not exist", errWaiting, namespace, name)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("imagePullSecret %s/%s: %w", namespace, name, err)
+	}
+	if b, ok := sec.Data[k8sv1.DockerConfigJsonKey]; ok {
+		return b, nil
+	}
+	if b, ok := sec.Data[k8sv1.DockerConfigKey]; ok {
+		return b, nil
+	}
+	return nil, fmt.Errorf("%w: imagePullSecret %s/%s has neither %s nor %s", errSpec, namespace, name,
+		k8sv1.DockerConfigJsonKey, k8sv1.DockerConfigKey)
+}
+
+// insecureRegistries is the CDI configuration's list, as the DataVolume
+// importer uses it; none when there is no CDI CR or it cannot be read.
+func (h *Handler) insecureRegistries(ctx context.Context) []string {
+	cdis, err := h.cfg.Virt.CDIs.List(ctx, "", metav1.ListOptions{})
+	if err != nil {
+		h.log.Debug("cdi configuration unreadable, no insecure registries", "err", err)
+		return nil
+	}
+	if len(cdis) == 0 || cdis[0].Spec.Config == nil {
+		return nil
+	}
+	return cdis[0].Spec.Config.InsecureRegistries
+}
+
+// releaseContainerDisks forgets the VMI uid as a user of cached images;
+// images nobody uses are removed after the cache's keep time.
+func (h *Handler) releaseContainerDisks(uid string) error {
+	cache, err := h.containerDisks()
+	if err != nil {
+		return err
+	}
+	if err := cache.Release(uid); err != nil {
+		return fmt.Errorf("containerDisk images of vmi %s: %w", uid, err)
+	}
+	return nil
+}
+
+// pullReason is the Synchronized condition's reason for a failed
+// containerDisk pull (kubelet's ErrImagePull, ImagePullBackOff, ...), or
+// "" when err is no pull failure.
+func pullReason(err error) string {
+	var pe *containerdisk.PullError
+	if errors.As(err, &pe) {
+		return pe.Reason
+	}
+	return ""
+}
+
+func hasContainerDisk(vmi *v1.VirtualMachineInstance) bool {
+	for _, vol := range vmi.Spec.Volumes {
+		if vol.ContainerDisk != nil {
+			return true
+		}
+	}
+	return false
+}

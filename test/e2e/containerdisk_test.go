@@ -1,0 +1,244 @@
+package e2e
+
+import (
+	"archive/tar"
+	"bytes"
+	"compress/gzip"
+	"context"
+	"crypto/sha256"
+	"encoding/base64"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/test/guest"
+)
+
+// TestContainerDisk: a VMI written as KubeVirt's documentation writes one,
+// booting from a containerDisk in a registry (loopback, plain HTTP, basic
+// auth through an imagePullSecret, listed as insecure in the
+// HyperConverged), reaches its guest's READY line on a qcow2 overlay of
+// the image the node agent pulled; deleting it removes the overlay. A VMI
+// whose image does not exist stays Scheduled with a condition naming the
+// image and why.
+func TestContainerDisk(t *testing.T) {
+	t.Parallel()
+	e := require(t)
+	n := e.namespace(t)
+	host := serveContainerDisk(t, "e2e/guest", "v1", "puller", "e2e-pw")
+	e.allowInsecureRegistry(t, host)
+
+	auth := base64.StdEncoding.EncodeToString([]byte("puller:e2e-pw"))
+	secret := &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: "registry-pull", Namespace: n.name},
+		Type:       corev1.SecretTypeDockerConfigJson,
+		Data:       map[string][]byte{corev1.DockerConfigJsonKey: fmt.Appendf(nil, `{"auths":{%q:{"auth":%q}}}`, host, auth)},
+	}
+	if _, err := e.kube.CoreV1().Secrets(n.name).Create(context.Background(), secret, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+
+	withContainerDisk := func(image string) vmiOption {
+		return func(s *kubevirtv1.VirtualMachineInstanceSpec) {
+			s.Volumes[0].VolumeSource = kubevirtv1.VolumeSource{ContainerDisk: &kubevirtv1.ContainerDiskSource{
+				Image: image, ImagePullSecret: "registry-pull"}}
+		}
+	}
+	newVMI := func(name, image string) *kubevirtv1.VirtualMachineInstance {
+		return &kubevirtv1.VirtualMachineInstance{
+			ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: n.name},
+			Spec:       vmiSpec("unused", withContainerDisk(image)),
+		}
+	}
+
+	n.createVMI(newVMI("missing", host+"/e2e/absent:v1"))
+	n.createVMI(newVMI("fromregistry", host+"/e2e/guest:v1"))
+
+	n.waitRunning("fromregistry")
+	serial := n.waitBooted("fromregistry")
+	if !serial.contains(`NODEVIRT-DISK vda 67108864`) {
+		t.Errorf("the guest did not see its 64 MiB containerDisk as vda")
+	}
+	dom, err := domainXML(n.name, "fromregistry")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var overlay string
+	for _, d := range dom.Devices.Disks {
+		if d.Alias != nil && d.Alias.Name == "ua-rootdisk" {
+			overlay = diskSource(d.Source)
+		}
+	}
+	if overlay == "" {
+		t.Fatalf("no rootdisk in the domain")
+	}
+	info, err := exec.Command("qemu-img", "info", "-U", "--output=json", overlay).Output()
+	if err != nil {
+		t.Fatalf("qemu-img info %s: %v", overlay, err)
+	}
+	var img struct {
+		Format  string `json:"format"`
+		Backing string `json:"backing-filename"`
+	}
+	json.Unmarshal(info, &img)
+	if img.Format != "qcow2" || !strings.Contains(img.Backing, "/containerdisks/images/") {
+		t.Errorf("root disk %s: format %s backing %q, want a qcow2 overlay on the node's image cache", overlay, img.Format, img.Backing)
+	}
+	if _, err := os.Stat(img.Backing); err != nil {
+		t.Errorf("cached image: %v", err)
+	}
+
+	missing := n.waitVMI("missing", 60*time.Second, "reporting the failed pull", func(v *kubevirtv1.VirtualMachineInstance) bool {
+		for _, c := range v.Status.Conditions {
+			if c.Type == kubevirtv1.VirtualMachineInstanceSynchronized && c.Status == corev1.ConditionFalse &&
+				(c.Reason == "ErrImagePull" || c.Reason == "ImagePullBackOff") {
+				return true
+			}
+		}
+		return false
+	})
+	if missing.Status.Phase != kubevirtv1.Scheduled {
+		t.Errorf("vmi with a missing image in phase %s, want Scheduled", missing.Status.Phase)
+	}
+	for _, c := range missing.Status.Conditions {
+		if c.Type == kubevirtv1.VirtualMachineInstanceSynchronized &&
+			(!strings.Contains(c.Message, "e2e/absent:v1") || !strings.Contains(c.Message, "SourceNotFound")) {
+			t.Errorf("condition message %q does not name the image and the reason", c.Message)
+		}
+	}
+
+	n.deleteVMI("fromregistry", nil)
+	n.waitGone("fromregistry", 90*time.Second)
+	if _, err := os.Stat(overlay); !os.IsNotExist(err) {
+		t.Errorf("overlay %s left after the vmi was deleted: %v", overlay, err)
+	}
+}
+
+// allowInsecureRegistry lists host in the HyperConverged's
+// storageImport.insecureRegistries until the test ends, and waits until the
+// brain has passed it on to the CDI configuration.
+func (e *env) allowInsecureRegistry(t *testing.T, host string) {
+	t.Helper()
+	ctx := context.Background()
+	edit := func(f func([]string) []string) error {
+		for {
+			hco, err := e.virt.HyperConvergeds.Get(ctx, hcov1beta1.DefaultNamespace, hcov1beta1.Name)
+			if err != nil {
+				return err
+			}
+			if hco.Spec.StorageImport == nil {
+				hco.Spec.StorageImport = &hcov1beta1.StorageImportConfig{}
+			}
+			hco.Spec.StorageImport.InsecureRegistries = f(hco.Spec.StorageImport.InsecureRegistries)
+			_, err = e.virt.HyperConvergeds.Update(ctx, hco)
+			if !apierrors.IsConflict(err) {
+				return err
+			}
+		}
+	}
+	if err := edit(func(l []string) []string { return append(l, host) }); err != nil {
+		t.Fatalf("list %s as insecure in the HyperConverged: %v", host, err)
+	}
+	t.Cleanup(func() {
+		edit(func(l []string) []string { return slices.DeleteFunc(l, func(s string) bool { return s == host }) })
+	})
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		cdis, err := e.virt.CDIs.List(ctx, "", metav1.ListOptions{})
+		if err == nil && len(cdis) > 0 && cdis[0].Spec.Config != nil && slices.Contains(cdis[0].Spec.Config.InsecureRegistries, host) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the CDI configuration does not list %s 60 s after the HyperConverged did (clusterbrain/hco): %v", host, err)
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
+}
+
+// serveContainerDisk serves, until the test ends, a containerDisk image
+// repo:tag holding the test guest's boot disk as qcow2 under /disk/ in a
+// gzipped layer, over plain HTTP on loopback behind basic auth; it returns
+// the registry's host:port.
+func serveContainerDisk(t *testing.T, repo, tag, user, pass string) string {
+	t.Helper()
+	raw, err := bootDisk()
+	if err != nil {
+		t.Fatalf("guest image: %v", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	qcow2, err := guest.QCOW2(ctx, raw)
+	if err != nil {
+		t.Fatalf("guest qcow2 image: %v", err)
+	}
+	disk, err := os.ReadFile(qcow2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var layer bytes.Buffer
+	zw := gzip.NewWriter(&layer)
+	tw := tar.NewWriter(zw)
+	tw.WriteHeader(&tar.Header{Name: "disk/", Typeflag: tar.TypeDir, Mode: 0o755})
+	tw.WriteHeader(&tar.Header{Name: "disk/guest.qcow2", Typeflag: tar.TypeReg, Mode: 0o440, Uid: 107, Size: int64(len(disk))})
+	tw.Write(disk)
+	if err := tw.Close(); err != nil {
+		t.Fatal(err)
+	}
+	zw.Close()
+
+	blobs := map[string][]byte{}
+	add := func(mediaType string, b []byte) map[string]any {
+		s := sha256.Sum256(b)
+		d := "sha256:" + hex.EncodeToString(s[:])
+		blobs[d] = b
+		return map[string]any{"mediaType": mediaType, "digest": d, "size": len(b)}
+	}
+	config := add("application/vnd.oci.image.config.v1+json", []byte(`{"architecture":"amd64","os":"linux","rootfs":{"type":"layers"}}`))
+	manifest, _ := json.Marshal(map[string]any{
+		"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json", "config": config,
+		"layers": []any{add("application/vnd.oci.image.layer.v1.tar+gzip", layer.Bytes())},
+	})
+	s := sha256.Sum256(manifest)
+	manifestDigest := "sha256:" + hex.EncodeToString(s[:])
+
+	mux := http.NewServeMux()
+	mux.HandleFunc("/v2/", func(w http.ResponseWriter, r *http.Request) {
+		if u, p, ok := r.BasicAuth(); !ok || u != user || p != pass {
+			w.Header().Set("WWW-Authenticate", `Basic realm="e2e"`)
+			http.Error(w, "unauthorized", http.StatusUnauthorized)
+			return
+		}
+		switch p := r.URL.Path; {
+		case p == "/v2/":
+		case p == "/v2/"+repo+"/manifests/"+tag || p == "/v2/"+repo+"/manifests/"+manifestDigest:
+			w.Header().Set("Content-Type", "application/vnd.oci.image.manifest.v1+json")
+			w.Write(manifest)
+		case strings.HasPrefix(p, "/v2/"+repo+"/blobs/") && blobs[strings.TrimPrefix(p, "/v2/"+repo+"/blobs/")] != nil:
+			w.Write(blobs[strings.TrimPrefix(p, "/v2/"+repo+"/blobs/")])
+		default:
+			http.Error(w, `{"errors":[{"code":"MANIFEST_UNKNOWN"}]}`, http.StatusNotFound)
+		}
+	})
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	return ln.Addr().String()
+}
