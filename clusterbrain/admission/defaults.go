@@ -15,11 +15,8 @@ func mutateVMI(_ context.Context, req *admissionv1.AdmissionRequest) *admissionv
 	if err := json.Unmarshal(req.Object.Raw, &vmi); err != nil {
 		return Denyf("decode virtualmachineinstance: %v", err)
 	}
-	before, _ := json.Marshal(vmi.Spec)
-	DefaultVMISpec(&vmi.Spec)
-	after, _ := json.Marshal(vmi.Spec)
-	if string(before) == string(after) {
-		return Allow()
+	if !defaultVMISpec(&vmi.Spec) {
+		return Allow() // already defaulted (as the VM controller creates VMIs)
 	}
 	return Patch([]PatchOp{{Op: "replace", Path: "/spec", Value: vmi.Spec}})
 }
@@ -30,13 +27,18 @@ func mutateVMI(_ context.Context, req *admissionv1.AdmissionRequest) *admissionv
 // disk target, the
 // q35 machine, a 1×1×1 CPU topology and memory request and guest memory
 // from each other.
-func DefaultVMISpec(s *kubevirtv1.VirtualMachineInstanceSpec) {
+func DefaultVMISpec(s *kubevirtv1.VirtualMachineInstanceSpec) { defaultVMISpec(s) }
+
+// defaultVMISpec applies the defaults and reports whether it changed s.
+func defaultVMISpec(s *kubevirtv1.VirtualMachineInstanceSpec) bool {
+	changed := false
 	d := &s.Domain
 	auto := d.Devices.AutoattachPodInterface
 	if len(d.Devices.Interfaces) == 0 && len(s.Networks) == 0 && (auto == nil || *auto) {
 		s.Networks = []kubevirtv1.Network{*kubevirtv1.DefaultPodNetwork()}
 		d.Devices.Interfaces = []kubevirtv1.Interface{{Name: "default",
 			InterfaceBindingMethod: kubevirtv1.InterfaceBindingMethod{Masquerade: &kubevirtv1.InterfaceMasquerade{}}}}
+		changed = true
 	}
 	named := map[string]bool{}
 	for _, dk := range d.Devices.Disks {
@@ -48,31 +50,33 @@ func DefaultVMISpec(s *kubevirtv1.VirtualMachineInstanceSpec) {
 	for _, v := range s.Volumes {
 		if !named[v.Name] {
 			d.Devices.Disks = append(d.Devices.Disks, kubevirtv1.Disk{Name: v.Name})
+			changed = true
 		}
 	}
 	for i := range d.Devices.Disks {
 		dk := &d.Devices.Disks[i]
 		if dk.Disk == nil && dk.LUN == nil && dk.CDRom == nil {
 			dk.Disk = &kubevirtv1.DiskTarget{}
+			changed = true
 		}
 		if dk.Disk != nil && dk.Disk.Bus == "" {
 			dk.Disk.Bus = kubevirtv1.DiskBusVirtio
+			changed = true
 		}
 	}
 	if d.Machine == nil {
 		d.Machine = &kubevirtv1.Machine{Type: "q35"}
+		changed = true
 	}
 	if d.CPU == nil {
 		d.CPU = &kubevirtv1.CPU{}
+		changed = true
 	}
-	if d.CPU.Sockets == 0 {
-		d.CPU.Sockets = 1
-	}
-	if d.CPU.Cores == 0 {
-		d.CPU.Cores = 1
-	}
-	if d.CPU.Threads == 0 {
-		d.CPU.Threads = 1
+	for _, n := range []*uint32{&d.CPU.Sockets, &d.CPU.Cores, &d.CPU.Threads} {
+		if *n == 0 {
+			*n = 1
+			changed = true
+		}
 	}
 	req, hasReq := d.Resources.Requests[corev1.ResourceMemory]
 	if d.Memory == nil || d.Memory.Guest == nil {
@@ -85,11 +89,14 @@ func DefaultVMISpec(s *kubevirtv1.VirtualMachineInstanceSpec) {
 				d.Memory = &kubevirtv1.Memory{}
 			}
 			d.Memory.Guest = &g
+			changed = true
 		}
 	} else if !hasReq {
 		if d.Resources.Requests == nil {
 			d.Resources.Requests = corev1.ResourceList{}
 		}
 		d.Resources.Requests[corev1.ResourceMemory] = d.Memory.Guest.DeepCopy()
+		changed = true
 	}
+	return changed
 }

@@ -38,3 +38,20 @@ func TestDefaultVolumeDisks(t *testing.T) {
 		}
 	}
 }
+
+// TestDefaultsReportChange: the mutator answers without a patch exactly
+// when defaulting changes nothing, as for VMIs the VM controller defaulted
+// before creating them.
+func TestDefaultsReportChange(t *testing.T) {
+	s := kubevirtv1.VirtualMachineInstanceSpec{Volumes: []kubevirtv1.Volume{{Name: "root"}}}
+	if !admission.DefaultsChange(&s) {
+		t.Fatal("a bare spec reported as already defaulted")
+	}
+	if admission.DefaultsChange(&s) {
+		t.Fatalf("defaulting a defaulted spec changed it: %+v", s.Domain)
+	}
+	s.Domain.CPU.Threads = 0
+	if !admission.DefaultsChange(&s) || s.Domain.CPU.Threads != 1 {
+		t.Fatal("a cleared thread count was not defaulted again")
+	}
+}

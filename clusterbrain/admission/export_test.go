@@ -1,0 +1,4 @@
+package admission
+
+// DefaultsChange exposes defaultVMISpec to the external tests.
+var DefaultsChange = defaultVMISpec
