@@ -28,7 +28,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -389,6 +391,30 @@ func (p *Puller) Release(owner string) error {
 	defer p.mu.Unlock()
 	err := p.removeUser(owner)
 	return errors.Join(err, p.prune())
+}
+
+// Retain forgets every user for which keep is false (the node agent calls
+// it once after a restart with the VMIs it still knows), then removes the
+// images unused for longer than Config.KeepUnused.
+func (p *Puller) Retain(keep func(owner string) bool) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	ents, err := p.entries()
+	errs := []error{err}
+	for _, e := range ents {
+		users, err := e.users()
+		errs = append(errs, err)
+		for _, u := range users {
+			if keep(u) {
+				continue
+			}
+			if err := os.Remove(filepath.Join(e.dir, usersDir, u)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+				errs = append(errs, err)
+			}
+		}
+	}
+	errs = append(errs, p.prune())
+	return errors.Join(errs...)
 }
 
 // Prune removes the images unused for longer than Config.KeepUnused.

@@ -9,6 +9,7 @@ import (
 	k8sv1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	v1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/launcher/domain"
@@ -31,6 +32,17 @@ func (h *Handler) containerDisks() (*containerdisk.Puller, error) {
 	p, err := containerdisk.New(containerdisk.Config{Dir: filepath.Join(h.cfg.StateDir, ContainerDiskDir), Log: h.cfg.Log})
 	if err != nil {
 		return nil, err
+	}
+	// Users recorded by an earlier run for VMIs that are gone and left no
+	// state (deleted while their image was pulled) are forgotten now.
+	live := map[string]bool{}
+	for _, o := range h.vmis.GetStore().List() {
+		if vmi, ok := o.(*v1.VirtualMachineInstance); ok {
+			live[string(vmi.UID)] = true
+		}
+	}
+	if err := p.Retain(func(uid string) bool { return live[uid] || h.owns(types.UID(uid)) }); err != nil {
+		h.log.Warn("containerDisk image cache", "err", err)
 	}
 	h.cdisks = p
 	return p, nil
