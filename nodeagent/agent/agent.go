@@ -14,7 +14,6 @@ import (
 	"time"
 
 	"google.golang.org/grpc/codes"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
@@ -23,6 +22,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
 	"github.com/nodevirt/nodevirt/csi"
 	"github.com/nodevirt/nodevirt/nodeagent/console"
+	"github.com/nodevirt/nodevirt/nodeagent/kube"
 	"github.com/nodevirt/nodevirt/nodeagent/kvm"
 	nodemetrics "github.com/nodevirt/nodevirt/nodeagent/metrics"
 	"github.com/nodevirt/nodevirt/nodeagent/node"
@@ -154,10 +154,13 @@ func (c *Config) validate() error {
 type Deps struct {
 	Config     Config
 	RestConfig *rest.Config
-	Kube       kubernetes.Interface
+	Kube       kube.Interface
 	Virt       *client.Set
-	Log        *slog.Logger
-	Health     *daemon.Health
+	// Informers are the claim, volume and class informers the storage
+	// roles share (one cache and one watch of each kind for the node).
+	Informers *kube.Factory
+	Log       *slog.Logger
+	Health    *daemon.Health
 	// Emulation is the decision taken at start: guests run under TCG.
 	Emulation bool
 	// Volumes is the node's hostpath CSI driver, served on the CSI socket
@@ -196,7 +199,7 @@ func New(cfg Config) (*Agent, error) {
 		return nil, err
 	}
 	rc.QPS, rc.Burst = 50, 100
-	kube, err := kubernetes.NewForConfig(rc)
+	kc, err := kube.NewForConfig(rc)
 	if err != nil {
 		return nil, err
 	}
@@ -204,7 +207,7 @@ func New(cfg Config) (*Agent, error) {
 	if err != nil {
 		return nil, err
 	}
-	cert, err := nodeCertificate(&cfg, kube)
+	cert, err := nodeCertificate(&cfg, kc)
 	if err != nil {
 		return nil, err
 	}
@@ -216,7 +219,7 @@ func New(cfg Config) (*Agent, error) {
 	reg, err := node.New(node.Config{Name: cfg.NodeName, Emulation: emulation, Reason: reason, Log: cfg.Log,
 		// Volumes' node affinity uses the CSI topology key, which kubelet
 		// would publish from NodeGetInfo; without a kubelet the agent does.
-		Labels: map[string]string{csi.TopologyKey: cfg.NodeName}}, kube)
+		Labels: map[string]string{csi.TopologyKey: cfg.NodeName}}, kc)
 	if err != nil {
 		return nil, err
 	}
@@ -232,7 +235,7 @@ func New(cfg Config) (*Agent, error) {
 	if err != nil {
 		return nil, err
 	}
-	d := &Deps{Config: cfg, RestConfig: rc, Kube: kube, Virt: virt, Log: cfg.Log,
+	d := &Deps{Config: cfg, RestConfig: rc, Kube: kc, Virt: virt, Informers: kube.NewFactory(kc, 10*time.Minute), Log: cfg.Log,
 		Health: daemon.NewHealth("node-registered"), Emulation: emulation, Volumes: volumes, Cert: cert}
 	if d.PodNetwork, d.PodNetworkErr, err = setupPodNetwork(cfg); err != nil {
 		return nil, err
@@ -309,6 +312,9 @@ func (a *Agent) Run(ctx context.Context) error {
 	_ = daemon.Notify("READY=1")
 	go daemon.Watchdog(ctx, a.deps.Health.Ready)
 	wg.Wait()
+	// The storage roles started the shared informers with ctx: they stop
+	// with it.
+	a.deps.Informers.Shutdown()
 	select {
 	case err := <-errc:
 		return err

@@ -9,10 +9,10 @@ import (
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/kubernetes"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
 	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
+	"github.com/nodevirt/nodevirt/nodeagent/kube"
 	"github.com/nodevirt/nodevirt/nodeagent/nodecert"
 )
 
@@ -21,13 +21,13 @@ import (
 // one: the console server when no certificate files or TLS are configured
 // (it then admits only the brain's subresource client), and the upload
 // endpoint. It returns nil when neither needs it.
-func nodeCertificate(cfg *Config, kube kubernetes.Interface) (*nodecert.Source, error) {
+func nodeCertificate(cfg *Config, kc kube.Interface) (*nodecert.Source, error) {
 	c := &cfg.Console
 	console := c.Addr != "" && c.TLS == nil && c.CertFile == ""
 	if !console && cfg.UploadAddr == "" {
 		return nil, nil
 	}
-	src, err := nodecert.New(nodecert.Config{Kube: kube, NodeName: cfg.NodeName, Dir: cfg.CertDir,
+	src, err := nodecert.New(nodecert.Config{Kube: kc, NodeName: cfg.NodeName, Dir: cfg.CertDir,
 		Duration: cfg.CertDuration, Log: cfg.Log})
 	if err != nil {
 		return nil, fmt.Errorf("node certificate: %w", err)
@@ -43,7 +43,7 @@ func nodeCertificate(cfg *Config, kube kubernetes.Interface) (*nodecert.Source, 
 
 // advertiseConsole publishes the console server's address on the Node, where
 // the brain looks for it.
-func advertiseConsole(ctx context.Context, cfg Config, kube kubernetes.Interface, addr string) error {
+func advertiseConsole(ctx context.Context, cfg Config, kc kube.Interface, addr string) error {
 	host, port, err := net.SplitHostPort(addr)
 	if err != nil {
 		return err
@@ -60,6 +60,6 @@ func advertiseConsole(ctx context.Context, cfg Config, kube kubernetes.Interface
 	}
 	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": map[string]string{
 		subresources.NodeAddressAnnotation: net.JoinHostPort(host, port)}}})
-	_, err = kube.CoreV1().Nodes().Patch(ctx, cfg.NodeName, types.MergePatchType, patch, metav1.PatchOptions{})
+	_, err = kc.CoreV1().Nodes().Patch(ctx, cfg.NodeName, types.MergePatchType, patch, metav1.PatchOptions{})
 	return err
 }

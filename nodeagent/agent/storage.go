@@ -42,7 +42,7 @@ func newProvisionerRole(d *Deps) (Role, error) {
 		return nil, err
 	}
 	p, err := provisioner.New(provisioner.Config{NodeName: d.Config.NodeName, Client: d.Kube, Driver: d.Volumes,
-		Snapshots: snaps, Logger: d.Log.With("role", "provisioner")})
+		Snapshots: snaps, Informers: d.Informers, Logger: d.Log.With("role", "provisioner")})
 	if err != nil {
 		return nil, err
 	}
@@ -52,7 +52,7 @@ func newProvisionerRole(d *Deps) (Role, error) {
 // newImportRole fills this node's volumes for DataVolumes (HTTP, registry,
 // blank, clone) and receives uploads from the brain's upload proxy.
 func newImportRole(d *Deps) (Role, error) {
-	cfg := dvimport.Config{NodeName: d.Config.NodeName, Kube: d.Kube, Virt: d.Virt,
+	cfg := dvimport.Config{NodeName: d.Config.NodeName, Kube: d.Kube, Virt: d.Virt, Informers: d.Informers,
 		Resolver: dvimport.CSIResolver(d.Volumes), BrainNamespace: d.Config.BrainNamespace,
 		UploadAddr: d.Config.UploadAddr, Log: d.Log.With("role", "importer")}
 	if d.Cert != nil {
@@ -73,7 +73,7 @@ func newSnapshotterRole(d *Deps) (Role, error) {
 		return nil, err
 	}
 	s, err := snapshotter.New(snapshotter.Config{NodeName: d.Config.NodeName, Kube: d.Kube, Snapshots: snaps,
-		Driver: d.Volumes, Logger: d.Log.With("role", "snapshotter")})
+		Informers: d.Informers, Driver: d.Volumes, Logger: d.Log.With("role", "snapshotter")})
 	if err != nil {
 		return nil, err
 	}

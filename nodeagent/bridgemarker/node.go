@@ -9,7 +9,8 @@ import (
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/kubernetes"
+
+	"github.com/nodevirt/nodevirt/nodeagent/kube"
 )
 
 // FieldManager is the field manager of the Node status patches.
@@ -18,7 +19,7 @@ const FieldManager = "bridge-marker"
 // NodePublisher writes the resources into a Node's status capacity and
 // allocatable, removing bridge resources no longer desired.
 type NodePublisher struct {
-	Client   kubernetes.Interface
+	Client   kube.Interface
 	NodeName string
 }
 

@@ -26,8 +26,6 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	"k8s.io/apimachinery/pkg/util/wait"
-	"k8s.io/client-go/informers"
-	"k8s.io/client-go/kubernetes"
 	corelisters "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/workqueue"
@@ -35,14 +33,18 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
+	"github.com/nodevirt/nodevirt/nodeagent/kube"
 )
 
 // Config configures the role.
 type Config struct {
 	// NodeName is this node's name (required).
 	NodeName string
-	Kube     kubernetes.Interface
+	Kube     kube.Interface
 	Virt     *client.Set
+	// Informers are the claim and volume informers, shared with other
+	// roles; nil makes the role its own (then Run also stops them).
+	Informers *kube.Factory
 	// Resolver finds volumes' disks (required).
 	Resolver VolumeResolver
 	// BrainNamespace holds the upload CA Secret and the import proxy's
@@ -120,11 +122,12 @@ func (c *Config) validate() error {
 type Agent struct {
 	cfg  Config
 	log  *slog.Logger
-	kube kubernetes.Interface
+	kube kube.Interface
 	virt *client.Set
 
 	dvInformer cache.SharedIndexInformer
-	factory    informers.SharedInformerFactory
+	factory    *kube.Factory
+	ownsInf    bool
 	pvcs       corelisters.PersistentVolumeClaimLister
 	pvs        corelisters.PersistentVolumeLister
 	synced     []cache.InformerSynced
@@ -152,9 +155,12 @@ func New(cfg Config) (*Agent, error) {
 			workqueue.TypedRateLimitingQueueConfig[string]{Name: "dvimport"}),
 	}
 	a.dvInformer = cfg.Virt.DataVolumes.Informer("", cfg.Resync, nil)
-	a.factory = informers.NewSharedInformerFactory(cfg.Kube, cfg.Resync)
-	pvcInformer := a.factory.Core().V1().PersistentVolumeClaims()
-	pvInformer := a.factory.Core().V1().PersistentVolumes()
+	a.factory, a.ownsInf = cfg.Informers, cfg.Informers == nil
+	if a.ownsInf {
+		a.factory = kube.NewFactory(cfg.Kube, cfg.Resync)
+	}
+	pvcInformer := a.factory.Claims()
+	pvInformer := a.factory.Volumes()
 	a.pvcs, a.pvs = pvcInformer.Lister(), pvInformer.Lister()
 	a.synced = []cache.InformerSynced{a.dvInformer.HasSynced, pvcInformer.Informer().HasSynced, pvInformer.Informer().HasSynced}
 
@@ -192,7 +198,9 @@ func (a *Agent) Run(ctx context.Context) error {
 	defer a.queue.ShutDown()
 	go a.dvInformer.RunWithContext(ctx)
 	a.factory.Start(ctx.Done())
-	defer a.factory.Shutdown()
+	if a.ownsInf {
+		defer a.factory.Shutdown()
+	}
 	if !cache.WaitForCacheSync(ctx.Done(), a.synced...) {
 		return fmt.Errorf("dvimport: caches did not sync: %w", ctx.Err())
 	}

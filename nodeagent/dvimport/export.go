@@ -14,7 +14,6 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
-	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
 	"github.com/nodevirt/nodevirt/nodeagent/importer"
 )
 
@@ -169,7 +168,7 @@ func (a *Agent) peerTLS(ctx context.Context) (*tls.Config, error) {
 	if a.peer != nil {
 		return a.peer.Clone(), nil
 	}
-	ca, err := uploadtls.LoadCA(ctx, a.kube, a.cfg.BrainNamespace)
+	ca, err := loadUploadCA(ctx, a.kube, a.cfg.BrainNamespace)
 	if err != nil {
 		return nil, fmt.Errorf("node ca: %w", err)
 	}

@@ -21,6 +21,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
 	"github.com/nodevirt/nodevirt/nodeagent/importer"
+	"github.com/nodevirt/nodevirt/nodeagent/kube"
 )
 
 // UploadPath is the path of the node's upload endpoint:
@@ -74,7 +75,7 @@ func (s *uploadServer) mintTLS(ctx context.Context, ip net.IP) (*tls.Config, err
 	var ca *uploadtls.CA
 	err := waitFor(ctx, func(ctx context.Context) (bool, error) {
 		var err error
-		ca, err = uploadtls.LoadCA(ctx, s.a.kube, cfg.BrainNamespace)
+		ca, err = loadUploadCA(ctx, s.a.kube, cfg.BrainNamespace)
 		if apierrors.IsNotFound(err) {
 			s.a.log.Info("waiting for the upload ca", "secret", cfg.BrainNamespace+"/"+uploadtls.CASecretName)
 			return false, nil
@@ -281,4 +282,15 @@ func waitFor(ctx context.Context, cond func(context.Context) (bool, error)) erro
 		case <-time.After(time.Second):
 		}
 	}
+}
+
+// loadUploadCA reads the brain's upload CA (uploadtls.LoadCA through the
+// node's narrow client); the error is a NotFound API error while the brain
+// has not created it.
+func loadUploadCA(ctx context.Context, kc kube.Interface, namespace string) (*uploadtls.CA, error) {
+	s, err := kc.CoreV1().Secrets(namespace).Get(ctx, uploadtls.CASecretName, metav1.GetOptions{})
+	if err != nil {
+		return nil, err
+	}
+	return uploadtls.ParseCA(s.Data[corev1.TLSCertKey], s.Data[corev1.TLSPrivateKeyKey])
 }

@@ -47,7 +47,6 @@ import (
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/workqueue"
 	v1 "kubevirt.io/api/core/v1"
@@ -57,6 +56,7 @@ import (
 	"github.com/nodevirt/nodevirt/launcher/domain"
 	"github.com/nodevirt/nodevirt/nodeagent/console"
 	"github.com/nodevirt/nodevirt/nodeagent/containerdisk"
+	"github.com/nodevirt/nodevirt/nodeagent/kube"
 )
 
 // Names the handler writes on VMIs.
@@ -101,7 +101,7 @@ type Config struct {
 	// as well, at run time.
 	Emulation bool
 	// Kube and Virt are the API clients; required.
-	Kube kubernetes.Interface
+	Kube kube.Interface
 	Virt *client.Set
 	// Volumes resolves CSI volume handles; may be nil (see VolumeResolver).
 	Volumes VolumeResolver

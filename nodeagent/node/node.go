@@ -19,7 +19,8 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/kubernetes"
+
+	"github.com/nodevirt/nodevirt/nodeagent/kube"
 )
 
 // Labels nodevirt puts on its nodes.
@@ -49,12 +50,12 @@ type Config struct {
 // Registrar keeps the Node object current.
 type Registrar struct {
 	cfg        Config
-	kube       kubernetes.Interface
+	kube       kube.Interface
 	standalone bool
 }
 
 // New returns a Registrar for cfg.
-func New(cfg Config, kube kubernetes.Interface) (*Registrar, error) {
+func New(cfg Config, kube kube.Interface) (*Registrar, error) {
 	if cfg.Name == "" {
 		return nil, fmt.Errorf("node name is required")
 	}

@@ -26,11 +26,11 @@ import (
 	certificatesv1 "k8s.io/api/certificates/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/certs"
 	"github.com/nodevirt/nodevirt/clusterbrain/nodecerts"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
+	"github.com/nodevirt/nodevirt/nodeagent/kube"
 )
 
 // Files in Config.Dir.
@@ -41,7 +41,7 @@ const (
 
 // Config configures a Source.
 type Config struct {
-	Kube     kubernetes.Interface
+	Kube     kube.Interface
 	NodeName string
 	// Dir keeps the key and the certificate (0700, created when missing).
 	Dir string

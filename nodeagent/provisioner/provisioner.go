@@ -19,8 +19,6 @@ import (
 	csispec "github.com/container-storage-interface/spec/lib/go/csi"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
-	"k8s.io/client-go/informers"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/scheme"
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	corelisters "k8s.io/client-go/listers/core/v1"
@@ -31,6 +29,7 @@ import (
 
 	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
 	hostpath "github.com/nodevirt/nodevirt/csi"
+	"github.com/nodevirt/nodevirt/nodeagent/kube"
 )
 
 // Volumes is what the provisioner needs from the CSI driver; *csi.Driver
@@ -49,7 +48,11 @@ type Config struct {
 	// NodeName is this node; claims selected for it are provisioned here.
 	NodeName string
 	// Client talks to the API server.
-	Client kubernetes.Interface
+	Client kube.Interface
+	// Informers are the claim, volume and class informers, shared with
+	// other roles; nil makes the provisioner its own (then Run also stops
+	// them).
+	Informers *kube.Factory
 	// Driver makes and deletes the volumes.
 	Driver Volumes
 	// Snapshots locates the VolumeSnapshots claims are restored from; nil
@@ -94,7 +97,8 @@ func (c *Config) validate() error {
 type Provisioner struct {
 	cfg      Config
 	log      *slog.Logger
-	factory  informers.SharedInformerFactory
+	factory  *kube.Factory
+	ownsInf  bool
 	claims   corelisters.PersistentVolumeClaimLister
 	volumes  corelisters.PersistentVolumeLister
 	classes  storagelisters.StorageClassLister
@@ -116,16 +120,20 @@ func New(cfg Config) (*Provisioner, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, fmt.Errorf("provisioner config: %w", err)
 	}
-	factory := informers.NewSharedInformerFactory(cfg.Client, cfg.Resync)
-	claimInformer := factory.Core().V1().PersistentVolumeClaims()
-	volumeInformer := factory.Core().V1().PersistentVolumes()
-	classInformer := factory.Storage().V1().StorageClasses()
+	factory, owns := cfg.Informers, cfg.Informers == nil
+	if owns {
+		factory = kube.NewFactory(cfg.Client, cfg.Resync)
+	}
+	claimInformer := factory.Claims()
+	volumeInformer := factory.Volumes()
+	classInformer := factory.StorageClasses()
 
 	events := record.NewBroadcaster()
 	p := &Provisioner{
 		cfg:     cfg,
 		log:     cfg.Logger.With("node", cfg.NodeName),
 		factory: factory,
+		ownsInf: owns,
 		claims:  claimInformer.Lister(),
 		volumes: volumeInformer.Lister(),
 		classes: classInformer.Lister(),
@@ -205,7 +213,9 @@ func (p *Provisioner) Run(ctx context.Context) error {
 	defer p.events.Shutdown()
 
 	p.factory.Start(ctx.Done())
-	defer p.factory.Shutdown()
+	if p.ownsInf {
+		defer p.factory.Shutdown()
+	}
 	if !cache.WaitForCacheSync(ctx.Done(), p.synced...) {
 		return fmt.Errorf("provisioner: caches did not sync: %w", ctx.Err())
 	}

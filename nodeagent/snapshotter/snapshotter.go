@@ -22,8 +22,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/wait"
-	"k8s.io/client-go/informers"
-	"k8s.io/client-go/kubernetes"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	corelisters "k8s.io/client-go/listers/core/v1"
@@ -33,6 +31,7 @@ import (
 
 	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
 	hostpath "github.com/nodevirt/nodevirt/csi"
+	"github.com/nodevirt/nodevirt/nodeagent/kube"
 )
 
 // Snapshots is what the role needs from the CSI driver; *csi.Driver
@@ -61,7 +60,10 @@ type Config struct {
 	// NodeName is this node: snapshots of its volumes are taken here.
 	NodeName string
 	// Kube reads claims and volumes and records events.
-	Kube kubernetes.Interface
+	Kube kube.Interface
+	// Informers are the claim and volume informers, shared with other
+	// roles; nil makes the snapshotter its own (then Run also stops them).
+	Informers *kube.Factory
 	// Snapshots reads and writes the snapshot.storage.k8s.io objects.
 	Snapshots *snapshotv1.Client
 	// Driver takes and deletes the snapshots.
@@ -103,7 +105,8 @@ func (c *Config) validate() error {
 type Snapshotter struct {
 	cfg       Config
 	log       *slog.Logger
-	factory   informers.SharedInformerFactory
+	factory   *kube.Factory
+	ownsInf   bool
 	claims    corelisters.PersistentVolumeClaimLister
 	volumes   corelisters.PersistentVolumeLister
 	snapshots cache.SharedIndexInformer
@@ -140,13 +143,17 @@ func New(cfg Config) (*Snapshotter, error) {
 	_ = clientgoscheme.AddToScheme(scheme)
 	_ = snapshotv1.AddToScheme(scheme)
 	events := record.NewBroadcaster()
-	factory := informers.NewSharedInformerFactory(cfg.Kube, cfg.Resync)
+	factory, owns := cfg.Informers, cfg.Informers == nil
+	if owns {
+		factory = kube.NewFactory(cfg.Kube, cfg.Resync)
+	}
 	s := &Snapshotter{
 		cfg:       cfg,
 		log:       cfg.Logger.With("node", cfg.NodeName),
 		factory:   factory,
-		claims:    factory.Core().V1().PersistentVolumeClaims().Lister(),
-		volumes:   factory.Core().V1().PersistentVolumes().Lister(),
+		ownsInf:   owns,
+		claims:    factory.Claims().Lister(),
+		volumes:   factory.Volumes().Lister(),
 		snapshots: cfg.Snapshots.Snapshots.Informer(cfg.Resync),
 		contents:  cfg.Snapshots.Contents.Informer(cfg.Resync),
 		classes:   cfg.Snapshots.Classes.Informer(cfg.Resync),
@@ -195,12 +202,11 @@ func New(cfg Config) (*Snapshotter, error) {
 			}
 		}
 	}
-	if _, err := factory.Core().V1().PersistentVolumeClaims().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+	if _, err := factory.Claims().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc: onClaim, UpdateFunc: func(_, obj any) { onClaim(obj) },
 	}); err != nil {
 		return nil, fmt.Errorf("watch claims: %w", err)
 	}
-	_ = factory.Core().V1().PersistentVolumes().Informer()
 	// A class that appears may resolve a recorded error.
 	onClass := func(any) {
 		for _, key := range s.snapshots.GetIndexer().ListKeys() {
@@ -224,7 +230,9 @@ func (s *Snapshotter) Run(ctx context.Context) error {
 		return nil // stopped before the API came
 	}
 	s.factory.Start(ctx.Done())
-	defer s.factory.Shutdown()
+	if s.ownsInf {
+		defer s.factory.Shutdown()
+	}
 	for _, inf := range []cache.SharedIndexInformer{s.snapshots, s.contents, s.classes} {
 		go inf.RunWithContext(ctx)
 	}
