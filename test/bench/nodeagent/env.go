@@ -78,7 +78,8 @@ func newEnv(ctx context.Context, cfg config) (*env, error) {
 // build compiles the daemons as the Makefile's build rule does.
 func build(ctx context.Context, bin string) error {
 	for _, args := range [][]string{
-		{"build", "-trimpath", "-ldflags=-s -w", "-o", bin + "/", "./nodeagent/cmd/nodeagent"},
+		// The Makefile's NODEAGENT_BUILDFLAGS.
+		{"build", "-trimpath", "-tags", "grpcnotrace", "-ldflags=-s -w", "-o", bin + "/", "./nodeagent/cmd/nodeagent"},
 		{"build", "-o", bin + "/", "./clusterbrain/cmd/clusterbrain"},
 	} {
 		cmd := exec.CommandContext(ctx, "go", args...)
