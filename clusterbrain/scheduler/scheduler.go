@@ -442,19 +442,22 @@ func (s *Scheduler) snapshot() []*nodeState {
 	nodes := s.nodes.GetStore().List()
 	states := make([]*nodeState, 0, len(nodes))
 	byName := map[string]*nodeState{}
+	s.memoMu.Lock()
 	for _, obj := range nodes {
 		st := newNodeState(obj.(*corev1.Node))
 		states = append(states, st)
 		byName[st.node.Name] = st
 		objs, _ := s.vmis.GetIndexer().ByIndex(nodeIndex, st.node.Name)
+		st.placed = make([]placed, 0, len(objs)+4)
 		for _, o := range objs {
 			vmi := o.(*kubevirtv1.VirtualMachineInstance)
 			if _, ok := assumed[vmi.UID]; ok {
 				continue
 			}
-			st.add(s.placedOf(vmi))
+			st.add(s.placedOfLocked(vmi))
 		}
 	}
+	s.memoMu.Unlock()
 	for _, a := range assumed {
 		if st, ok := byName[a.node]; ok {
 			st.add(a.p)
@@ -468,12 +471,10 @@ func (s *Scheduler) snapshot() []*nodeState {
 	return states
 }
 
-// placedOf is what a bound VMI occupies, computed once per version of it
-// (a snapshot is taken for every decision).
-func (s *Scheduler) placedOf(vmi *kubevirtv1.VirtualMachineInstance) placed {
-	s.memoMu.Lock()
+// placedOfLocked is what a bound VMI occupies, computed once per version
+// of it (a snapshot is taken for every decision). Callers hold memoMu.
+func (s *Scheduler) placedOfLocked(vmi *kubevirtv1.VirtualMachineInstance) placed {
 	m, ok := s.memo[vmi.UID]
-	s.memoMu.Unlock()
 	if ok && m.rv == vmi.ResourceVersion {
 		return m.p
 	}
@@ -483,9 +484,7 @@ func (s *Scheduler) placedOf(vmi *kubevirtv1.VirtualMachineInstance) placed {
 		p.anti = a.PodAntiAffinity.RequiredDuringSchedulingIgnoredDuringExecution
 	}
 	if err == nil { // a missing NAD may appear: compute again then
-		s.memoMu.Lock()
 		s.memo[vmi.UID] = placedMemo{rv: vmi.ResourceVersion, p: p}
-		s.memoMu.Unlock()
 	}
 	return p
 }

@@ -14,6 +14,7 @@ import (
 	"os"
 	"os/exec"
 	"os/signal"
+	"runtime"
 	"runtime/pprof"
 	"strconv"
 	"strings"
@@ -198,6 +199,8 @@ func bench(ctx context.Context, nVMs, nNodes int, share bool) error {
 	latBefore, _ := latencySums(ctx, kube)
 	stopPerf := perfRecord(apiPid)
 	apiCPU1 := cpuTime(apiPid)
+	etcdPid := controlPlanePid("etcd", dir)
+	etcdCPU1, selfCPU1, brainCPU1 := cpuTime(etcdPid), cpuTime(os.Getpid()), cpuTime(child.Process.Pid)
 
 	// Bindings are observed through a watch started before the burst, not
 	// by listing every VMI over and over, which would load the API server
@@ -263,6 +266,7 @@ func bench(ctx context.Context, nVMs, nNodes int, share bool) error {
 	bound := int(boundN.Load())
 	wall := time.Since(start)
 	brainAPICPU := cpuTime(apiPid) - apiCPU1
+	etcdCPU, selfCPU, brainCPU := cpuTime(etcdPid)-etcdCPU1, cpuTime(os.Getpid())-selfCPU1, cpuTime(child.Process.Pid)-brainCPU1
 	stopPerf()
 	peak := rssMiB(child.Process.Pid, "VmHWM")
 	if bound != nVMs {
@@ -279,6 +283,8 @@ func bench(ctx context.Context, nVMs, nNodes int, share bool) error {
 	}
 	fmt.Fprintf(os.Stderr, "created %d vms in %s, all bound in %s; brain rss %.1f MiB idle, %.1f MiB peak, cpu %s\n",
 		nVMs, created, wall, baseRSS, peak, cpuTime(child.Process.Pid))
+	fmt.Fprintf(os.Stderr, "cpu during the burst: kube-apiserver %s, etcd %s, brain %s, this client %s; %.2f cores of %d on average\n",
+		brainAPICPU, etcdCPU, brainCPU, selfCPU, (brainAPICPU+etcdCPU+brainCPU+selfCPU).Seconds()/wall.Seconds(), runtime.NumCPU())
 	fmt.Fprintf(os.Stderr, "anchor: the same %d VMs, VMIs and bindings written with no brain took %s\n", nVMs, anchor)
 	fmt.Fprintf(os.Stderr, "kube-apiserver cpu: %s during the burst with the brain, %s during the anchor's writes (%.1f ms vs %.1f ms per vm)\n",
 		brainAPICPU, anchorAPICPU, float64(brainAPICPU.Milliseconds())/float64(nVMs), float64(anchorAPICPU.Milliseconds())/float64(nVMs))

@@ -87,7 +87,11 @@ func printRequestDelta(before, after map[string]float64, perObjects int) {
 
 // apiserverPid finds the kube-apiserver whose command line mentions dir
 // (the control plane started for this run), or 0.
-func apiserverPid(dir string) int {
+func apiserverPid(dir string) int { return controlPlanePid("kube-apiserver", dir) }
+
+// controlPlanePid finds the process of the binary named name whose
+// command line mentions dir, or 0.
+func controlPlanePid(name, dir string) int {
 	entries, err := os.ReadDir("/proc")
 	if err != nil {
 		return 0
@@ -102,7 +106,7 @@ func apiserverPid(dir string) int {
 			continue
 		}
 		args := strings.Split(string(cmd), "\x00")
-		if strings.HasSuffix(args[0], "kube-apiserver") && strings.Contains(string(cmd), dir) {
+		if strings.HasSuffix(args[0], name) && strings.Contains(string(cmd), dir) {
 			return pid
 		}
 	}
