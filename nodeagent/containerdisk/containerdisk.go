@@ -77,11 +77,9 @@ type PullError struct {
 }
 
 func (e *PullError) Error() string {
-	msg := fmt.Sprintf("containerDisk image %s: %s", e.Image, e.Reason)
-	if !e.RetryAt.IsZero() {
-		msg += fmt.Sprintf(" (next pull in %s)", time.Until(e.RetryAt).Round(time.Second))
-	}
-	return msg + ": " + e.Err.Error()
+	// No countdown in the message: it becomes a VMI condition, rewritten
+	// only when it changes.
+	return fmt.Sprintf("containerDisk image %s: %s: %v", e.Image, e.Reason, e.Err)
 }
 
 func (e *PullError) Unwrap() error { return e.Err }

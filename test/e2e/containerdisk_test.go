@@ -66,10 +66,14 @@ func TestContainerDisk(t *testing.T) {
 	}
 
 	n.createVMI(newVMI("missing", host+"/e2e/absent:v1"))
+	t0 := time.Now()
 	n.createVMI(newVMI("fromregistry", host+"/e2e/guest:v1"))
 
 	n.waitRunning("fromregistry")
+	running := time.Since(t0)
 	serial := n.waitBooted("fromregistry")
+	t.Logf("containerDisk vmi: create → Running (pull included) %s, → guest READY %s",
+		running.Round(time.Millisecond), time.Since(t0).Round(time.Millisecond))
 	if !serial.contains(`NODEVIRT-DISK vda 67108864`) {
 		t.Errorf("the guest did not see its 64 MiB containerDisk as vda")
 	}
@@ -115,8 +119,11 @@ func TestContainerDisk(t *testing.T) {
 		t.Errorf("vmi with a missing image in phase %s, want Scheduled", missing.Status.Phase)
 	}
 	for _, c := range missing.Status.Conditions {
-		if c.Type == kubevirtv1.VirtualMachineInstanceSynchronized &&
-			(!strings.Contains(c.Message, "e2e/absent:v1") || !strings.Contains(c.Message, "SourceNotFound")) {
+		if c.Type != kubevirtv1.VirtualMachineInstanceSynchronized {
+			continue
+		}
+		t.Logf("vmi with a missing image: %s=%s %s: %s", c.Type, c.Status, c.Reason, c.Message)
+		if !strings.Contains(c.Message, "e2e/absent:v1") || !strings.Contains(c.Message, "SourceNotFound") {
 			t.Errorf("condition message %q does not name the image and the reason", c.Message)
 		}
 	}
