@@ -4,12 +4,10 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
-	"encoding/base64"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
-	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
@@ -19,6 +17,7 @@ import (
 
 	k8sv1 "k8s.io/api/core/v1"
 
+	"github.com/nodevirt/nodevirt/nodeagent/containerdisk/registrytest"
 	"github.com/nodevirt/nodevirt/nodeagent/importer"
 	"github.com/nodevirt/nodevirt/test/guest"
 )
@@ -57,11 +56,6 @@ func guestDisk(t *testing.T) (raw string, qcow2 []byte) {
 	return raw, b
 }
 
-func dockerConfigJSON(host, user, pass string) []byte {
-	auth := base64.StdEncoding.EncodeToString([]byte(user + ":" + pass))
-	return fmt.Appendf(nil, `{"auths":{"%s":{"auth":"%s"}}}`, host, auth)
-}
-
 func wantPullError(t *testing.T, err error, reason string, cause importer.Reason) *PullError {
 	t.Helper()
 	var pe *PullError
@@ -77,17 +71,26 @@ func wantPullError(t *testing.T, err error, reason string, cause importer.Reason
 func TestPuller(t *testing.T) {
 	raw, qcow2 := guestDisk(t)
 	rawSHA := fileSHA(t, raw)
-	reg := newLoopRegistry()
-	srv := httptest.NewServer(reg)
-	defer srv.Close()
-	host := strings.TrimPrefix(srv.URL, "http://")
+	reg := registrytest.New()
+	host, stop := reg.Serve()
+	defer stop()
 	insecure := []string{host}
+	publish := func(repo, tag string, files map[string][]byte) (manifest, layer string) {
+		t.Helper()
+		m, l, err := reg.Publish(repo, tag, files)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m, l
+	}
 
-	v1Digest, v1Layer := reg.publish(t, "kubevirt/guest", "v1", map[string][]byte{"disk/guest.qcow2": qcow2})
-	reg.manifests["kubevirt/guest/latest"] = reg.manifests["kubevirt/guest/v1"]
-	reg.publish(t, "kubevirt/custom", "v1", map[string][]byte{
+	v1Digest, v1Layer := publish("kubevirt/guest", "v1", map[string][]byte{"disk/guest.qcow2": qcow2})
+	if latest, _ := publish("kubevirt/guest", "latest", map[string][]byte{"disk/guest.qcow2": qcow2}); latest != v1Digest {
+		t.Fatalf("publishing the same image twice gave two digests")
+	}
+	publish("kubevirt/custom", "v1", map[string][]byte{
 		"disk/decoy.img": []byte("decoy"), "custom/boot.qcow2": qcow2})
-	reg.publish(t, "kubevirt/nodisk", "v1", map[string][]byte{"etc/hostname": []byte("x\n")})
+	publish("kubevirt/nodisk", "v1", map[string][]byte{"etc/hostname": []byte("x\n")})
 
 	dir := t.TempDir()
 	// A pull a crash interrupted.
@@ -120,7 +123,7 @@ func TestPuller(t *testing.T) {
 			t.Fatal(err)
 		}
 		t.Logf("pulled %d bytes of qcow2 (gz layer %d bytes) into a %d-byte raw disk in %s",
-			len(qcow2), len(reg.blobs[v1Layer]), first.VirtualSize, time.Since(t0).Round(time.Millisecond))
+			len(qcow2), len(reg.Blob(v1Layer)), first.VirtualSize, time.Since(t0).Round(time.Millisecond))
 		if first.Digest != v1Digest {
 			t.Errorf("digest %s, want %s", first.Digest, v1Digest)
 		}
@@ -137,15 +140,15 @@ func TestPuller(t *testing.T) {
 	})
 
 	t.Run("cache hit without the network", func(t *testing.T) {
-		before := reg.gets(v1Layer)
+		before := reg.BlobGets(v1Layer)
 		t0 := time.Now()
 		img, err := p.Pull(ctx, Request{Image: image, InsecureRegistries: insecure}, "vmi-b")
 		if err != nil {
 			t.Fatal(err)
 		}
 		t.Logf("cache hit in %s", time.Since(t0).Round(time.Microsecond))
-		if img.Path != first.Path || reg.gets(v1Layer) != before {
-			t.Errorf("second pull: path %s (want %s), layer fetched %d more times", img.Path, first.Path, reg.gets(v1Layer)-before)
+		if img.Path != first.Path || reg.BlobGets(v1Layer) != before {
+			t.Errorf("second pull: path %s (want %s), layer fetched %d more times", img.Path, first.Path, reg.BlobGets(v1Layer)-before)
 		}
 		// Never is fine once the image is here, and the registry is not asked.
 		srvOff := Request{Image: image, PullPolicy: k8sv1.PullNever}
@@ -159,7 +162,7 @@ func TestPuller(t *testing.T) {
 	})
 
 	t.Run("concurrent pulls of one image download it once", func(t *testing.T) {
-		d, layer := reg.publish(t, "kubevirt/guest", "v2", map[string][]byte{"disk/guest.qcow2": qcow2, "etc/version": []byte("v2")})
+		d, layer := publish("kubevirt/guest", "v2", map[string][]byte{"disk/guest.qcow2": qcow2, "etc/version": []byte("v2")})
 		var wg sync.WaitGroup
 		paths := make([]string, 3)
 		for i := range paths {
@@ -175,7 +178,7 @@ func TestPuller(t *testing.T) {
 			})
 		}
 		wg.Wait()
-		if n := reg.gets(layer); n != 1 {
+		if n := reg.BlobGets(layer); n != 1 {
 			t.Errorf("layer downloaded %d times, want 1", n)
 		}
 		if paths[0] != paths[1] || paths[1] != paths[2] {
@@ -193,7 +196,7 @@ func TestPuller(t *testing.T) {
 			t.Errorf("latest was v1: path %s, want %s", img.Path, first.Path)
 		}
 		other := bytes.Repeat([]byte("nodevirt second image\n"), 1<<16)
-		moved, _ := reg.publish(t, "kubevirt/guest", "latest", map[string][]byte{"disk/disk.img": other})
+		moved, _ := publish("kubevirt/guest", "latest", map[string][]byte{"disk/disk.img": other})
 		img, err = p.Pull(ctx, Request{Image: latest, InsecureRegistries: insecure}, "vmi-d")
 		if err != nil {
 			t.Fatal(err)
@@ -243,7 +246,7 @@ func TestPuller(t *testing.T) {
 		if pe.RetryAt.IsZero() || !strings.Contains(pe.Error(), "404") {
 			t.Errorf("back-off error %q", pe.Error())
 		}
-		reg.publish(t, "kubevirt/later", "v1", map[string][]byte{"disk/disk.qcow2": qcow2})
+		publish("kubevirt/later", "v1", map[string][]byte{"disk/disk.qcow2": qcow2})
 		time.Sleep(time.Until(pe.RetryAt))
 		if _, err := p.Pull(ctx, req, "vmi-h"); err != nil {
 			t.Errorf("after the back-off and the push: %v", err)
@@ -256,9 +259,9 @@ func TestPuller(t *testing.T) {
 	})
 
 	t.Run("pull secret", func(t *testing.T) {
-		reg.setAuth("puller", "s3cret")
-		defer reg.setAuth("", "")
-		d, _ := reg.publish(t, "private/guest", "v1", map[string][]byte{"disk/disk.qcow2": qcow2})
+		reg.SetAuth("puller", "s3cret")
+		defer reg.SetAuth("", "")
+		d, _ := publish("private/guest", "v1", map[string][]byte{"disk/disk.qcow2": qcow2})
 		req := Request{Image: host + "/private/guest:v1", InsecureRegistries: insecure}
 		_, err := p.Pull(ctx, req, "vmi-j")
 		wantPullError(t, err, ReasonErrImagePull, importer.ReasonUnauthorized)
@@ -267,7 +270,7 @@ func TestPuller(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		req.PullSecret = dockerConfigJSON(host, "puller", "wrong")
+		req.PullSecret = registrytest.DockerConfigJSON(host, "puller", "wrong")
 		_, err = p2.Pull(ctx, req, "vmi-j")
 		wantPullError(t, err, ReasonErrImagePull, importer.ReasonUnauthorized)
 
@@ -275,7 +278,7 @@ func TestPuller(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		req.PullSecret = dockerConfigJSON("https://"+host+"/v1/", "puller", "s3cret")
+		req.PullSecret = registrytest.DockerConfigJSON("https://"+host+"/v1/", "puller", "s3cret")
 		img, err := p3.Pull(ctx, req, "vmi-j")
 		if err != nil {
 			t.Fatalf("with the right secret: %v", err)
@@ -304,11 +307,11 @@ func TestPuller(t *testing.T) {
 			t.Errorf("releasing again: %v", err)
 		}
 		// The next pull of that name fetches it again.
-		before := reg.gets(v1Layer)
+		before := reg.BlobGets(v1Layer)
 		if _, err := p.Pull(ctx, Request{Image: image, InsecureRegistries: insecure}, "vmi-k"); err != nil {
 			t.Fatal(err)
 		}
-		if reg.gets(v1Layer) != before+1 {
+		if reg.BlobGets(v1Layer) != before+1 {
 			t.Errorf("pull after removal did not download")
 		}
 	})
@@ -358,11 +361,11 @@ func TestParseReference(t *testing.T) {
 			t.Errorf("%q accepted", bad)
 		}
 	}
-	user, pass, ok, err := Credentials(dockerConfigJSON("https://index.docker.io/v1/", "u", "p:w"), "docker.io")
+	user, pass, ok, err := Credentials(registrytest.DockerConfigJSON("https://index.docker.io/v1/", "u", "p:w"), "docker.io")
 	if err != nil || !ok || user != "u" || pass != "p:w" {
 		t.Errorf("docker hub credentials: %q %q %v %v", user, pass, ok, err)
 	}
-	if _, _, ok, _ := Credentials(dockerConfigJSON("other.io", "u", "p"), "quay.io"); ok {
+	if _, _, ok, _ := Credentials(registrytest.DockerConfigJSON("other.io", "u", "p"), "quay.io"); ok {
 		t.Error("credentials of another registry matched")
 	}
 	if _, _, _, err := Credentials([]byte("{"), "quay.io"); err == nil {

@@ -83,7 +83,7 @@ func (h *Handler) resolveContainerDisks(ctx context.Context, vmi *v1.VirtualMach
 			}
 		})
 		if errors.Is(err, containerdisk.ErrPulling) {
-			return fmt.Errorf("%w: spec.volumes[%d] (%s): pulling containerDisk image %s", errWaiting, i, vol.Name, cd.Image)
+			return fmt.Errorf("%w: spec.volumes[%d] (%s): %w", errWaiting, i, vol.Name, err)
 		}
 		if err != nil {
 			return fmt.Errorf("spec.volumes[%d] (%s): %w", i, vol.Name, err)
@@ -150,6 +150,10 @@ func pullReason(err error) string {
 	}
 	return ""
 }
+
+// pulling reports whether err only says that an image pull is under way
+// (its end queues the VMI again).
+func pulling(err error) bool { return errors.Is(err, containerdisk.ErrPulling) }
 
 func hasContainerDisk(vmi *v1.VirtualMachineInstance) bool {
 	for _, vol := range vmi.Spec.Volumes {

@@ -167,6 +167,10 @@ func (h *Handler) startFailed(ctx context.Context, vmi *v1.VirtualMachineInstanc
 		if werr := h.syncFailed(ctx, vmi, err); werr != nil {
 			return errors.Join(err, werr)
 		}
+		if pulling(err) {
+			// The pull's end queues the VMI again: no polling meanwhile.
+			return nil
+		}
 		return err
 	}
 	h.log.Warn("vmi cannot run on this node", "vmi", vmi.Namespace+"/"+vmi.Name, "err", err)

@@ -1,17 +1,8 @@
 package e2e
 
 import (
-	"archive/tar"
-	"bytes"
-	"compress/gzip"
 	"context"
-	"crypto/sha256"
-	"encoding/base64"
-	"encoding/hex"
 	"encoding/json"
-	"fmt"
-	"net"
-	"net/http"
 	"os"
 	"os/exec"
 	"slices"
@@ -25,6 +16,7 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/nodeagent/containerdisk/registrytest"
 	"github.com/nodevirt/nodevirt/test/guest"
 )
 
@@ -39,14 +31,13 @@ func TestContainerDisk(t *testing.T) {
 	t.Parallel()
 	e := require(t)
 	n := e.namespace(t)
-	host := serveContainerDisk(t, "e2e/guest", "v1", "puller", "e2e-pw")
+	reg, host := serveContainerDisk(t, "e2e/guest", "v1", "puller", "e2e-pw")
 	e.allowInsecureRegistry(t, host)
 
-	auth := base64.StdEncoding.EncodeToString([]byte("puller:e2e-pw"))
 	secret := &corev1.Secret{
 		ObjectMeta: metav1.ObjectMeta{Name: "registry-pull", Namespace: n.name},
 		Type:       corev1.SecretTypeDockerConfigJson,
-		Data:       map[string][]byte{corev1.DockerConfigJsonKey: fmt.Appendf(nil, `{"auths":{%q:{"auth":%q}}}`, host, auth)},
+		Data:       map[string][]byte{corev1.DockerConfigJsonKey: registrytest.DockerConfigJSON(host, "puller", "e2e-pw")},
 	}
 	if _, err := e.kube.CoreV1().Secrets(n.name).Create(context.Background(), secret, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
@@ -66,13 +57,29 @@ func TestContainerDisk(t *testing.T) {
 	}
 
 	n.createVMI(newVMI("missing", host+"/e2e/absent:v1"))
+	// While its image downloads, the VMI stays Scheduled and says why.
+	release := reg.Hold("e2e/guest")
 	t0 := time.Now()
 	n.createVMI(newVMI("fromregistry", host+"/e2e/guest:v1"))
+	pulling := n.waitVMI("fromregistry", 60*time.Second, "waiting for its image", func(v *kubevirtv1.VirtualMachineInstance) bool {
+		for _, c := range v.Status.Conditions {
+			if c.Type == kubevirtv1.VirtualMachineInstanceSynchronized && c.Reason == "Waiting" &&
+				strings.Contains(c.Message, "e2e/guest:v1: image pull in progress") {
+				return true
+			}
+		}
+		return false
+	})
+	if pulling.Status.Phase != kubevirtv1.Scheduled {
+		t.Errorf("vmi pulling its image in phase %s, want Scheduled", pulling.Status.Phase)
+	}
+	time.Sleep(time.Second)
+	release()
 
 	n.waitRunning("fromregistry")
 	running := time.Since(t0)
 	serial := n.waitBooted("fromregistry")
-	t.Logf("containerDisk vmi: create → Running (pull included) %s, → guest READY %s",
+	t.Logf("containerDisk vmi: create → Running (pull held 1 s included) %s, → guest READY %s",
 		running.Round(time.Millisecond), time.Since(t0).Round(time.Millisecond))
 	if !serial.contains(`NODEVIRT-DISK vda 67108864`) {
 		t.Errorf("the guest did not see its 64 MiB containerDisk as vda")
@@ -178,9 +185,8 @@ func (e *env) allowInsecureRegistry(t *testing.T, host string) {
 
 // serveContainerDisk serves, until the test ends, a containerDisk image
 // repo:tag holding the test guest's boot disk as qcow2 under /disk/ in a
-// gzipped layer, over plain HTTP on loopback behind basic auth; it returns
-// the registry's host:port.
-func serveContainerDisk(t *testing.T, repo, tag, user, pass string) string {
+// gzipped layer, over plain HTTP on loopback behind basic auth.
+func serveContainerDisk(t *testing.T, repo, tag, user, pass string) (*registrytest.Registry, string) {
 	t.Helper()
 	raw, err := bootDisk()
 	if err != nil {
@@ -196,56 +202,12 @@ func serveContainerDisk(t *testing.T, repo, tag, user, pass string) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var layer bytes.Buffer
-	zw := gzip.NewWriter(&layer)
-	tw := tar.NewWriter(zw)
-	tw.WriteHeader(&tar.Header{Name: "disk/", Typeflag: tar.TypeDir, Mode: 0o755})
-	tw.WriteHeader(&tar.Header{Name: "disk/guest.qcow2", Typeflag: tar.TypeReg, Mode: 0o440, Uid: 107, Size: int64(len(disk))})
-	tw.Write(disk)
-	if err := tw.Close(); err != nil {
+	reg := registrytest.New()
+	reg.SetAuth(user, pass)
+	if _, _, err := reg.Publish(repo, tag, map[string][]byte{"disk/guest.qcow2": disk}); err != nil {
 		t.Fatal(err)
 	}
-	zw.Close()
-
-	blobs := map[string][]byte{}
-	add := func(mediaType string, b []byte) map[string]any {
-		s := sha256.Sum256(b)
-		d := "sha256:" + hex.EncodeToString(s[:])
-		blobs[d] = b
-		return map[string]any{"mediaType": mediaType, "digest": d, "size": len(b)}
-	}
-	config := add("application/vnd.oci.image.config.v1+json", []byte(`{"architecture":"amd64","os":"linux","rootfs":{"type":"layers"}}`))
-	manifest, _ := json.Marshal(map[string]any{
-		"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json", "config": config,
-		"layers": []any{add("application/vnd.oci.image.layer.v1.tar+gzip", layer.Bytes())},
-	})
-	s := sha256.Sum256(manifest)
-	manifestDigest := "sha256:" + hex.EncodeToString(s[:])
-
-	mux := http.NewServeMux()
-	mux.HandleFunc("/v2/", func(w http.ResponseWriter, r *http.Request) {
-		if u, p, ok := r.BasicAuth(); !ok || u != user || p != pass {
-			w.Header().Set("WWW-Authenticate", `Basic realm="e2e"`)
-			http.Error(w, "unauthorized", http.StatusUnauthorized)
-			return
-		}
-		switch p := r.URL.Path; {
-		case p == "/v2/":
-		case p == "/v2/"+repo+"/manifests/"+tag || p == "/v2/"+repo+"/manifests/"+manifestDigest:
-			w.Header().Set("Content-Type", "application/vnd.oci.image.manifest.v1+json")
-			w.Write(manifest)
-		case strings.HasPrefix(p, "/v2/"+repo+"/blobs/") && blobs[strings.TrimPrefix(p, "/v2/"+repo+"/blobs/")] != nil:
-			w.Write(blobs[strings.TrimPrefix(p, "/v2/"+repo+"/blobs/")])
-		default:
-			http.Error(w, `{"errors":[{"code":"MANIFEST_UNKNOWN"}]}`, http.StatusNotFound)
-		}
-	})
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
-	go srv.Serve(ln)
-	t.Cleanup(func() { srv.Close() })
-	return ln.Addr().String()
+	host, stop := reg.Serve()
+	t.Cleanup(stop)
+	return reg, host
 }
