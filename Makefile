@@ -23,8 +23,9 @@ deps:
 
 # The node daemon runs on every node: its resident size follows its binary's.
 # grpcnotrace drops gRPC's golang.org/x/net/trace (and with it html/template,
-# whose reflection keeps every method of every type in the binary).
-NODEAGENT_BUILDFLAGS := -trimpath -tags grpcnotrace -ldflags='-s -w'
+# whose reflection keeps every method of every type in the binary);
+# libvirt_without_lxc leaves libvirt-lxc.so unlinked (the agent drives QEMU).
+NODEAGENT_BUILDFLAGS := -trimpath -tags grpcnotrace,libvirt_without_lxc -ldflags='-s -w'
 
 build: deps
 	@mkdir -p $(BIN)

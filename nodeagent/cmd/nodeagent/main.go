@@ -6,7 +6,10 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"runtime/debug"
 	"strings"
+
+	"k8s.io/apimachinery/pkg/api/resource"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/daemon"
 	"github.com/nodevirt/nodevirt/nodeagent/agent"
@@ -16,6 +19,8 @@ func main() {
 	var cfg agent.Config
 	var pools, consoleClients string
 	var teardownPodnet bool
+	var gcPercent int
+	var memoryLimit string
 	flag.StringVar(&cfg.Kubeconfig, "kubeconfig", os.Getenv("KUBECONFIG"), "kubeconfig path")
 	flag.StringVar(&cfg.NodeName, "node-name", "", "node name (default: host name)")
 	flag.StringVar(&cfg.StateDir, "state-dir", "/var/lib/nodevirt", "state directory")
@@ -34,8 +39,14 @@ func main() {
 	flag.StringVar(&cfg.MetricsAddr, "metrics-addr", ":8485", "listen address of /metrics (- for none)")
 	flag.StringVar(&cfg.PodCIDR, "pod-cidr", "10.244.0.0/24", "IPv4 subnet of the node's pod network for masquerade interfaces (- for none)")
 	flag.StringVar(&cfg.PodBridge, "pod-bridge", "nodevirt0", "bridge of the node's pod network")
+	flag.IntVar(&gcPercent, "gc-percent", 50, "Go GC target: heap growth in percent of the live heap before a collection (GOGC, which wins when set)")
+	flag.StringVar(&memoryLimit, "memory-limit", "0", "soft limit of the Go runtime's memory, e.g. 64Mi (GOMEMLIMIT, which wins when set); 0 for none")
 	flag.BoolVar(&teardownPodnet, "teardown-podnet", false, "remove the pod network (bridge, taps, nftables tables, state) and exit; for uninstalling")
 	flag.Parse()
+	if err := tuneGC(gcPercent, memoryLimit); err != nil {
+		fmt.Fprintln(os.Stderr, "nodeagent:", err)
+		os.Exit(2)
+	}
 	if consoleClients != "" {
 		cfg.Console.AllowedClients = strings.Split(consoleClients, ",")
 	}
@@ -71,4 +82,21 @@ func main() {
 		fmt.Fprintln(os.Stderr, "nodeagent:", err)
 		os.Exit(1)
 	}
+}
+
+// tuneGC sets the daemon's garbage collector: it runs on every node beside
+// the guests, so it trades a little CPU for a smaller heap. GOGC and
+// GOMEMLIMIT in the environment win over the flags.
+func tuneGC(percent int, limit string) error {
+	if os.Getenv("GOGC") == "" {
+		debug.SetGCPercent(percent)
+	}
+	q, err := resource.ParseQuantity(limit)
+	if err != nil {
+		return fmt.Errorf("memory limit %q: %w", limit, err)
+	}
+	if os.Getenv("GOMEMLIMIT") == "" && q.Value() > 0 {
+		debug.SetMemoryLimit(q.Value())
+	}
+	return nil
 }

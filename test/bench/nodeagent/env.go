@@ -79,7 +79,7 @@ func newEnv(ctx context.Context, cfg config) (*env, error) {
 func build(ctx context.Context, bin string) error {
 	for _, args := range [][]string{
 		// The Makefile's NODEAGENT_BUILDFLAGS.
-		{"build", "-trimpath", "-tags", "grpcnotrace", "-ldflags=-s -w", "-o", bin + "/", "./nodeagent/cmd/nodeagent"},
+		{"build", "-trimpath", "-tags", "grpcnotrace,libvirt_without_lxc", "-ldflags=-s -w", "-o", bin + "/", "./nodeagent/cmd/nodeagent"},
 		{"build", "-o", bin + "/", "./clusterbrain/cmd/clusterbrain"},
 	} {
 		cmd := exec.CommandContext(ctx, "go", args...)
