@@ -42,6 +42,7 @@ type env struct {
 	ns       string
 	bridge   string
 	cidr     string
+	cold     bool
 	cp       *controlplane.ControlPlane
 	kube     kubernetes.Interface
 	virt     *client.Set
@@ -63,7 +64,7 @@ func newEnv(ctx context.Context, cfg config) (*env, error) {
 	// Names of this run: its node, its guest's namespace, its pod network
 	// (a bridge and subnet of its own, so a lab's is left alone).
 	id := strconv.Itoa(os.Getpid() % 100000)
-	e := &env{dir: dir, bin: cfg.bin, node: "bench-" + id, ns: "bench-nodeagent-" + id,
+	e := &env{dir: dir, bin: cfg.bin, cold: cfg.cold, node: "bench-" + id, ns: "bench-nodeagent-" + id,
 		bridge: "nvbenchp" + id, cidr: fmt.Sprintf("10.%d.%d.0/24", 250+os.Getpid()%5, os.Getpid()%256)}
 	if e.bin == "" {
 		e.bin = filepath.Join(dir, "bin")
@@ -131,8 +132,10 @@ func (e *env) start(ctx context.Context) error {
 	// read from disk, not found in the page cache as the compiler (or a
 	// copy) left it, whose folio sizes change how much of it each page
 	// fault maps and so the resident size being measured.
-	if err := dropCached(filepath.Join(e.bin, "nodeagent")); err != nil {
-		return err
+	if e.cold {
+		if err := dropCached(filepath.Join(e.bin, "nodeagent")); err != nil {
+			return err
+		}
 	}
 	e.agentAt = freeAddr("127.0.0.1")
 	agentDir := e.path("nodeagent")

@@ -40,6 +40,7 @@ type config struct {
 	guest  bool
 	settle time.Duration
 	keep   bool
+	cold   bool
 }
 
 func main() {
@@ -48,6 +49,7 @@ func main() {
 	flag.BoolVar(&cfg.guest, "guest", true, "also measure with one guest running")
 	flag.DurationVar(&cfg.settle, "settle", 10*time.Second, "how long the agent runs in each state before its memory is read")
 	flag.BoolVar(&cfg.keep, "keep", false, "keep the work directory (logs) after the run")
+	flag.BoolVar(&cfg.cold, "cold", true, "start the agent with its executable dropped from the page cache (as after a boot); false keeps what the build left cached")
 	flag.Parse()
 	slog.SetDefault(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo})))
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
@@ -74,7 +76,7 @@ func run(ctx context.Context, cfg config) (err error) {
 	if err != nil {
 		return err
 	}
-	emit("nodeagent RSS, node Ready, all roles (idle)", idle)
+	emit(cfg, "node Ready, all roles (idle)", idle)
 	if !cfg.guest {
 		return nil
 	}
@@ -85,13 +87,17 @@ func run(ctx context.Context, cfg config) (err error) {
 	if err != nil {
 		return err
 	}
-	emit("nodeagent RSS, all roles, one guest running", busy)
+	emit(cfg, "all roles, one guest running", busy)
 	return nil
 }
 
 // emit prints the agent's VmRSS in one state, its anonymous and file parts
 // in the name.
-func emit(name string, s memory) {
+func emit(cfg config, state string, s memory) {
+	name := "nodeagent RSS, " + state
+	if !cfg.cold {
+		name += ", executable left cached by the build"
+	}
 	slog.Info("nodeagent memory", "state", name, "rss_mib", mibOf(s.rss), "anon_mib", mibOf(s.anon),
 		"file_mib", mibOf(s.file), "shmem_mib", mibOf(s.shmem))
 	name = fmt.Sprintf("%s (RssAnon %.1f + RssFile %.1f MiB)", name, mibOf(s.anon), mibOf(s.file))
