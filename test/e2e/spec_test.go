@@ -15,9 +15,10 @@ import (
 
 // The guest every test boots: the extlinux-bootable disk of test/guest,
 // whose init prints NODEVIRT-... markers on ttyS0 and leaves a root shell
-// there. Each VMI gets a private sparse copy as a hostDisk (KubeVirt's
-// conformance tests use containerDisks, which nodevirt does not pull; the
-// imported-disk path has its own test, TestDataVolumeImport).
+// there. Each VMI gets a private sparse copy as a hostDisk, which needs no
+// registry or import (KubeVirt's conformance tests use containerDisks: those
+// have their own test, TestContainerDisk, as imported disks have
+// TestDataVolumeImport).
 var (
 	bootDiskOnce sync.Once
 	bootDiskPath string
