@@ -61,19 +61,31 @@ func podnetConfig(t *testing.T) podnet.Config {
 type hostPodnet struct {
 	t       *testing.T
 	cfg     podnet.Config
-	forward string // net.ipv4.ip_forward before the test
+	// forward is net.ipv4.ip_forward before the test, empty when another
+	// pod network already ran: the value from before nodevirt is then
+	// unknown (that network may go and restore it during the test).
+	forward string
 }
 
 func newHostPodnet(t *testing.T) *hostPodnet {
 	t.Helper()
 	p := &hostPodnet{t: t, cfg: podnetConfig(t)}
-	fwd, err := os.ReadFile("/proc/sys/net/ipv4/ip_forward")
-	if err != nil {
-		t.Fatal(err)
+	if !otherPodnets() {
+		fwd, err := os.ReadFile("/proc/sys/net/ipv4/ip_forward")
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.forward = strings.TrimSpace(string(fwd))
 	}
-	p.forward = strings.TrimSpace(string(fwd))
 	t.Cleanup(p.remove)
 	return p
+}
+
+// otherPodnets tells whether a pod network's nftables table exists in the
+// host's namespace.
+func otherPodnets() bool {
+	tables, _ := exec.Command("nft", "list", "tables", "inet").Output()
+	return strings.Contains(string(tables), "nodevirt_podnet_")
 }
 
 // start makes (or repairs, for a restart) the network and serves DHCP on
@@ -125,9 +137,7 @@ func (p *hostPodnet) remove() {
 	if err != nil {
 		t.Errorf("pod network teardown: %v", err)
 	}
-	tables, _ := exec.Command("nft", "list", "tables", "inet").Output()
-	others := strings.Contains(string(tables), "nodevirt_podnet_")
-	if fwd, _ := os.ReadFile("/proc/sys/net/ipv4/ip_forward"); !others && strings.TrimSpace(string(fwd)) != p.forward {
+	if fwd, _ := os.ReadFile("/proc/sys/net/ipv4/ip_forward"); p.forward != "" && !otherPodnets() && strings.TrimSpace(string(fwd)) != p.forward {
 		t.Errorf("net.ipv4.ip_forward is %s after the teardown, was %s", strings.TrimSpace(string(fwd)), p.forward)
 	}
 	if _, err := netlink.LinkByName(p.cfg.Bridge); err == nil {
