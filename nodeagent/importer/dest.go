@@ -16,7 +16,9 @@ import (
 // written, leaving holes in a file and pre-zeroed blocks on a device.
 const holeBlock = 4096
 
-var zeroBlock = make([]byte, 1<<20)
+// zeroBlock is what isZero compares with: one hole's worth, kept out of
+// the heap (a daemon-lifetime buffer there would raise every GC's target).
+var zeroBlock [holeBlock]byte
 
 // destination is where the guest-visible raw content goes. A file is
 // written under a temporary name in its directory and renamed over the
