@@ -22,7 +22,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/wait"
-	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	corelisters "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
@@ -139,8 +138,10 @@ func New(cfg Config) (*Snapshotter, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, fmt.Errorf("snapshotter config: %w", err)
 	}
+	// Events are about snapshots and contents (and core objects): their
+	// kinds are all the recorder's scheme needs, not every built-in group.
 	scheme := runtime.NewScheme()
-	_ = clientgoscheme.AddToScheme(scheme)
+	_ = corev1.AddToScheme(scheme)
 	_ = snapshotv1.AddToScheme(scheme)
 	events := record.NewBroadcaster()
 	factory, owns := cfg.Informers, cfg.Informers == nil
