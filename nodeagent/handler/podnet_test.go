@@ -59,8 +59,8 @@ func podnetConfig(t *testing.T) podnet.Config {
 // its own, beside any other pod network of this host (a lab's or the
 // end-to-end suite's nodeagent).
 type hostPodnet struct {
-	t       *testing.T
-	cfg     podnet.Config
+	t   *testing.T
+	cfg podnet.Config
 	// forward is net.ipv4.ip_forward before the test, empty when another
 	// pod network already ran: the value from before nodevirt is then
 	// unknown (that network may go and restore it during the test).
