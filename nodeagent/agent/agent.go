@@ -15,6 +15,7 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
@@ -22,6 +23,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
 	"github.com/nodevirt/nodevirt/csi"
 	"github.com/nodevirt/nodevirt/nodeagent/console"
+	"github.com/nodevirt/nodevirt/nodeagent/handler"
 	"github.com/nodevirt/nodevirt/nodeagent/kube"
 	"github.com/nodevirt/nodevirt/nodeagent/kvm"
 	nodemetrics "github.com/nodevirt/nodevirt/nodeagent/metrics"
@@ -159,8 +161,11 @@ type Deps struct {
 	// Informers are the claim, volume and class informers the storage
 	// roles share (one cache and one watch of each kind for the node).
 	Informers *kube.Factory
-	Log       *slog.Logger
-	Health    *daemon.Health
+	// VMIs is the informer of this node's VMIs, shared by the handler and
+	// the metrics server (one cache and one watch); Run runs it.
+	VMIs   cache.SharedIndexInformer
+	Log    *slog.Logger
+	Health *daemon.Health
 	// Emulation is the decision taken at start: guests run under TCG.
 	Emulation bool
 	// Volumes is the node's hostpath CSI driver, served on the CSI socket
@@ -235,7 +240,8 @@ func New(cfg Config) (*Agent, error) {
 	if err != nil {
 		return nil, err
 	}
-	d := &Deps{Config: cfg, RestConfig: rc, Kube: kc, Virt: virt, Informers: kube.NewFactory(kc, 10*time.Minute), Log: cfg.Log,
+	d := &Deps{Config: cfg, RestConfig: rc, Kube: kc, Virt: virt, Informers: kube.NewFactory(kc, 10*time.Minute),
+		VMIs: handler.NodeVMIInformer(virt, cfg.NodeName), Log: cfg.Log,
 		Health: daemon.NewHealth("node-registered"), Emulation: emulation, Volumes: volumes, Cert: cert}
 	if d.PodNetwork, d.PodNetworkErr, err = setupPodNetwork(cfg); err != nil {
 		return nil, err
@@ -307,6 +313,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		}
 	}
 	log.Info("node registered", "node", a.cfg.NodeName, "standalone", standalone)
+	go a.deps.VMIs.RunWithContext(ctx)
 	roles := append([]Role{namedRole{"node", a.reg.Run}}, a.roles...)
 	wg := daemon.Start(ctx, log.With("node", a.cfg.NodeName), a.deps.Health, roles...)
 	_ = daemon.Notify("READY=1")

@@ -13,7 +13,7 @@ func newMetricsRole(d *Deps) (Role, error) {
 		return namedRole{"metrics", func(context.Context) error { return nil }}, nil
 	}
 	s, err := nodemetrics.New(nodemetrics.Config{NodeName: d.Config.NodeName, Addr: d.Config.MetricsAddr,
-		LibvirtURI: d.Config.LibvirtURI, Virt: d.Virt, Log: d.Log})
+		LibvirtURI: d.Config.LibvirtURI, Virt: d.Virt, VMIs: d.VMIs, Log: d.Log})
 	if err != nil {
 		return nil, err
 	}

@@ -103,6 +103,10 @@ type Config struct {
 	// Kube and Virt are the API clients; required.
 	Kube kube.Interface
 	Virt *client.Set
+	// VMIs is the informer of this node's VMIs (labelled
+	// kubevirt.io/nodeName=<NodeName>), shared with other roles and run
+	// by whoever made it; nil makes the handler its own, run by Run.
+	VMIs cache.SharedIndexInformer
 	// Volumes resolves CSI volume handles; may be nil (see VolumeResolver).
 	Volumes VolumeResolver
 	// PodNetwork is the node's NAT network for pod network interfaces
@@ -164,6 +168,7 @@ type Handler struct {
 	log *slog.Logger
 
 	vmis     cache.SharedIndexInformer
+	ownVMIs  bool
 	kubevirt cache.SharedIndexInformer
 	queue    workqueue.TypedRateLimitingInterface[string]
 	console  *console.Server
@@ -209,10 +214,10 @@ func New(cfg Config) (*Handler, error) {
 
 		agentPolled: map[string]agentPoll{},
 	}
-	selector := v1.NodeNameLabel + "=" + cfg.NodeName
-	h.vmis = cfg.Virt.VMIs.Informer(metav1.NamespaceAll, 10*time.Minute, func(o *metav1.ListOptions) {
-		o.LabelSelector = selector
-	})
+	h.vmis, h.ownVMIs = cfg.VMIs, cfg.VMIs == nil
+	if h.ownVMIs {
+		h.vmis = NodeVMIInformer(cfg.Virt, cfg.NodeName)
+	}
 	h.kubevirt = cfg.Virt.KubeVirts.Informer(metav1.NamespaceAll, 0, nil)
 	if cfg.Console.Addr != "" {
 		ccfg := cfg.Console
@@ -287,7 +292,11 @@ func (h *Handler) Run(ctx context.Context) error {
 	h.mu.Lock()
 	h.runCtx = ctx
 	h.mu.Unlock()
-	for _, inf := range []cache.SharedIndexInformer{h.vmis, h.kubevirt} {
+	run := []cache.SharedIndexInformer{h.kubevirt}
+	if h.ownVMIs {
+		run = append(run, h.vmis)
+	}
+	for _, inf := range run {
 		wg.Add(1)
 		go func() { defer wg.Done(); inf.Run(ctx.Done()) }()
 	}
@@ -422,4 +431,13 @@ func (h *Handler) emulation() bool {
 		}
 	}
 	return false
+}
+
+// NodeVMIInformer is an informer of the VMIs bound to node (labelled
+// kubevirt.io/nodeName=<node>), for sharing between the node's roles.
+func NodeVMIInformer(virt *client.Set, node string) cache.SharedIndexInformer {
+	selector := v1.NodeNameLabel + "=" + node
+	return virt.VMIs.Informer(metav1.NamespaceAll, 10*time.Minute, func(o *metav1.ListOptions) {
+		o.LabelSelector = selector
+	})
 }

@@ -47,6 +47,10 @@ type Config struct {
 	LibvirtURI string
 	// Virt is the API client for the node's VMIs; required.
 	Virt *client.Set
+	// VMIs is the informer of this node's VMIs, shared with other roles
+	// and run by whoever made it; nil makes the server its own, run by
+	// Run.
+	VMIs cache.SharedIndexInformer
 	// Log; slog.Default() when nil.
 	Log *slog.Logger
 }
@@ -78,6 +82,7 @@ type Server struct {
 	cfg      Config
 	log      *slog.Logger
 	vmis     cache.SharedIndexInformer
+	ownVMIs  bool
 	stats    *domainStats
 	registry *prom.Registry
 
@@ -93,10 +98,13 @@ func New(cfg Config) (*Server, error) {
 		return nil, err
 	}
 	s := &Server{cfg: cfg, log: cfg.Log.With("role", "metrics", "node", cfg.NodeName)}
-	selector := v1.NodeNameLabel + "=" + cfg.NodeName
-	s.vmis = cfg.Virt.VMIs.Informer(metav1.NamespaceAll, 10*time.Minute, func(o *metav1.ListOptions) {
-		o.LabelSelector = selector
-	})
+	s.vmis, s.ownVMIs = cfg.VMIs, cfg.VMIs == nil
+	if s.ownVMIs {
+		selector := v1.NodeNameLabel + "=" + cfg.NodeName
+		s.vmis = cfg.Virt.VMIs.Informer(metav1.NamespaceAll, 10*time.Minute, func(o *metav1.ListOptions) {
+			o.LabelSelector = selector
+		})
+	}
 	s.stats = newDomainStats(cfg.LibvirtURI, cfg.NodeName, s.nodeVMI, s.log)
 	s.registry = prom.NewRegistry()
 	s.registry.Register(prom.DomainCollector(s.stats.collect))
@@ -121,7 +129,9 @@ func (s *Server) Handler() http.Handler { return s.registry.Handler() }
 // Run serves /metrics until ctx ends.
 func (s *Server) Run(ctx context.Context) error {
 	defer s.stats.close()
-	go s.vmis.Run(ctx.Done())
+	if s.ownVMIs {
+		go s.vmis.Run(ctx.Done())
+	}
 	ln, err := net.Listen("tcp", s.cfg.Addr)
 	if err != nil {
 		return fmt.Errorf("metrics listen %s: %w", s.cfg.Addr, err)
