@@ -317,7 +317,9 @@ func (e *env) runGuest(ctx context.Context) error {
 }
 
 // memory is what /proc/<pid>/status says of a process, in bytes.
-type memory struct{ rss, anon, file, shmem int64 }
+// libs is the part of rss in mappings of shared libraries (libvirt's
+// client library and its dependencies, libc).
+type memory struct{ rss, anon, file, shmem, libs int64 }
 
 // sample lets the agent run for settle, then reads its memory.
 func (e *env) sample(ctx context.Context, settle time.Duration) (memory, error) {
@@ -332,7 +334,40 @@ func (e *env) sample(ctx context.Context, settle time.Duration) (memory, error) 
 		return memory{}, fmt.Errorf("nodeagent exited (%v): %s", err, tail(e.path("nodeagent.log"), 20))
 	default:
 	}
-	return readStatus(e.agent.Process.Pid)
+	m, err := readStatus(e.agent.Process.Pid)
+	if err != nil {
+		return memory{}, err
+	}
+	m.libs, err = libraryRSS(e.agent.Process.Pid)
+	return m, err
+}
+
+// libraryRSS sums the resident size of a process's shared-library mappings
+// from /proc/<pid>/smaps.
+func libraryRSS(pid int) (int64, error) {
+	f, err := os.Open(fmt.Sprintf("/proc/%d/smaps", pid))
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	var total int64
+	lib := false
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		fields := strings.Fields(sc.Text())
+		switch {
+		case len(fields) >= 5 && strings.Contains(fields[0], "-") && !strings.HasSuffix(fields[0], ":"):
+			// A mapping's header: address range, perms, offset, dev, inode[, path].
+			lib = len(fields) == 6 && strings.Contains(filepath.Base(fields[5]), ".so")
+		case lib && len(fields) == 3 && fields[0] == "Rss:":
+			kb, err := strconv.ParseInt(fields[1], 10, 64)
+			if err != nil {
+				return 0, fmt.Errorf("rss in /proc/%d/smaps: %w", pid, err)
+			}
+			total += kb * 1024
+		}
+	}
+	return total, sc.Err()
 }
 
 func readStatus(pid int) (memory, error) {
