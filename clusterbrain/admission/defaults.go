@@ -3,6 +3,7 @@ package admission
 import (
 	"context"
 	"encoding/json"
+	"strings"
 
 	admissionv1 "k8s.io/api/admission/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -47,9 +48,13 @@ func defaultVMISpec(s *kubevirtv1.VirtualMachineInstanceSpec) bool {
 	for _, fs := range d.Devices.Filesystems {
 		named[fs.Name] = true
 	}
-	for _, v := range s.Volumes {
+	for i, v := range s.Volumes {
 		if !named[v.Name] {
 			d.Devices.Disks = append(d.Devices.Disks, kubevirtv1.Disk{Name: v.Name})
+			changed = true
+		}
+		if cd := s.Volumes[i].ContainerDisk; cd != nil && cd.ImagePullPolicy == "" {
+			cd.ImagePullPolicy = defaultPullPolicy(cd.Image)
 			changed = true
 		}
 	}
@@ -99,4 +104,24 @@ func defaultVMISpec(s *kubevirtv1.VirtualMachineInstanceSpec) bool {
 		changed = true
 	}
 	return changed
+}
+
+// defaultPullPolicy is a containerDisk's pull policy when the spec names
+// none, as container runtimes and KubeVirt choose it: Always for an image
+// without a tag or tagged latest, IfNotPresent for one pinned by a digest
+// or another tag. The node agent applies the same rule to VMIs admitted
+// without this webhook.
+func defaultPullPolicy(image string) corev1.PullPolicy {
+	name, _, pinned := strings.Cut(image, "@")
+	if pinned {
+		return corev1.PullIfNotPresent
+	}
+	tag := ""
+	if i := strings.LastIndex(name, ":"); i > strings.LastIndex(name, "/") {
+		tag = name[i+1:]
+	}
+	if tag == "" || tag == "latest" {
+		return corev1.PullAlways
+	}
+	return corev1.PullIfNotPresent
 }

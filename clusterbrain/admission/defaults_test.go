@@ -1,8 +1,10 @@
 package admission_test
 
 import (
+	"strings"
 	"testing"
 
+	corev1 "k8s.io/api/core/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
@@ -53,5 +55,33 @@ func TestDefaultsReportChange(t *testing.T) {
 	s.Domain.CPU.Threads = 0
 	if !admission.DefaultsChange(&s) || s.Domain.CPU.Threads != 1 {
 		t.Fatal("a cleared thread count was not defaulted again")
+	}
+}
+
+// TestDefaultContainerDiskPullPolicy: containerDisks without a pull policy
+// get the one KubeVirt writes (Always for latest or no tag); a policy the
+// spec gives is kept.
+func TestDefaultContainerDiskPullPolicy(t *testing.T) {
+	cases := map[string]corev1.PullPolicy{
+		"quay.io/containerdisks/fedora":             corev1.PullAlways,
+		"quay.io/containerdisks/fedora:latest":      corev1.PullAlways,
+		"quay.io/containerdisks/fedora:41":          corev1.PullIfNotPresent,
+		"registry:5000/disks/cirros":                corev1.PullAlways,
+		"registry:5000/disks/cirros:6.2":            corev1.PullIfNotPresent,
+		"cirros@sha256:" + strings.Repeat("ab", 32): corev1.PullIfNotPresent,
+	}
+	for image, want := range cases {
+		s := kubevirtv1.VirtualMachineInstanceSpec{Volumes: []kubevirtv1.Volume{{Name: "root",
+			VolumeSource: kubevirtv1.VolumeSource{ContainerDisk: &kubevirtv1.ContainerDiskSource{Image: image}}}}}
+		admission.DefaultVMISpec(&s)
+		if got := s.Volumes[0].ContainerDisk.ImagePullPolicy; got != want {
+			t.Errorf("%s: pull policy %q, want %q", image, got, want)
+		}
+	}
+	s := kubevirtv1.VirtualMachineInstanceSpec{Volumes: []kubevirtv1.Volume{{Name: "root",
+		VolumeSource: kubevirtv1.VolumeSource{ContainerDisk: &kubevirtv1.ContainerDiskSource{Image: "x:latest", ImagePullPolicy: corev1.PullNever}}}}}
+	admission.DefaultVMISpec(&s)
+	if got := s.Volumes[0].ContainerDisk.ImagePullPolicy; got != corev1.PullNever {
+		t.Errorf("given policy Never became %q", got)
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/instancetypes"
 	"github.com/nodevirt/nodevirt/clusterbrain/macpool"
 	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
+	"github.com/nodevirt/nodevirt/clusterbrain/migration"
 	"github.com/nodevirt/nodevirt/clusterbrain/nodecerts"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
@@ -80,6 +81,11 @@ var leaderRoles = []RoleFactory{
 		// The daemons' roles, and nodes' Secret access outside the brain's
 		// namespace.
 		return rbac.NewNodeSecretAccess(d.Kube, d.Config.Namespace, d.Log)
+	},
+	func(d *Deps) (Role, error) {
+		// Migrations end Failed with their reason: nodevirt does not move
+		// running guests yet.
+		return migration.New(migration.Config{Kube: d.Kube, Virt: d.Virt, Log: d.Log})
 	},
 	func(d *Deps) (Role, error) {
 		return macpool.NewReconciler(macpool.Config{RestConfig: d.RestConfig, Virt: d.Virt, Namespace: d.Config.Namespace, Log: d.Log.With("role", "macpool"),

@@ -97,6 +97,9 @@ func New(cfg Config) (*Controller, error) {
 	return c, nil
 }
 
+// Name names the role.
+func (c *Controller) Name() string { return "migration" }
+
 // Run serves until ctx ends.
 func (c *Controller) Run(ctx context.Context) error {
 	defer utilruntime.HandleCrash()
