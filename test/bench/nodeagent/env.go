@@ -49,6 +49,7 @@ type env struct {
 	brain    *exec.Cmd
 	agent    *exec.Cmd
 	agentAt  string
+	metrics  string
 	agentErr chan error
 }
 
@@ -137,12 +138,12 @@ func (e *env) start(ctx context.Context) error {
 			return err
 		}
 	}
-	e.agentAt = freeAddr("127.0.0.1")
+	e.agentAt, e.metrics = freeAddr("127.0.0.1"), freeAddr("127.0.0.1")
 	agentDir := e.path("nodeagent")
 	if e.agent, err = e.daemon("nodeagent", "--kubeconfig="+agentKC, "--node-name="+e.node,
 		"--state-dir="+agentDir, "--emulation=on", "--health-addr="+e.agentAt,
 		"--csi-socket="+filepath.Join(agentDir, "csi", "csi.sock"), "--pools=default="+e.path("pools", "default"),
-		"--console-addr="+freeAddr("127.0.0.1"), "--upload-addr="+freeAddr(""), "--metrics-addr="+freeAddr(""),
+		"--console-addr="+freeAddr("127.0.0.1"), "--upload-addr="+freeAddr(""), "--metrics-addr="+e.metrics,
 		"--pod-bridge="+e.bridge, "--pod-cidr="+e.cidr); err != nil {
 		return err
 	}
@@ -301,7 +302,7 @@ func (e *env) runGuest(ctx context.Context) error {
 	if _, err := e.virt.VMIs.Create(ctx, vmi); err != nil {
 		return fmt.Errorf("create vmi: %w", err)
 	}
-	return e.poll(ctx, 2*time.Minute, func() (string, error) {
+	if err := e.poll(ctx, 2*time.Minute, func() (string, error) {
 		got, err := e.virt.VMIs.Get(ctx, e.ns, "guest")
 		if err != nil {
 			return "vmi: " + err.Error(), nil
@@ -313,6 +314,23 @@ func (e *env) runGuest(ctx context.Context) error {
 			return fmt.Sprintf("vmi phase %q", got.Status.Phase), nil
 		}
 		return "", nil
+	}); err != nil {
+		return err
+	}
+	// The agent's roles see it too: its metrics count it as running.
+	return e.poll(ctx, 30*time.Second, func() (string, error) {
+		resp, err := (&http.Client{Timeout: 2 * time.Second}).Get("http://" + e.metrics + "/metrics")
+		if err != nil {
+			return "agent /metrics: " + err.Error(), nil
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		for _, l := range strings.Split(string(body), "\n") {
+			if strings.HasPrefix(l, "kubevirt_vmi_phase_count{") && strings.Contains(l, `phase="running"`) && strings.HasSuffix(l, " 1") {
+				return "", nil
+			}
+		}
+		return "agent /metrics: no running VMI in kubevirt_vmi_phase_count", nil
 	})
 }
 

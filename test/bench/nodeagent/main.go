@@ -5,9 +5,15 @@
 // provisioner, snapshotter, importer and upload receiver, pod network,
 // console server, metrics). Once the node is Ready, the HyperConverged is
 // Available and the agent's /readyz answers, the benchmark reads VmRSS,
-// RssAnon and RssFile from /proc/<pid>/status; then it runs one guest (a
-// VMI from the test suite's boot disk under TCG) and reads them again while
-// the guest runs.
+// RssAnon and RssFile from /proc/<pid>/status (and the shared libraries'
+// share from smaps); then it runs one guest (a VMI from the test suite's
+// boot disk under TCG), waits until the agent's /metrics counts it running,
+// and reads them again while the guest runs.
+//
+// File pages are most of a Go daemon's RSS, and how many of them a page
+// fault maps depends on how the executable sits in the page cache: the
+// agent is started with its executable dropped from the cache, as on a node
+// after a boot (-cold=false measures it as the build left it cached).
 //
 // The anchor is KubeVirt's virt-handler at 12–28 MB, which on a real
 // cluster comes with separate bridge-marker, CNI, HPP and CDI importer pods;
