@@ -71,7 +71,7 @@ func TestMigrationsFailWithTheirReason(t *testing.T) {
 	vmi("starting", kubevirtv1.Scheduled)
 
 	for _, tc := range []struct{ vmi, want string }{
-		{"local-disk", "Cannot migrate VMI, Reason: "+kubevirtv1.VirtualMachineInstanceReasonDisksNotMigratable+", Message: cannot migrate VMI: PVC root is not shared"},
+		{"local-disk", "Cannot migrate VMI, Reason: " + kubevirtv1.VirtualMachineInstanceReasonDisksNotMigratable + ", Message: cannot migrate VMI: PVC root is not shared"},
 		{"movable", NotImplemented},
 		{"starting", `cannot migrate VMI "starting": it is Scheduled, not Running`},
 		{"missing", `the VMI "missing" does not exist`},
