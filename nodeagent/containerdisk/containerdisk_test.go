@@ -3,11 +3,8 @@ package containerdisk
 import (
 	"bytes"
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -18,23 +15,10 @@ import (
 	k8sv1 "k8s.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/nodeagent/containerdisk/registrytest"
+	"github.com/nodevirt/nodevirt/nodeagent/dvimport/dvimporttest"
 	"github.com/nodevirt/nodevirt/nodeagent/importer"
 	"github.com/nodevirt/nodevirt/test/guest"
 )
-
-func fileSHA(t *testing.T, path string) string {
-	t.Helper()
-	f, err := os.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	h := sha256.New()
-	if _, err := io.Copy(h, f); err != nil {
-		t.Fatal(err)
-	}
-	return hex.EncodeToString(h.Sum(nil))
-}
 
 // guestDisk is the test guest's boot disk: the raw image and its qcow2.
 func guestDisk(t *testing.T) (raw string, qcow2 []byte) {
@@ -70,7 +54,7 @@ func wantPullError(t *testing.T, err error, reason string, cause importer.Reason
 
 func TestPuller(t *testing.T) {
 	raw, qcow2 := guestDisk(t)
-	rawSHA := fileSHA(t, raw)
+	rawSHA := dvimporttest.SHA256(t, raw)
 	reg := registrytest.New()
 	host, stop := reg.Serve()
 	defer stop()
@@ -127,7 +111,7 @@ func TestPuller(t *testing.T) {
 		if first.Digest != v1Digest {
 			t.Errorf("digest %s, want %s", first.Digest, v1Digest)
 		}
-		if got := fileSHA(t, first.Path); got != rawSHA {
+		if got := dvimporttest.SHA256(t, first.Path); got != rawSHA {
 			t.Errorf("cached disk %s differs from the guest's boot disk %s", got, rawSHA)
 		}
 		if first.VirtualSize != 64<<20 {
@@ -222,7 +206,7 @@ func TestPuller(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if got := fileSHA(t, img.Path); got != rawSHA {
+		if got := dvimporttest.SHA256(t, img.Path); got != rawSHA {
 			t.Errorf("disk at the path is not the guest's boot disk")
 		}
 		_, err = p.Pull(ctx, Request{Image: host + "/kubevirt/custom:v1", Path: "/custom/none.img", InsecureRegistries: insecure}, "vmi-f")
@@ -283,7 +267,7 @@ func TestPuller(t *testing.T) {
 		if err != nil {
 			t.Fatalf("with the right secret: %v", err)
 		}
-		if img.Digest != d || fileSHA(t, img.Path) != rawSHA {
+		if img.Digest != d || dvimporttest.SHA256(t, img.Path) != rawSHA {
 			t.Errorf("pulled %s, want %s with the guest disk", img.Digest, d)
 		}
 	})
