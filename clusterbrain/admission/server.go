@@ -50,6 +50,9 @@ type Webhook struct {
 	// NamespaceSelector and ObjectSelector narrow what is sent (nil: all).
 	NamespaceSelector *metav1.LabelSelector
 	ObjectSelector    *metav1.LabelSelector
+	// MatchConditions are CEL expressions that must all hold for a
+	// request to be sent (nil: every request the rules match).
+	MatchConditions []admissionregistrationv1.MatchCondition
 	// Ignore makes the apiserver admit when the brain is unreachable;
 	// the default is to fail the request.
 	Ignore bool
@@ -309,13 +312,13 @@ func (s *Server) configurations(bundle []byte) (*admissionregistrationv1.Mutatin
 			mut.Webhooks = append(mut.Webhooks, admissionregistrationv1.MutatingWebhook{
 				Name: h.Name, ClientConfig: cc, Rules: h.Rules, FailurePolicy: &fail, MatchPolicy: &equiv,
 				NamespaceSelector: nsSel, ObjectSelector: objSel, SideEffects: &side, TimeoutSeconds: &timeout,
-				AdmissionReviewVersions: []string{"v1"}, ReinvocationPolicy: &never,
+				AdmissionReviewVersions: []string{"v1"}, ReinvocationPolicy: &never, MatchConditions: h.MatchConditions,
 			})
 		} else {
 			val.Webhooks = append(val.Webhooks, admissionregistrationv1.ValidatingWebhook{
 				Name: h.Name, ClientConfig: cc, Rules: h.Rules, FailurePolicy: &fail, MatchPolicy: &equiv,
 				NamespaceSelector: nsSel, ObjectSelector: objSel, SideEffects: &side, TimeoutSeconds: &timeout,
-				AdmissionReviewVersions: []string{"v1"},
+				AdmissionReviewVersions: []string{"v1"}, MatchConditions: h.MatchConditions,
 			})
 		}
 	}

@@ -25,14 +25,15 @@ func rules(resource string, ops ...admissionregistrationv1.OperationType) []admi
 }
 
 // RegisterKubeVirt adds KubeVirt's own VM/VMI webhooks to s: VMI defaults
-// and VM/VMI validation.
+// and VM/VMI validation. The VMI webhooks are not called for the brain's
+// own user, whose VM controller applies them in process (AdmitVMICreate).
 func RegisterKubeVirt(s *Server) error {
-	s.Register(Webhook{Name: "virtualmachineinstances-mutator.kubevirt.io", Path: "/virtualmachineinstances-mutate", Mutating: true,
-		Rules: rules("virtualmachineinstances", admissionregistrationv1.Create), Admit: mutateVMI})
+	s.Register(Webhook{Name: VMIMutatorName, Path: "/virtualmachineinstances-mutate", Mutating: true,
+		Rules: rules("virtualmachineinstances", admissionregistrationv1.Create), MatchConditions: notTheBrain(), Admit: mutateVMI})
 	s.Register(Webhook{Name: "virtualmachine-validator.kubevirt.io", Path: "/virtualmachines-validate",
 		Rules: rules("virtualmachines", admissionregistrationv1.Create, admissionregistrationv1.Update), Admit: admitVM})
-	s.Register(Webhook{Name: "virtualmachineinstances-create-validator.kubevirt.io", Path: "/virtualmachineinstances-validate-create",
-		Rules: rules("virtualmachineinstances", admissionregistrationv1.Create), Admit: admitVMI})
+	s.Register(Webhook{Name: VMIValidatorName, Path: "/virtualmachineinstances-validate-create",
+		Rules: rules("virtualmachineinstances", admissionregistrationv1.Create), MatchConditions: notTheBrain(), Admit: admitVMI})
 	return nil
 }
 

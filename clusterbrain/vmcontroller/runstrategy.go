@@ -142,8 +142,8 @@ func (c *Controller) start(ctx context.Context, st *state, log *slog.Logger) (ti
 		}
 		return 0, err
 	}
-	// The defaults the VMI webhook would add, applied here so that its
-	// admission needs no patch (one less decode in the API server).
+	// KubeVirt's VMI defaults, applied to the spec the VM controller
+	// creates (AdmitVMICreate below then applies the mutating webhook's).
 	admission.DefaultVMISpec(spec)
 	t := vm.Spec.Template
 	vmi := &kubevirtv1.VirtualMachineInstance{
@@ -161,6 +161,14 @@ func (c *Controller) start(ctx context.Context, st *state, log *slog.Logger) (ti
 		vmi.Annotations[k] = v
 	}
 	vmi.Annotations["kubevirt.io/vm-generation"] = fmt.Sprint(vm.Generation)
+	// The VMI webhooks are not called for the brain's own creates (their
+	// match condition leaves its user out): they are applied here, so the
+	// VMI is what they would have made of it and a spec they refuse is
+	// refused with their message, reported as a refused create is.
+	if err := admission.AdmitVMICreate(vmi); err != nil {
+		c.recorder.Eventf(vm, corev1.EventTypeWarning, "FailedCreate", "Error creating VMI: %v", err)
+		return 0, fmt.Errorf("create vmi: %w", err)
+	}
 	reserved := ""
 	if c.cfg.Placer != nil {
 		if reserved = c.cfg.Placer.Reserve(vmi); reserved != "" {

@@ -14,6 +14,7 @@ import (
 	"os"
 	"os/exec"
 	"os/signal"
+	"path/filepath"
 	"runtime"
 	"runtime/pprof"
 	"strconv"
@@ -38,6 +39,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/macpool"
+	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 	"github.com/nodevirt/nodevirt/clusterbrain/vmcontroller"
 	"github.com/nodevirt/nodevirt/test/bench/report"
@@ -182,7 +184,16 @@ func bench(ctx context.Context, nVMs, nNodes int, share bool) error {
 	if err != nil {
 		return err
 	}
-	child := exec.CommandContext(ctx, self, "-run-brain", "-kubeconfig", cp.Kubeconfig, fmt.Sprintf("-share-informers=%t", share))
+	// The brain runs under its own identity and roles, as a deployment
+	// runs it (the lab and the e2e suite do the same).
+	if err := rbac.EnsureDaemons(ctx, kube); err != nil {
+		return fmt.Errorf("daemon roles: %w", err)
+	}
+	brainKC := filepath.Join(dir, "clusterbrain.kubeconfig")
+	if err := cp.WriteKubeconfig(brainKC, rbac.BrainUser, rbac.BrainGroup); err != nil {
+		return err
+	}
+	child := exec.CommandContext(ctx, self, "-run-brain", "-kubeconfig", brainKC, fmt.Sprintf("-share-informers=%t", share))
 	child.Stderr = os.Stderr
 	if err := child.Start(); err != nil {
 		return err
