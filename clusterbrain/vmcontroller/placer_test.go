@@ -11,6 +11,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/apimachinery/pkg/watch"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
@@ -63,7 +64,21 @@ func TestPlacedBeforeCreation(t *testing.T) {
 	go func() { _ = c.Run(ctx); done <- struct{}{} }()
 	defer func() { cancel(); <-done; <-done }()
 
-	w, err := e.virt.VMIs.Watch(ctx, e.ns, metav1.ListOptions{FieldSelector: "metadata.name=placed"})
+	// The scheduler places only once its caches have synced and show the
+	// nodes; until then a VMI is created without a node.
+	probe := &kubevirtv1.VirtualMachineInstance{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "probe"},
+		Spec: kubevirtv1.VirtualMachineInstanceSpec{NodeSelector: map[string]string{"pool": "placer"}}}
+	err = wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, 15*time.Second, true, func(context.Context) (bool, error) {
+		return sch.Reserve(probe) != "", nil
+	})
+	sch.Unreserve(e.ns, probe.Name)
+	if err != nil {
+		t.Fatal("the scheduler never placed a probe")
+	}
+	// Resource version "0": the watch starts from the API server's cache as
+	// it is, rather than waiting (at most 3s) for it to catch up with etcd,
+	// which only a progress notification (every 5s) may bring.
+	w, err := e.virt.VMIs.Watch(ctx, e.ns, metav1.ListOptions{FieldSelector: "metadata.name=placed", ResourceVersion: "0"})
 	if err != nil {
 		t.Fatal(err)
 	}
