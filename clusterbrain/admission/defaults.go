@@ -96,7 +96,10 @@ func defaultVMISpec(s *kubevirtv1.VirtualMachineInstanceSpec) bool {
 			d.Memory.Guest = &g
 			changed = true
 		}
-	} else if !hasReq {
+	}
+	// A guest size with no memory request (given, or just taken from the
+	// limit) becomes the request, so one pass settles the defaults.
+	if _, hasReq := d.Resources.Requests[corev1.ResourceMemory]; !hasReq && d.Memory != nil && d.Memory.Guest != nil {
 		if d.Resources.Requests == nil {
 			d.Resources.Requests = corev1.ResourceList{}
 		}

@@ -5,6 +5,8 @@ import (
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
+	"k8s.io/apimachinery/pkg/api/resource"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
@@ -83,5 +85,23 @@ func TestDefaultContainerDiskPullPolicy(t *testing.T) {
 	admission.DefaultVMISpec(&s)
 	if got := s.Volumes[0].ContainerDisk.ImagePullPolicy; got != corev1.PullNever {
 		t.Errorf("given policy Never became %q", got)
+	}
+}
+
+// TestDefaultsSettleInOnePass: a memory limit alone becomes the guest size
+// and the request at once, so applying the defaults again (the VM
+// controller, then the mutating webhook) changes nothing.
+func TestDefaultsSettleInOnePass(t *testing.T) {
+	s := kubevirtv1.VirtualMachineInstanceSpec{Domain: kubevirtv1.DomainSpec{Resources: kubevirtv1.ResourceRequirements{
+		Limits: corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("96Mi")}}}}
+	admission.DefaultVMISpec(&s)
+	req := s.Domain.Resources.Requests[corev1.ResourceMemory]
+	if s.Domain.Memory == nil || s.Domain.Memory.Guest == nil || s.Domain.Memory.Guest.String() != "96Mi" || req.String() != "96Mi" {
+		t.Fatalf("memory %+v, requests %v; want guest and request 96Mi", s.Domain.Memory, s.Domain.Resources.Requests)
+	}
+	again := *s.DeepCopy()
+	admission.DefaultVMISpec(&again)
+	if !equality.Semantic.DeepEqual(s, again) {
+		t.Errorf("a second pass changed the spec:\n%+v\n%+v", s, again)
 	}
 }

@@ -36,8 +36,8 @@ func TestBrainAdmitsItsOwnVMIs(t *testing.T) {
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 
 	// Created while no webhook is registered: one VM whose template lists
-	// its disk twice, one whose memory is a limit alone (the case where
-	// the mutating webhook adds to what the controller defaulted).
+	// its disk twice, one whose memory is a limit alone (the limit becomes
+	// the guest size and the request).
 	dupDisk := func(vm *kubevirtv1.VirtualMachine) {
 		d := &vm.Spec.Template.Spec.Domain.Devices
 		d.Disks = append(d.Disks, kubevirtv1.Disk{Name: "root"})
