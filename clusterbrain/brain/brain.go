@@ -109,8 +109,8 @@ type Deps struct {
 	scheduler *scheduler.Scheduler
 	// vms and vmis are the informers of all VMs and VMIs the leader's
 	// roles share (the VM controller, the scheduler, the MAC reconciler):
-	// one watch and one cache of each instead of one per role. They run
-	// while this brain leads.
+	// one watch and one cache of each instead of one per role. Each term
+	// of leadership has its own (see leaderTerm).
 	vms, vmis cache.SharedIndexInformer
 }
 
@@ -125,7 +125,9 @@ type Brain struct {
 	cfg    Config
 	deps   *Deps
 	always []Role // run on every brain (webhooks, aggregated APIs)
-	leader []Role // run only on the leader (controllers)
+	leader []Role // run only on the leader (controllers), first term
+	// termInformers are the shared informers of the latest leaderTerm.
+	termInformers []cache.SharedIndexInformer
 }
 
 // New validates cfg and builds the brain with its roles.
@@ -148,22 +150,15 @@ func New(cfg Config) (*Brain, error) {
 		return nil, err
 	}
 	d := &Deps{Config: cfg, RestConfig: rc, Kube: kube, Virt: virt, Log: cfg.Log,
-		Health: daemon.NewHealth("api-installed"),
-		vms:    virt.VMs.Informer("", 0, nil), vmis: virt.VMIs.Informer("", 0, nil)}
+		Health: daemon.NewHealth("api-installed")}
 	b := &Brain{cfg: cfg, deps: d}
-	for _, f := range everyBrainRoles {
-		r, err := f(d)
-		if err != nil {
-			return nil, err
-		}
-		b.always = append(b.always, r)
+	if b.always, err = build(everyBrainRoles, d); err != nil {
+		return nil, err
 	}
-	for _, f := range leaderRoles {
-		r, err := f(d)
-		if err != nil {
-			return nil, err
-		}
-		b.leader = append(b.leader, r)
+	// The first term's roles are built here, so that a configuration
+	// error shows before the brain campaigns.
+	if b.leader, err = b.leaderTerm(); err != nil {
+		return nil, err
 	}
 	return b, nil
 }
@@ -173,6 +168,34 @@ func restConfig(kubeconfig string) (*rest.Config, error) {
 		return rest.InClusterConfig()
 	}
 	return clientcmd.BuildConfigFromFlags("", kubeconfig)
+}
+
+func build(factories []RoleFactory, d *Deps) ([]Role, error) {
+	var roles []Role
+	for _, f := range factories {
+		r, err := f(d)
+		if err != nil {
+			return nil, err
+		}
+		roles = append(roles, r)
+	}
+	return roles, nil
+}
+
+// leaderTerm builds the leader's roles for one term of leadership, with
+// shared informers of their own: roles and informers stop with the term
+// that ran them and cannot run again, so a brain that lost the lease and
+// wins it back leads with new ones.
+func (b *Brain) leaderTerm() ([]Role, error) {
+	d := *b.deps
+	d.scheduler = nil
+	d.vms, d.vmis = d.Virt.VMs.Informer("", 0, nil), d.Virt.VMIs.Informer("", 0, nil)
+	roles, err := build(leaderRoles, &d)
+	if err != nil {
+		return nil, err
+	}
+	b.termInformers = []cache.SharedIndexInformer{d.vms, d.vmis}
+	return roles, nil
 }
 
 // Run installs the API, then runs the roles until ctx ends.
@@ -187,7 +210,11 @@ func (b *Brain) Run(ctx context.Context) error {
 	_ = daemon.Notify("READY=1")
 	go daemon.Watchdog(ctx, b.deps.Health.Ready)
 
+	// groups and terms (of leadership so far) change in the leader
+	// callback's goroutine.
+	var mu sync.Mutex
 	groups := []*sync.WaitGroup{daemon.Start(ctx, log, b.deps.Health, b.always...)}
+	terms := 0
 	lock := &resourcelock.LeaseLock{
 		LeaseMeta:  metav1.ObjectMeta{Namespace: b.cfg.Namespace, Name: "nodevirt-clusterbrain"},
 		Client:     b.deps.Kube.CoordinationV1(),
@@ -202,10 +229,22 @@ func (b *Brain) Run(ctx context.Context) error {
 		Name:            "nodevirt-clusterbrain",
 		Callbacks: leaderelection.LeaderCallbacks{
 			OnStartedLeading: func(ctx context.Context) {
-				log.Info("leading", "identity", b.cfg.Identity)
-				go b.deps.vms.RunWithContext(ctx)
-				go b.deps.vmis.RunWithContext(ctx)
-				groups = append(groups, daemon.Start(ctx, log, nil, b.leader...))
+				mu.Lock()
+				defer mu.Unlock()
+				log.Info("leading", "identity", b.cfg.Identity, "term", terms+1)
+				roles := b.leader
+				if terms > 0 {
+					var err error
+					if roles, err = b.leaderTerm(); err != nil {
+						log.Error("leader roles", "err", err)
+						return
+					}
+				}
+				terms++
+				for _, inf := range b.termInformers {
+					go inf.RunWithContext(ctx)
+				}
+				groups = append(groups, daemon.Start(ctx, log, nil, roles...))
 			},
 			OnStoppedLeading: func() { log.Info("stopped leading", "identity", b.cfg.Identity) },
 			OnNewLeader: func(id string) {
@@ -222,6 +261,8 @@ func (b *Brain) Run(ctx context.Context) error {
 	for ctx.Err() == nil {
 		le.Run(ctx)
 	}
+	mu.Lock()
+	defer mu.Unlock()
 	for _, g := range groups {
 		g.Wait()
 	}

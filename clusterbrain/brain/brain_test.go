@@ -11,10 +11,14 @@ import (
 	"testing"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
 	"github.com/nodevirt/nodevirt/clusterbrain/aggregated"
+	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
@@ -32,47 +36,12 @@ const handoverBound = 18 * time.Second
 // lease's arithmetic (see handoverBound).
 func TestKilledLeaderHandsOver(t *testing.T) {
 	cp := controlplane.Shared(t)
-	dir := t.TempDir()
-	bin := filepath.Join(dir, "clusterbrain")
-	build := exec.Command("go", "build", "-o", bin, "github.com/nodevirt/nodevirt/clusterbrain/cmd/clusterbrain")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("build clusterbrain: %v\n%s", err, out)
-	}
 	ns := cp.Namespace(t)
-	start := func(id string) *exec.Cmd {
-		cmd := exec.Command(bin, "--kubeconfig="+cp.Kubeconfig, "--namespace="+ns, "--identity="+id,
-			"--health-addr=127.0.0.1:0", "--webhook-addr=127.0.0.1:0", "--subresources-addr=:0", "--upload-api-addr=:0",
-			"--uploadproxy-addr=:0", "--metrics-addr=127.0.0.1:0", "--cli-download-addr=127.0.0.1:0")
-		logf, err := os.Create(filepath.Join(dir, id+".log"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		cmd.Stdout, cmd.Stderr = logf, logf
-		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
-		return cmd
-	}
+	run := brainRunner(t, cp, ns)
+	start := func(id string) *exec.Cmd { return run(id) }
 	brains := map[string]*exec.Cmd{"brain-a": start("brain-a"), "brain-b": start("brain-b")}
-	leases := cp.Clientset(t).CoordinationV1().Leases(ns)
-	holder := func() string {
-		l, err := leases.Get(context.Background(), "nodevirt-clusterbrain", metav1.GetOptions{})
-		if err != nil || l.Spec.HolderIdentity == nil {
-			return ""
-		}
-		return *l.Spec.HolderIdentity
-	}
 	waitFor := func(cond func(string) bool, within time.Duration) (string, time.Duration) {
-		t0 := time.Now()
-		for time.Since(t0) < within {
-			if h := holder(); cond(h) {
-				return h, time.Since(t0)
-			}
-			time.Sleep(100 * time.Millisecond)
-		}
-		return holder(), time.Since(t0)
+		return waitHolder(t, cp, ns, cond, within)
 	}
 	leader, _ := waitFor(func(h string) bool { return brains[h] != nil }, 90*time.Second)
 	if brains[leader] == nil {
@@ -149,4 +118,121 @@ func TestKilledLeaderHandsOver(t *testing.T) {
 		time.Sleep(200 * time.Millisecond)
 	}
 	t.Logf("the last registrant killed: webhooks and aggregated APIs back on the leader after %s", time.Since(t0).Round(100*time.Millisecond))
+}
+
+// brainRunner builds the clusterbrain binary and returns a function that
+// starts it in ns under an identity (killed when the test ends).
+func brainRunner(t *testing.T, cp *controlplane.ControlPlane, ns string) func(id string, args ...string) *exec.Cmd {
+	t.Helper()
+	dir := t.TempDir()
+	bin := filepath.Join(dir, "clusterbrain")
+	build := exec.Command("go", "build", "-o", bin, "github.com/nodevirt/nodevirt/clusterbrain/cmd/clusterbrain")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("build clusterbrain: %v\n%s", err, out)
+	}
+	return func(id string, args ...string) *exec.Cmd {
+		cmd := exec.Command(bin, append([]string{"--kubeconfig=" + cp.Kubeconfig, "--namespace=" + ns, "--identity=" + id,
+			"--health-addr=127.0.0.1:0", "--webhook-addr=127.0.0.1:0", "--subresources-addr=:0", "--upload-api-addr=:0",
+			"--uploadproxy-addr=:0", "--metrics-addr=127.0.0.1:0", "--cli-download-addr=127.0.0.1:0"}, args...)...)
+		logf, err := os.Create(filepath.Join(dir, id+".log"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cmd.Stdout, cmd.Stderr = logf, logf
+		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			cmd.Process.Kill()
+			cmd.Wait()
+			if t.Failed() {
+				out, _ := os.ReadFile(logf.Name())
+				t.Logf("%s log:\n%s", id, out)
+			}
+		})
+		return cmd
+	}
+}
+
+// waitHolder waits up to within for the brains' lease holder to satisfy
+// cond and returns it (or the last seen) with the time it took.
+func waitHolder(t *testing.T, cp *controlplane.ControlPlane, ns string, cond func(string) bool, within time.Duration) (string, time.Duration) {
+	leases := cp.Clientset(t).CoordinationV1().Leases(ns)
+	holder := func() string {
+		l, err := leases.Get(context.Background(), "nodevirt-clusterbrain", metav1.GetOptions{})
+		if err != nil || l.Spec.HolderIdentity == nil {
+			return ""
+		}
+		return *l.Spec.HolderIdentity
+	}
+	t0 := time.Now()
+	for time.Since(t0) < within {
+		if h := holder(); cond(h) {
+			return h, time.Since(t0)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	return holder(), time.Since(t0)
+}
+
+// TestRegainedLeaseLeadsAgain: a brain whose lease is taken from it stops
+// leading; when it wins the lease back, its controllers run again (new
+// roles and informers for the new term: the old term's cannot restart).
+func TestRegainedLeaseLeadsAgain(t *testing.T) {
+	cp := controlplane.Shared(t)
+	ns := cp.Namespace(t)
+	ctx := context.Background()
+	brainRunner(t, cp, ns)("brain-r", "--lease-duration=4s")
+	if h, _ := waitHolder(t, cp, ns, func(h string) bool { return h == "brain-r" }, 90*time.Second); h != "brain-r" {
+		t.Fatalf("brain-r does not lead; lease holder %q", h)
+	}
+	// Another holder renews the lease: brain-r cannot renew and stops
+	// leading, then takes the lease again once it has expired.
+	leases := cp.Clientset(t).CoordinationV1().Leases(ns)
+	l, err := leases.Get(ctx, "nodevirt-clusterbrain", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	thief, now, four := "thief", metav1.NewMicroTime(time.Now()), int32(4)
+	l.Spec.HolderIdentity, l.Spec.AcquireTime, l.Spec.RenewTime, l.Spec.LeaseDurationSeconds = &thief, &now, &now, &four
+	if _, err := leases.Update(ctx, l, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if h, took := waitHolder(t, cp, ns, func(h string) bool { return h == "brain-r" }, 30*time.Second); h != "brain-r" {
+		t.Fatalf("brain-r did not win the lease back; holder %q", h)
+	} else {
+		t.Logf("brain-r leads again after %s", took.Round(100*time.Millisecond))
+	}
+
+	// The second term's VM controller creates a VM's VMI.
+	virt, err := client.NewSet(cp.RestConfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	always := kubevirtv1.RunStrategyAlways
+	vm := &kubevirtv1.VirtualMachine{ObjectMeta: metav1.ObjectMeta{Name: "second-term", Namespace: ns},
+		Spec: kubevirtv1.VirtualMachineSpec{RunStrategy: &always, Template: &kubevirtv1.VirtualMachineInstanceTemplateSpec{
+			Spec: kubevirtv1.VirtualMachineInstanceSpec{Domain: kubevirtv1.DomainSpec{Resources: kubevirtv1.ResourceRequirements{
+				Requests: corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("64Mi")}}}}}}}
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		// The brain's webhooks may still be settling after its restart.
+		if _, err = virt.VMs.Create(ctx, vm); err == nil || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+	if err != nil {
+		t.Fatalf("create vm: %v", err)
+	}
+	for {
+		if _, err := virt.VMIs.Get(ctx, ns, "second-term"); err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no VMI for the VM 60s after the brain led again")
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
 }
