@@ -45,10 +45,10 @@ func removeGuests(cfg Config) error {
 	return errors.Join(errs...)
 }
 
-// removeMounts unmounts everything mounted under the lab directory (CSI
-// publications, loop-mounted volumes) and detaches loop devices whose backing
-// file lies there.
-func removeMounts(cfg Config) error {
+// RemoveMounts unmounts everything mounted under dir (a lab's or a
+// node agent's: CSI publications, loop-mounted volumes), deepest first, and
+// detaches loop devices whose backing file lies there.
+func RemoveMounts(dir string) error {
 	f, err := os.Open("/proc/self/mounts")
 	if err != nil {
 		return err
@@ -57,7 +57,7 @@ func removeMounts(cfg Config) error {
 	sc := bufio.NewScanner(f)
 	for sc.Scan() {
 		fields := strings.Fields(sc.Text())
-		if len(fields) > 1 && strings.HasPrefix(unescapeMount(fields[1]), cfg.Dir+"/") {
+		if len(fields) > 1 && strings.HasPrefix(unescapeMount(fields[1]), dir+"/") {
 			targets = append(targets, unescapeMount(fields[1]))
 		}
 	}
@@ -78,7 +78,7 @@ func removeMounts(cfg Config) error {
 		}
 		if json.Unmarshal(out, &l) == nil {
 			for _, d := range l.Loopdevices {
-				if strings.HasPrefix(strings.TrimSuffix(d.BackFile, " (deleted)"), cfg.Dir+"/") {
+				if strings.HasPrefix(strings.TrimSuffix(d.BackFile, " (deleted)"), dir+"/") {
 					if out, err := exec.Command("losetup", "-d", d.Name).CombinedOutput(); err != nil {
 						errs = append(errs, fmt.Errorf("detach %s: %s", d.Name, out))
 					}

@@ -147,7 +147,7 @@ func Up(ctx context.Context, cfg Config) error {
 	if err != nil {
 		return err
 	}
-	if err := ensureHCO(ctx, kube, virt, cfg.Emulation != "off"); err != nil {
+	if err := EnsureHCO(ctx, kube, virt, cfg.Emulation != "off"); err != nil {
 		return err
 	}
 	if err := waitReady(ctx, cfg, kube, virt); err != nil {
@@ -165,7 +165,10 @@ func Up(ctx context.Context, cfg Config) error {
 
 func step(w io.Writer, what string) { fmt.Fprintf(w, "==> %s\n", what) }
 
-func ensureHCO(ctx context.Context, kube kubernetes.Interface, virt *client.Set, emulation bool) error {
+// EnsureHCO creates the namespace and the HyperConverged (asking for
+// emulation when told), retrying while a brain that just started
+// establishes its CRDs.
+func EnsureHCO(ctx context.Context, kube kubernetes.Interface, virt *client.Set, emulation bool) error {
 	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: hcov1beta1.DefaultNamespace}}
 	if _, err := kube.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return err
@@ -222,18 +225,24 @@ func readiness(ctx context.Context, cfg Config, kube kubernetes.Interface, virt 
 			return d + " is not running (see " + cfg.path(d+".log") + ")"
 		}
 	}
-	node, err := kube.CoreV1().Nodes().Get(ctx, cfg.NodeName, metav1.GetOptions{})
+	return ClusterReady(ctx, kube, virt, cfg.NodeName)
+}
+
+// ClusterReady says what is missing before node is Ready and the
+// HyperConverged Available, "" when nothing is.
+func ClusterReady(ctx context.Context, kube kubernetes.Interface, virt *client.Set, node string) string {
+	n, err := kube.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
 	if err != nil {
-		return "node " + cfg.NodeName + ": " + err.Error()
+		return "node " + node + ": " + err.Error()
 	}
 	ready := false
-	for _, c := range node.Status.Conditions {
+	for _, c := range n.Status.Conditions {
 		if c.Type == corev1.NodeReady && c.Status == corev1.ConditionTrue {
 			ready = true
 		}
 	}
 	if !ready {
-		return "node " + cfg.NodeName + " not Ready"
+		return "node " + node + " not Ready"
 	}
 	hco, err := virt.HyperConvergeds.Get(ctx, hcov1beta1.DefaultNamespace, hcov1beta1.Name)
 	if err != nil {
@@ -351,7 +360,7 @@ func Down(ctx context.Context, cfg Config) error {
 		}
 	}
 	step(cfg.Out, "guests, bridges, mounts")
-	errs = append(errs, removeGuests(cfg), removeNetwork(ctx, cfg), removeMounts(cfg), removeBridges(cfg))
+	errs = append(errs, removeGuests(cfg), removeNetwork(ctx, cfg), RemoveMounts(cfg.Dir), removeBridges(cfg))
 	step(cfg.Out, "libvirtd, virtlogd (if the lab started them)")
 	for _, d := range []string{"libvirtd", "virtlogd"} {
 		if pid, ok := controlplane.AlivePid(cfg.path(d + ".pid")); ok {

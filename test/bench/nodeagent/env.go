@@ -26,11 +26,11 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
-	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/launcher/libvirttest"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 	"github.com/nodevirt/nodevirt/test/guest"
+	"github.com/nodevirt/nodevirt/test/lab"
 )
 
 // env is one run: a control plane, the brain and the agent as child
@@ -149,7 +149,7 @@ func (e *env) start(ctx context.Context) error {
 	}
 	e.agentErr = make(chan error, 1)
 	go func(cmd *exec.Cmd) { e.agentErr <- cmd.Wait() }(e.agent)
-	if err := e.createHCO(ctx); err != nil {
+	if err := lab.EnsureHCO(ctx, e.kube, e.virt, true); err != nil {
 		return err
 	}
 	return e.waitReady(ctx, 3*time.Minute)
@@ -181,45 +181,12 @@ func freeAddr(host string) string {
 	return net.JoinHostPort(host, port)
 }
 
-// createHCO creates the HyperConverged with emulation, retrying while the
-// brain installs its CRDs.
-func (e *env) createHCO(ctx context.Context) error {
-	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: hcov1beta1.DefaultNamespace}}
-	if _, err := e.kube.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
-		return err
-	}
-	hco := &hcov1beta1.HyperConverged{ObjectMeta: metav1.ObjectMeta{Name: hcov1beta1.Name, Namespace: hcov1beta1.DefaultNamespace,
-		Annotations: map[string]string{"nodevirt.io/use-emulation": "true"}}}
-	return e.poll(ctx, 90*time.Second, func() (string, error) {
-		_, err := e.virt.HyperConvergeds.Create(ctx, hco)
-		if err == nil || apierrors.IsAlreadyExists(err) {
-			return "", nil
-		}
-		return "create HyperConverged: " + err.Error(), nil
-	})
-}
-
 // waitReady waits until the Node is Ready, the HyperConverged Available and
 // the agent's /readyz (every role started) answers.
 func (e *env) waitReady(ctx context.Context, timeout time.Duration) error {
 	return e.poll(ctx, timeout, func() (string, error) {
-		node, err := e.kube.CoreV1().Nodes().Get(ctx, e.node, metav1.GetOptions{})
-		if err != nil {
-			return "node: " + err.Error(), nil
-		}
-		ready := false
-		for _, c := range node.Status.Conditions {
-			ready = ready || (c.Type == corev1.NodeReady && c.Status == corev1.ConditionTrue)
-		}
-		if !ready {
-			return "node not Ready", nil
-		}
-		hco, err := e.virt.HyperConvergeds.Get(ctx, hcov1beta1.DefaultNamespace, hcov1beta1.Name)
-		if err != nil {
-			return "HyperConverged: " + err.Error(), nil
-		}
-		if !meta(hco.Status.Conditions, "Available") {
-			return "HyperConverged not Available", nil
+		if missing := lab.ClusterReady(ctx, e.kube, e.virt, e.node); missing != "" {
+			return missing, nil
 		}
 		resp, err := (&http.Client{Timeout: 2 * time.Second}).Get("http://" + e.agentAt + "/readyz")
 		if err != nil {
@@ -232,15 +199,6 @@ func (e *env) waitReady(ctx context.Context, timeout time.Duration) error {
 		}
 		return "", nil
 	})
-}
-
-func meta(conds []metav1.Condition, t string) bool {
-	for _, c := range conds {
-		if c.Type == t && c.Status == metav1.ConditionTrue {
-			return true
-		}
-	}
-	return false
 }
 
 // poll calls check until it returns "" or an error, the agent exits or
@@ -463,7 +421,7 @@ func (e *env) teardown(keep bool) error {
 			errs = append(errs, fmt.Errorf("pod network teardown: %w: %s", err, out))
 		}
 	}
-	errs = append(errs, unmountBelow(e.dir))
+	errs = append(errs, lab.RemoveMounts(e.dir))
 	if e.cp != nil {
 		e.cp.Stop()
 	}
@@ -472,29 +430,6 @@ func (e *env) teardown(keep bool) error {
 		return err
 	}
 	return os.RemoveAll(e.dir)
-}
-
-// unmountBelow unmounts whatever the agent left mounted under dir
-// (volumes of its CSI driver), deepest first.
-func unmountBelow(dir string) error {
-	data, err := os.ReadFile("/proc/self/mounts")
-	if err != nil {
-		return err
-	}
-	var mounts []string
-	for _, l := range strings.Split(string(data), "\n") {
-		f := strings.Fields(l)
-		if len(f) > 1 && strings.HasPrefix(f[1], dir+"/") {
-			mounts = append(mounts, f[1])
-		}
-	}
-	var errs []error
-	for i := len(mounts) - 1; i >= 0; i-- {
-		if err := syscall.Unmount(mounts[i], syscall.MNT_DETACH); err != nil {
-			errs = append(errs, fmt.Errorf("unmount %s: %w", mounts[i], err))
-		}
-	}
-	return errors.Join(errs...)
 }
 
 // dropCached writes path's dirty pages and drops it from the page cache
