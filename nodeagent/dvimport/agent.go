@@ -127,7 +127,7 @@ type Agent struct {
 
 	dvInformer cache.SharedIndexInformer
 	factory    *kube.Factory
-	ownsInf    bool
+	release    func() // shuts down the factory if it is the agent's own
 	pvcs       corelisters.PersistentVolumeClaimLister
 	pvs        corelisters.PersistentVolumeLister
 	synced     []cache.InformerSynced
@@ -155,10 +155,7 @@ func New(cfg Config) (*Agent, error) {
 			workqueue.TypedRateLimitingQueueConfig[string]{Name: "dvimport"}),
 	}
 	a.dvInformer = cfg.Virt.DataVolumes.Informer("", cfg.Resync, nil)
-	a.factory, a.ownsInf = cfg.Informers, cfg.Informers == nil
-	if a.ownsInf {
-		a.factory = kube.NewFactory(cfg.Kube, cfg.Resync)
-	}
+	a.factory, a.release = kube.Use(cfg.Informers, cfg.Kube, cfg.Resync)
 	pvcInformer := a.factory.Claims()
 	pvInformer := a.factory.Volumes()
 	a.pvcs, a.pvs = pvcInformer.Lister(), pvInformer.Lister()
@@ -198,9 +195,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	defer a.queue.ShutDown()
 	go a.dvInformer.RunWithContext(ctx)
 	a.factory.Start(ctx.Done())
-	if a.ownsInf {
-		defer a.factory.Shutdown()
-	}
+	defer a.release()
 	if !cache.WaitForCacheSync(ctx.Done(), a.synced...) {
 		return fmt.Errorf("dvimport: caches did not sync: %w", ctx.Err())
 	}

@@ -126,6 +126,17 @@ func (f *Factory) WaitForCacheSync(stop <-chan struct{}) map[reflect.Type]bool {
 // channel closed).
 func (f *Factory) Shutdown() { f.wg.Wait() }
 
+// Use returns shared when a role was given one, else a Factory of the
+// role's own on client; release shuts down only a Factory Use made (a
+// shared one is its maker's to shut down).
+func Use(shared *Factory, client Interface, resync time.Duration) (f *Factory, release func()) {
+	if shared != nil {
+		return shared, func() {}
+	}
+	f = NewFactory(client, resync)
+	return f, f.Shutdown
+}
+
 // ClaimInformer is the shared informer and lister of claims.
 type ClaimInformer struct{ inf cache.SharedIndexInformer }
 

@@ -98,7 +98,7 @@ type Provisioner struct {
 	cfg      Config
 	log      *slog.Logger
 	factory  *kube.Factory
-	ownsInf  bool
+	release  func() // shuts down the factory if it is the provisioner's own
 	claims   corelisters.PersistentVolumeClaimLister
 	volumes  corelisters.PersistentVolumeLister
 	classes  storagelisters.StorageClassLister
@@ -120,10 +120,7 @@ func New(cfg Config) (*Provisioner, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, fmt.Errorf("provisioner config: %w", err)
 	}
-	factory, owns := cfg.Informers, cfg.Informers == nil
-	if owns {
-		factory = kube.NewFactory(cfg.Client, cfg.Resync)
-	}
+	factory, release := kube.Use(cfg.Informers, cfg.Client, cfg.Resync)
 	claimInformer := factory.Claims()
 	volumeInformer := factory.Volumes()
 	classInformer := factory.StorageClasses()
@@ -133,7 +130,7 @@ func New(cfg Config) (*Provisioner, error) {
 		cfg:     cfg,
 		log:     cfg.Logger.With("node", cfg.NodeName),
 		factory: factory,
-		ownsInf: owns,
+		release: release,
 		claims:  claimInformer.Lister(),
 		volumes: volumeInformer.Lister(),
 		classes: classInformer.Lister(),
@@ -213,9 +210,7 @@ func (p *Provisioner) Run(ctx context.Context) error {
 	defer p.events.Shutdown()
 
 	p.factory.Start(ctx.Done())
-	if p.ownsInf {
-		defer p.factory.Shutdown()
-	}
+	defer p.release()
 	if !cache.WaitForCacheSync(ctx.Done(), p.synced...) {
 		return fmt.Errorf("provisioner: caches did not sync: %w", ctx.Err())
 	}

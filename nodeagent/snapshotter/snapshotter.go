@@ -105,7 +105,7 @@ type Snapshotter struct {
 	cfg       Config
 	log       *slog.Logger
 	factory   *kube.Factory
-	ownsInf   bool
+	release   func() // shuts down the factory if it is the snapshotter's own
 	claims    corelisters.PersistentVolumeClaimLister
 	volumes   corelisters.PersistentVolumeLister
 	snapshots cache.SharedIndexInformer
@@ -144,15 +144,12 @@ func New(cfg Config) (*Snapshotter, error) {
 	_ = corev1.AddToScheme(scheme)
 	_ = snapshotv1.AddToScheme(scheme)
 	events := record.NewBroadcaster()
-	factory, owns := cfg.Informers, cfg.Informers == nil
-	if owns {
-		factory = kube.NewFactory(cfg.Kube, cfg.Resync)
-	}
+	factory, release := kube.Use(cfg.Informers, cfg.Kube, cfg.Resync)
 	s := &Snapshotter{
 		cfg:       cfg,
 		log:       cfg.Logger.With("node", cfg.NodeName),
 		factory:   factory,
-		ownsInf:   owns,
+		release:   release,
 		claims:    factory.Claims().Lister(),
 		volumes:   factory.Volumes().Lister(),
 		snapshots: cfg.Snapshots.Snapshots.Informer(cfg.Resync),
@@ -231,9 +228,7 @@ func (s *Snapshotter) Run(ctx context.Context) error {
 		return nil // stopped before the API came
 	}
 	s.factory.Start(ctx.Done())
-	if s.ownsInf {
-		defer s.factory.Shutdown()
-	}
+	defer s.release()
 	for _, inf := range []cache.SharedIndexInformer{s.snapshots, s.contents, s.classes} {
 		go inf.RunWithContext(ctx)
 	}
