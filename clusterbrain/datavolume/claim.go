@@ -294,11 +294,11 @@ func (c *Controller) applyProfile(ctx context.Context, spec *corev1.PersistentVo
 
 // filesystemOverhead is the CDI CR's overhead for className.
 func (c *Controller) filesystemOverhead(ctx context.Context, className string) float64 {
-	cdis, err := c.virt.CDIs.List(ctx, "", metav1.ListOptions{})
-	if err != nil || len(cdis) == 0 || cdis[0].Spec.Config == nil || cdis[0].Spec.Config.FilesystemOverhead == nil {
+	cfg, err := c.virt.CDIConfig(ctx)
+	if err != nil || cfg == nil || cfg.FilesystemOverhead == nil {
 		return defaultOverhead
 	}
-	fo := cdis[0].Spec.Config.FilesystemOverhead
+	fo := cfg.FilesystemOverhead
 	value := fo.Global
 	if v, ok := fo.StorageClass[className]; ok {
 		value = v

@@ -341,11 +341,8 @@ func (a *Agent) configMapPEM(ctx context.Context, ns, name string) ([]byte, erro
 
 // cdiConfig is the CDI CR's configuration, or nil.
 func (a *Agent) cdiConfig(ctx context.Context) *cdiv1.CDIConfigSpec {
-	cdis, err := a.virt.CDIs.List(ctx, "", metav1.ListOptions{})
-	if err != nil || len(cdis) == 0 {
-		return nil
-	}
-	return cdis[0].Spec.Config
+	cfg, _ := a.virt.CDIConfig(ctx)
+	return cfg
 }
 
 // proxy is the import proxy of the CDI configuration, or nil.

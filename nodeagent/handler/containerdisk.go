@@ -116,15 +116,14 @@ func (h *Handler) pullSecret(ctx context.Context, namespace, name string) ([]byt
 // insecureRegistries is the CDI configuration's list, as the DataVolume
 // importer uses it; none when there is no CDI CR or it cannot be read.
 func (h *Handler) insecureRegistries(ctx context.Context) []string {
-	cdis, err := h.cfg.Virt.CDIs.List(ctx, "", metav1.ListOptions{})
+	cfg, err := h.cfg.Virt.CDIConfig(ctx)
 	if err != nil {
 		h.log.Debug("cdi configuration unreadable, no insecure registries", "err", err)
+	}
+	if cfg == nil {
 		return nil
 	}
-	if len(cdis) == 0 || cdis[0].Spec.Config == nil {
-		return nil
-	}
-	return cdis[0].Spec.Config.InsecureRegistries
+	return cfg.InsecureRegistries
 }
 
 // releaseContainerDisks forgets the VMI uid as a user of cached images;

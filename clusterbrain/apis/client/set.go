@@ -1,9 +1,11 @@
 package client
 
 import (
+	"context"
 	"reflect"
 
 	nadv1 "github.com/k8snetworkplumbingwg/network-attachment-definition-client/pkg/apis/k8s.cni.cncf.io/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/rest"
@@ -90,4 +92,15 @@ func build[T Object, L runtime.Object](b *builder, gv schema.GroupVersion, resou
 func newOf[P any]() P {
 	var zero P
 	return reflect.New(reflect.TypeOf(zero).Elem()).Interface().(P)
+}
+
+// CDIConfig is the cluster's CDI configuration: spec.config of the CDI CR
+// (there is one, rendered from the HyperConverged). It is nil when there is
+// no CR or it has no config; err is the API's.
+func (s *Set) CDIConfig(ctx context.Context) (*cdiv1.CDIConfigSpec, error) {
+	cdis, err := s.CDIs.List(ctx, "", metav1.ListOptions{})
+	if err != nil || len(cdis) == 0 {
+		return nil, err
+	}
+	return cdis[0].Spec.Config, nil
 }
