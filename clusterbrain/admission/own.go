@@ -30,10 +30,10 @@ func notTheBrain() []admissionregistrationv1.MatchCondition {
 }
 
 // AdmitVMICreate does to vmi, in process, what the two VMI webhooks do to a
-// create sent to them: the mutating webhook's defaults (DefaultVMISpec once
-// more, exactly as that webhook applies it to whatever it receives), then
-// the create validation. A refusal is the error the API server returns
-// when the validating webhook denies the create: an *apierrors.StatusError
+// create sent to them: the mutating webhook's defaults (DefaultVMISpec,
+// which settles in one pass), then the create validation. A refusal is the
+// error the API server returns when the validating webhook denies the
+// create: an *apierrors.StatusError
 // with the same code, causes and message ("admission webhook
 // \"virtualmachineinstances-create-validator.kubevirt.io\" denied the
 // request: spec.domain...").

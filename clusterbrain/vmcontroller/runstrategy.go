@@ -142,9 +142,6 @@ func (c *Controller) start(ctx context.Context, st *state, log *slog.Logger) (ti
 		}
 		return 0, err
 	}
-	// KubeVirt's VMI defaults, applied to the spec the VM controller
-	// creates (AdmitVMICreate below then applies the mutating webhook's).
-	admission.DefaultVMISpec(spec)
 	t := vm.Spec.Template
 	vmi := &kubevirtv1.VirtualMachineInstance{
 		ObjectMeta: metav1.ObjectMeta{Name: vm.Name, Namespace: vm.Namespace, Labels: map[string]string{}, Annotations: map[string]string{},
