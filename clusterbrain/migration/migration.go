@@ -168,6 +168,22 @@ func (c *Controller) sync(ctx context.Context, key string) error {
 // Refusal says why a migration of vmi (nil when it does not exist) fails:
 // KubeVirt's reasons first, then that nodevirt cannot move a guest.
 func Refusal(vmi *kubevirtv1.VirtualMachineInstance, name string) string {
+	if why := kubevirtRefusal(vmi, name); why != "" {
+		return why
+	}
+	return NotImplemented
+}
+
+// Migratable reports whether KubeVirt would migrate vmi (running, and not
+// LiveMigratable=False); when not, it returns KubeVirt's refusal.
+func Migratable(vmi *kubevirtv1.VirtualMachineInstance) (bool, string) {
+	why := kubevirtRefusal(vmi, vmi.Name)
+	return why == "", why
+}
+
+// kubevirtRefusal is why KubeVirt would refuse to migrate vmi, "" when it
+// would not.
+func kubevirtRefusal(vmi *kubevirtv1.VirtualMachineInstance, name string) string {
 	switch {
 	case vmi == nil:
 		return fmt.Sprintf("the VMI %q does not exist", name)
@@ -179,14 +195,7 @@ func Refusal(vmi *kubevirtv1.VirtualMachineInstance, name string) string {
 			return fmt.Sprintf("Cannot migrate VMI, Reason: %s, Message: %s", cond.Reason, cond.Message)
 		}
 	}
-	return NotImplemented
-}
-
-// Migratable reports whether KubeVirt would migrate vmi (running, and not
-// LiveMigratable=False); when not, it returns the refusal.
-func Migratable(vmi *kubevirtv1.VirtualMachineInstance) (bool, string) {
-	why := Refusal(vmi, vmi.Name)
-	return why == NotImplemented, why
+	return ""
 }
 
 func phaseOf(vmi *kubevirtv1.VirtualMachineInstance) kubevirtv1.VirtualMachineInstancePhase {
