@@ -9,7 +9,7 @@ DEBIAN_PACKAGES := libvirt-daemon-system libvirt-dev qemu-system-x86 qemu-utils 
 	iproute2 ovmf xz-utils zstd curl cpio kmod e2fsprogs util-linux
 TEST_TIMEOUT ?= 35m
 
-.PHONY: all build install deps controlplane upstream-virtctl lab lab-down demo test unit bench vet fmt clean virtctl-dist
+.PHONY: all build install deps controlplane upstream-virtctl lab lab-down demo test unit bench vet fmt clean virtctl-dist fuzz
 
 all: build
 
@@ -84,6 +84,22 @@ vet:
 # control plane, libvirtd + QEMU (TCG), network namespaces and CSI sockets.
 test: deps controlplane upstream-virtctl vet
 	$(GO) test -p 2 -timeout $(TEST_TIMEOUT) ./... 2>&1 | tee $(CURDIR)/.test.out; exit $${PIPESTATUS[0]}
+	@$(MAKE) -s fuzz FUZZTIME=$(TEST_FUZZTIME)
+
+# fuzz runs every Fuzz target of the module (seed corpora in each package's
+# testdata/fuzz) with the coverage-guided fuzzer for FUZZTIME each; `make test`
+# runs them briefly, `make fuzz FUZZTIME=10m` for a long run. A crasher is
+# written to the package's testdata/fuzz and fails the target.
+FUZZTIME ?= 1m
+TEST_FUZZTIME ?= 5s
+fuzz:
+	@for file in $$(grep -rl --include='*_test.go' --exclude-dir=.lab --exclude-dir=bin '^func Fuzz' . | sort); do \
+		pkg=./$$(dirname $${file#./}); \
+		for f in $$(sed -n 's/^func \(Fuzz[A-Za-z0-9_]*\)(.*/\1/p' $$file); do \
+			echo "fuzz $$pkg $$f ($(FUZZTIME))"; \
+			$(GO) test -run '^$$' -fuzz "^$$f\$$" -fuzztime $(FUZZTIME) $$pkg >/tmp/nodevirt-fuzz.out 2>&1 || { cat /tmp/nodevirt-fuzz.out; exit 1; }; \
+		done; \
+	done
 
 bench: build
 	@mkdir -p $(LAB)
