@@ -82,16 +82,20 @@ func parseQcow2Header(b []byte) (*qcow2Header, error) {
 		return nil, failf(ReasonInvalidImage, "qcow2 image is marked corrupt")
 	case h.incompatible&^qcow2IncompatKnown != 0:
 		return nil, failf(ReasonUnsupportedImage, "qcow2 incompatible features %#x", h.incompatible)
-	case h.incompatible&qcow2IncompatDataFile != 0:
-		return nil, failf(ReasonUnsupportedImage, "qcow2 image with an external data file")
 	case h.backingOffset != 0:
-		return nil, failf(ReasonUnsupportedImage, "qcow2 image has a backing file")
+		return nil, failf(ReasonUnsupportedImage, "qcow2 image has a backing file %q", qcow2BackingName(b))
+	case h.incompatible&qcow2IncompatDataFile != 0:
+		name, _ := qcow2Extension(b, h, qcow2ExtDataFile)
+		return nil, failf(ReasonUnsupportedImage, "qcow2 image with an external data file %q", name)
 	case h.cryptMethod != 0:
 		return nil, failf(ReasonUnsupportedImage, "qcow2 image is encrypted")
 	case h.l1Offset%cs != 0:
 		return nil, failf(ReasonInvalidImage, "qcow2 L1 table offset %d not cluster aligned", h.l1Offset)
 	case uint64(h.l1Size)*8 > qcow2MaxL1Bytes:
 		return nil, failf(ReasonInvalidImage, "qcow2 L1 table of %d entries is too large", h.l1Size)
+	}
+	if err := qcow2VetExtensions(b, h); err != nil {
+		return nil, err
 	}
 	l2Entries := cs / 8
 	if h.incompatible&qcow2IncompatExtL2 != 0 {
@@ -101,6 +105,85 @@ func parseQcow2Header(b []byte) (*qcow2Header, error) {
 		return nil, failf(ReasonInvalidImage, "qcow2 L1 table of %d entries cannot map %d bytes", h.l1Size, h.size)
 	}
 	return h, nil
+}
+
+// qcow2 header extension types (docs/interop/qcow2.txt).
+const (
+	qcow2ExtEnd      = 0
+	qcow2ExtCrypto   = 0x0537be77
+	qcow2ExtDataFile = 0x44415441
+)
+
+// qcow2BackingName is the backing file name the header points at, or "?"
+// when it lies beyond b.
+func qcow2BackingName(b []byte) string {
+	be := binary.BigEndian
+	off, n := be.Uint64(b[8:]), uint64(be.Uint32(b[16:]))
+	if n > 1023 || off > uint64(len(b)) || uint64(len(b))-off < n {
+		return "?"
+	}
+	return string(b[off : off+n])
+}
+
+// qcow2Extensions walks the header extensions, calling f with each type
+// and its data. The walk must end (with the end marker) within b and the
+// first cluster; an image whose extensions do not is refused.
+func qcow2Extensions(b []byte, h *qcow2Header, f func(typ uint32, data []byte)) error {
+	be := binary.BigEndian
+	at := uint64(72)
+	if h.version >= 3 {
+		at = uint64(be.Uint32(b[100:]))
+		if at < 104 {
+			return failf(ReasonInvalidImage, "qcow2 header length %d", at)
+		}
+	}
+	limit := min(uint64(len(b)), uint64(1)<<h.clusterBits)
+	for {
+		if at+8 > limit {
+			return failf(ReasonUnsupportedImage, "qcow2 header extensions run past the first %d bytes", limit)
+		}
+		typ, n := be.Uint32(b[at:]), uint64(be.Uint32(b[at+4:]))
+		if typ == qcow2ExtEnd {
+			return nil
+		}
+		if n > limit-at-8 {
+			return failf(ReasonUnsupportedImage, "qcow2 header extension %#x runs past the first %d bytes", typ, limit)
+		}
+		f(typ, b[at+8:at+8+n])
+		at += 8 + (n+7)&^7
+	}
+}
+
+// qcow2Extension returns the data of the first extension of type typ.
+func qcow2Extension(b []byte, h *qcow2Header, typ uint32) (string, bool) {
+	var out string
+	found := false
+	_ = qcow2Extensions(b, h, func(t uint32, data []byte) {
+		if t == typ && !found {
+			out, found = string(data), true
+		}
+	})
+	return out, found
+}
+
+// qcow2VetExtensions refuses the header extensions that reference
+// something outside the image (an external data file) or make it
+// unreadable without a key (encryption).
+func qcow2VetExtensions(b []byte, h *qcow2Header) error {
+	var refused error
+	err := qcow2Extensions(b, h, func(typ uint32, data []byte) {
+		switch {
+		case refused != nil:
+		case typ == qcow2ExtDataFile:
+			refused = failf(ReasonUnsupportedImage, "qcow2 image with an external data file %q", string(data))
+		case typ == qcow2ExtCrypto:
+			refused = failf(ReasonUnsupportedImage, "qcow2 image is encrypted")
+		}
+	})
+	if refused != nil {
+		return refused
+	}
+	return err
 }
 
 // notStreamable says why the Go converter cannot take this image, or "".
