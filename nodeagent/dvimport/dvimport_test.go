@@ -69,6 +69,13 @@ func setup(t *testing.T) env {
 			t.Fatal(err)
 		}
 		dvimporttest.CreateNode(t, kube, node)
+		// The test image servers listen on loopback, which imports may
+		// reach only when the CDI CR allows it.
+		cdi := &cdiv1.CDI{ObjectMeta: metav1.ObjectMeta{Name: "cdi",
+			Annotations: map[string]string{importstate.AnnImportAllowedNetworks: "127.0.0.0/8,::1"}}}
+		if _, err := virt.CDIs.Create(ctx, cdi); err != nil {
+			t.Fatal(err)
+		}
 		log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 		ctrl, err := datavolume.New(datavolume.Config{Kube: kube, Virt: virt, Log: log})
 		if err != nil {

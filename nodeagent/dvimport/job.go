@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
@@ -85,6 +86,7 @@ var permanent = map[importer.Reason]bool{
 	importer.ReasonInvalidRequest: true, importer.ReasonSourceNotFound: true, importer.ReasonUnauthorized: true,
 	importer.ReasonChecksumMismatch: true, importer.ReasonTruncated: true, importer.ReasonInvalidImage: true,
 	importer.ReasonUnsupportedImage: true, importer.ReasonTooLarge: true, importer.ReasonScratchRequired: true,
+	importer.ReasonNetworkNotAllowed: true,
 }
 
 // startJob runs the import of t in the background unless one runs.
@@ -261,6 +263,9 @@ func (a *Agent) request(ctx context.Context, t *target) (importer.Request, error
 		if hs.Proxy, err = a.proxy(ctx, cfg); err != nil {
 			return req, err
 		}
+		if hs.AllowedNetworks, err = a.allowedNetworks(ctx); err != nil {
+			return req, err
+		}
 		req.HTTP = hs
 	case src != nil && src.Registry != nil:
 		r := src.Registry
@@ -290,6 +295,9 @@ func (a *Agent) request(ctx context.Context, t *target) (importer.Request, error
 			rs.InsecureRegistries = cfg.InsecureRegistries
 		}
 		if rs.Proxy, err = a.proxy(ctx, cfg); err != nil {
+			return req, err
+		}
+		if rs.AllowedNetworks, err = a.allowedNetworks(ctx); err != nil {
 			return req, err
 		}
 		req.Registry = rs
@@ -343,6 +351,22 @@ func (a *Agent) configMapPEM(ctx context.Context, ns, name string) ([]byte, erro
 func (a *Agent) cdiConfig(ctx context.Context) *cdiv1.CDIConfigSpec {
 	cfg, _ := a.virt.CDIConfig(ctx)
 	return cfg
+}
+
+// allowedNetworks are the addresses imports may reach although the
+// importer forbids them by default: the CDI CR's
+// importstate.AnnImportAllowedNetworks annotation.
+func (a *Agent) allowedNetworks(ctx context.Context) ([]netip.Prefix, error) {
+	cdi, err := a.virt.CDI(ctx)
+	if err != nil || cdi == nil {
+		return nil, nil
+	}
+	nets, err := importer.ParseNetworks(cdi.Annotations[importstate.AnnImportAllowedNetworks])
+	if err != nil {
+		return nil, &importer.Error{Reason: importer.ReasonInvalidRequest,
+			Err: fmt.Errorf("cdi %s annotation %s: %w", cdi.Name, importstate.AnnImportAllowedNetworks, err)}
+	}
+	return nets, nil
 }
 
 // proxy is the import proxy of the CDI configuration, or nil.
@@ -415,6 +439,7 @@ func (a *Agent) clone(ctx context.Context, t *target, onProgress func(importer.P
 		}
 	}
 	req := baseRequest(t)
+	req.Raw = true // the guest's bytes, never interpreted as an image
 	req.Progress = onProgress
 	return importer.ImportFromReader(ctx, f, size, req)
 }

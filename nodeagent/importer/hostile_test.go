@@ -319,3 +319,38 @@ func TestQemuImgInfoVetting(t *testing.T) {
 }
 
 func jsonUnmarshal(s string, v any) error { return json.Unmarshal([]byte(s), v) }
+
+// TestRawCopyNeverInterprets: a clone copies a volume whose guest wrote an
+// image header (a qcow2 with a backing file, a VMDK descriptor naming a
+// host file) byte for byte, as raw; nothing it names is read.
+func TestRawCopyNeverInterprets(t *testing.T) {
+	dir, hostDir := t.TempDir(), t.TempDir()
+	hostileFixture(t, dir, hostDir)
+	for _, name := range []string{"backing.qcow2", "flat-desc.vmdk", "datafile.qcow2", "backing.qcow2.gz"} {
+		t.Run(name, func(t *testing.T) {
+			data, err := os.ReadFile(filepath.Join(dir, name))
+			if err != nil {
+				t.Fatal(err)
+			}
+			// A 1 MiB "volume" starting with the header.
+			vol := make([]byte, 1<<20)
+			copy(vol, data)
+			dest := filepath.Join(t.TempDir(), "disk.img")
+			res, err := ImportFromReader(context.Background(), bytes.NewReader(vol), int64(len(vol)),
+				Request{Dest: dest, Capacity: 4 << 20, Raw: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.Format != FormatRaw || res.VirtualSize != int64(len(vol)) {
+				t.Errorf("result %+v, want raw of %d bytes", res, len(vol))
+			}
+			got, err := os.ReadFile(dest)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(got, vol) {
+				t.Errorf("raw copy differs from the source")
+			}
+		})
+	}
+}

@@ -86,6 +86,10 @@ type Request struct {
 	// block destination without WorkDir fails such images with
 	// ReasonScratchRequired.
 	WorkDir string
+	// Raw copies the source byte for byte as a raw disk: no decompression,
+	// no format detection, no footer handling. Clones set it: the bytes of
+	// a volume are what its guest wrote, and a guest may write any header.
+	Raw bool
 	// Progress, when set, is called from the importing goroutine at most
 	// every 200ms and once at 100%.
 	Progress func(Progress)
@@ -244,6 +248,13 @@ func importStream(ctx context.Context, req Request, src io.Reader, total int64, 
 
 // writeImage detects compression and format and dispatches.
 func writeImage(ctx context.Context, req Request, d *destination, src io.Reader, total int64, t *tracker) (Result, error) {
+	if req.Raw {
+		size, err := writeRaw(d, src, total, false)
+		if err != nil {
+			return Result{}, err
+		}
+		return Result{Format: FormatRaw, VirtualSize: size, Streamed: true}, nil
+	}
 	br := bufio.NewReaderSize(src, 1<<20)
 	head, err := peek(br)
 	if err != nil {
@@ -270,7 +281,7 @@ func writeImage(ctx context.Context, req Request, d *destination, src io.Reader,
 	switch res.Format {
 	case FormatRaw, FormatISO:
 		res.Streamed = true
-		res.VirtualSize, err = writeRaw(d, br, total)
+		res.VirtualSize, err = writeRaw(d, br, total, true)
 	case FormatQcow2:
 		var h *qcow2Header
 		if h, err = parseQcow2Header(head); err != nil {
@@ -308,8 +319,9 @@ func peek(br *bufio.Reader) ([]byte, error) {
 	return head, nil
 }
 
-// writeRaw streams a raw image; total is its length or -1.
-func writeRaw(d *destination, r io.Reader, total int64) (int64, error) {
+// writeRaw streams a raw image; total is its length or -1. vhdFooter
+// drops the footer of a fixed VHD (which otherwise reads as raw).
+func writeRaw(d *destination, r io.Reader, total int64, vhdFooter bool) (int64, error) {
 	if total >= 0 {
 		if err := d.setSize(total); err != nil {
 			return 0, err
@@ -324,7 +336,7 @@ func writeRaw(d *destination, r io.Reader, total int64) (int64, error) {
 		return 0, failf(ReasonTruncated, "raw image ended at %d of %d bytes", n, total)
 	}
 	size := n
-	if vs, ok := vhdFixedFooterSize(w.tail[:]); ok && vs == n-512 {
+	if vs, ok := vhdFixedFooterSize(w.tail[:]); vhdFooter && ok && vs == n-512 {
 		// A fixed VHD is raw data plus a footer; drop the footer.
 		size = vs
 		if d.block {
