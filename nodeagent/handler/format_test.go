@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	k8sv1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	v1 "kubevirt.io/api/core/v1"
 
@@ -75,7 +76,7 @@ func TestGuestWrittenHeaderDoesNotChangeTheFormat(t *testing.T) {
 	vmi := &v1.VirtualMachineInstance{
 		ObjectMeta: metav1.ObjectMeta{Name: "vm", Namespace: n.ns},
 		Spec: v1.VirtualMachineInstanceSpec{
-			Domain: v1.DomainSpec{Devices: v1.Devices{Disks: []v1.Disk{{Name: "data",
+			Domain: v1.DomainSpec{Memory: &v1.Memory{Guest: resource.NewQuantity(128<<20, resource.BinarySI)}, Devices: v1.Devices{Disks: []v1.Disk{{Name: "data",
 				DiskDevice: v1.DiskDevice{Disk: &v1.DiskTarget{Bus: v1.DiskBusVirtio}}}}}},
 			Volumes: []v1.Volume{{Name: "data", VolumeSource: v1.VolumeSource{
 				PersistentVolumeClaim: &v1.PersistentVolumeClaimVolumeSource{
