@@ -271,9 +271,21 @@ func TestBadSourcesFailWithReasons(t *testing.T) {
 	if err := os.WriteFile(garbage, data[:len(data)/2], 0o644); err != nil {
 		t.Fatal(err)
 	}
+	// Hostile images naming a host file: a VMDK descriptor whose FLAT
+	// extent is /etc/passwd, a qcow2 whose backing file is.
+	if err := os.WriteFile(filepath.Join(im.dir, "flat.vmdk"), []byte("# Disk DescriptorFile\nversion=1\nCID=fffffffe\n"+
+		"parentCID=ffffffff\ncreateType=\"monolithicFlat\"\nRW 4 FLAT \"/etc/passwd\" 0\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("qemu-img", "create", "-q", "-f", "qcow2", "-u", "-F", "raw", "-b", "/etc/passwd",
+		filepath.Join(im.dir, "backing.qcow2"), "16M").CombinedOutput(); err != nil {
+		t.Fatalf("qemu-img: %v\n%s", err, out)
+	}
 	cases := []struct {
 		name, url, checksum, size, reason string
 	}{
+		{"hostile-vmdk", "/flat.vmdk", "", "64Mi", "UnsupportedImage"},
+		{"hostile-qcow2", "/backing.qcow2", "", "64Mi", "UnsupportedImage"},
 		{"notfound", "/missing.img", "", "64Mi", "SourceNotFound"},
 		{"checksum", "/disk.raw", "sha256:" + fmt.Sprintf("%064x", 1), "64Mi", "ChecksumMismatch"},
 		{"toolarge", "/big.raw", "", "32Mi", "ImageTooLarge"},
@@ -291,6 +303,9 @@ func TestBadSourcesFailWithReasons(t *testing.T) {
 		}
 		if dv.Status.RestartCount != 0 {
 			t.Errorf("%s: a permanent failure was retried %d times", c.name, dv.Status.RestartCount)
+		}
+		if strings.HasPrefix(c.name, "hostile") && !strings.Contains(running.Message, "/etc/passwd") {
+			t.Errorf("%s: message %q does not name the host file", c.name, running.Message)
 		}
 		disk := e.resolver.Disk(e.pvc(t, c.name))
 		if _, err := os.Stat(disk); !os.IsNotExist(err) {
