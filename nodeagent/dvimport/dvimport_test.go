@@ -557,10 +557,23 @@ func TestAgentRestartResumesImport(t *testing.T) {
 	if requests.Load() != 1 {
 		t.Fatalf("%d requests before the restart", requests.Load())
 	}
+	// What an agent killed mid-import (not stopped) leaves behind.
+	disk := resolver.Disk(e.pvc(t, "resume"))
+	crashed := []string{"." + filepath.Base(disk) + ".importing-crashed", "." + filepath.Base(disk) + ".spill-crashed", ".clone-crashed"}
+	for _, n := range crashed {
+		if err := os.WriteFile(filepath.Join(filepath.Dir(disk), n), []byte("partial"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
 	startAgent(ctx)
 	dv := e.waitPhase(t, "resume", cdiv1.Succeeded, 60*time.Second)
 	if dv.Status.RestartCount != 1 {
 		t.Errorf("restartCount %d after one agent restart, want 1", dv.Status.RestartCount)
 	}
 	dvimporttest.SameDisk(t, resolver.Disk(e.pvc(t, "resume")), im.raw)
+	for _, n := range crashed {
+		if _, err := os.Stat(filepath.Join(filepath.Dir(disk), n)); err == nil {
+			t.Errorf("leftover %s of the interrupted import is still there", n)
+		}
+	}
 }

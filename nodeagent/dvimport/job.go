@@ -176,6 +176,12 @@ func (a *Agent) attempt(ctx context.Context, t *target, j *job) (importer.Result
 		j.progress.Store(p.String())
 		t.observe(p)
 	}
+	if !t.isBlock {
+		// An attempt cut short (agent restart) left its temporary files.
+		if err := removeLeftovers(t.disk); err != nil {
+			t.log(a.log).Warn("removing leftovers of an interrupted import", "err", err)
+		}
+	}
 	if t.kind == importstate.SourcePVC {
 		return a.clone(ctx, t, onProgress)
 	}
@@ -442,6 +448,19 @@ func (a *Agent) clone(ctx context.Context, t *target, onProgress func(importer.P
 	req.Raw = true // the guest's bytes, never interpreted as an image
 	req.Progress = onProgress
 	return importer.ImportFromReader(ctx, f, size, req)
+}
+
+// removeLeftovers removes the temporary files an interrupted import or
+// clone into disk left in its directory.
+func removeLeftovers(disk string) error {
+	err := importer.RemoveLeftovers(disk)
+	clones, _ := filepath.Glob(filepath.Join(filepath.Dir(disk), ".clone-*"))
+	for _, c := range clones {
+		if rerr := os.Remove(c); rerr != nil && !errors.Is(rerr, os.ErrNotExist) {
+			err = errors.Join(err, rerr)
+		}
+	}
+	return err
 }
 
 // reflink clones src into t's disk file when the filesystem can share

@@ -354,3 +354,37 @@ func TestRawCopyNeverInterprets(t *testing.T) {
 		})
 	}
 }
+
+// TestRemoveLeftovers: what an interrupted import leaves next to its
+// destination goes, the destination and other files stay.
+func TestRemoveLeftovers(t *testing.T) {
+	dir := t.TempDir()
+	dest := filepath.Join(dir, "disk.img")
+	keep := []string{"disk.img", "other.img", ".other.img.importing-1"}
+	gone := []string{".disk.img.importing-123", ".disk.img.download.importing-9", ".disk.img.spill-77"}
+	for _, n := range append(append([]string(nil), keep...), gone...) {
+		if err := os.WriteFile(filepath.Join(dir, n), []byte("x"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := RemoveLeftovers(dest); err != nil {
+		t.Fatal(err)
+	}
+	left := leftovers(t, dir)
+	if strings.Join(left, ",") != ".other.img.importing-1,disk.img,other.img" {
+		t.Errorf("left %v, want only %v", left, keep)
+	}
+	// A name with glob metacharacters matches only itself.
+	odd := filepath.Join(dir, "d[1]*.img")
+	os.WriteFile(filepath.Join(dir, ".d[1]*.img.importing-5"), nil, 0o600)
+	os.WriteFile(filepath.Join(dir, ".d1x.img.importing-5"), nil, 0o600)
+	if err := RemoveLeftovers(odd); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, ".d1x.img.importing-5")); err != nil {
+		t.Errorf("unrelated file removed: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, ".d[1]*.img.importing-5")); err == nil {
+		t.Errorf("leftover with an odd name kept")
+	}
+}
