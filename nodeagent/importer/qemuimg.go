@@ -150,12 +150,11 @@ func (info *qemuInfo) vet(f Format) error {
 			return failf(ReasonUnsupportedImage, "%s image opens a second file (%q)", f, c.Name)
 		}
 	}
-	if len(info.FormatSpecific.Data) == 0 {
-		return nil
-	}
 	var fs formatSpecific
-	if err := json.Unmarshal(info.FormatSpecific.Data, &fs); err != nil {
-		return failf(ReasonInvalidImage, "qemu-img info format-specific data: %w", err)
+	if len(info.FormatSpecific.Data) > 0 {
+		if err := json.Unmarshal(info.FormatSpecific.Data, &fs); err != nil {
+			return failf(ReasonInvalidImage, "qemu-img info format-specific data: %w", err)
+		}
 	}
 	switch {
 	case fs.DataFile != nil:
