@@ -28,7 +28,7 @@ func decompress(ctx context.Context, c Compression, r io.Reader) (io.Reader, fun
 		}
 		return &decodeErrors{c: c, r: zr}, func() { zr.Close() }, nil
 	case CompressionZstd:
-		zr, err := zstd.NewReader(r, zstd.WithDecoderConcurrency(1), zstd.WithDecoderMaxWindow(1<<27), zstd.WithDecoderLowmem(true))
+		zr, err := zstd.NewReader(r, zstd.WithDecoderConcurrency(1), zstd.WithDecoderMaxWindow(ZstdMaxWindow), zstd.WithDecoderLowmem(true))
 		if err != nil {
 			return nil, nil, corruptCompression(c, err)
 		}
@@ -66,6 +66,12 @@ func (d *decodeErrors) Read(p []byte) (int, error) {
 	}
 	return n, err
 }
+
+// ZstdMaxWindow is the largest zstd window a compressed image may use:
+// the decoder's history, held in the node agent, grows to it. zstd's
+// levels up to 19 use at most 8 MiB; --ultra and --long streams with
+// larger windows are refused (InvalidImage).
+const ZstdMaxWindow = 32 << 20
 
 // XzAddressSpace bounds the confined xz decoder's address space; xz
 // streams made with the largest presets need about 65 MiB to decode.

@@ -76,7 +76,7 @@ func assertSelfContainedQcow2(t *testing.T, data []byte, h *qcow2Header) {
 }
 
 // FuzzQcow2Stream runs the streaming qcow2 converter on arbitrary
-// streams (virtual size capped at 16 MiB) into a scratch destination: no
+// streams (virtual size capped at 1 MiB) into a scratch destination: no
 // panic, errors are *Error, nothing is written past the virtual size.
 // The destination is aborted, not committed (no fsync per input).
 func FuzzQcow2Stream(f *testing.F) {
@@ -92,10 +92,10 @@ func FuzzQcow2Stream(f *testing.F) {
 			return
 		}
 		h, err := parseQcow2Header(data)
-		if err != nil || h.notStreamable() != "" || h.size > 16<<20 {
+		if err != nil || h.notStreamable() != "" || h.size > 1<<20 {
 			return
 		}
-		d, err := openDestination(filepath.Join(dir, "disk.img"), false, 16<<20)
+		d, err := openDestination(filepath.Join(dir, "disk.img"), false, 1<<20)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -577,7 +577,10 @@ func (s *qcow2Stream) decompress(run *compressedRun) error {
 		dec = s.inflate
 	default:
 		if s.zstd == nil {
-			z, err := zstd.NewReader(nil, zstd.WithDecoderConcurrency(1))
+			// A compressed cluster decodes to one cluster: a frame asking
+			// for a larger window is not one qemu wrote.
+			z, err := zstd.NewReader(nil, zstd.WithDecoderConcurrency(1), zstd.WithDecoderLowmem(true),
+				zstd.WithDecoderMaxWindow(uint64(max(s.cs, 1<<20))), zstd.WithDecoderMaxMemory(uint64(4*max(s.cs, 1<<20))))
 			if err != nil {
 				return err
 			}
