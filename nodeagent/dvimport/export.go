@@ -143,6 +143,7 @@ func (a *Agent) cloneFromPeer(ctx context.Context, t *target, node, ns, name str
 	}
 	t.log(a.log).Info("cloning across nodes", "from", node, "source", ns+"/"+name, "bytes", resp.ContentLength)
 	r := baseRequest(t)
+	r.Raw = true // the guest's bytes, never interpreted as an image
 	r.Progress = onProgress
 	return importer.ImportFromReader(ctx, resp.Body, resp.ContentLength, r)
 }

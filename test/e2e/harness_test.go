@@ -27,10 +27,12 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/cni/bridge"
 	"github.com/nodevirt/nodevirt/nodeagent/agent"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/lab"
 )
 
 // suite is the product under test, shared by every test of the binary.
@@ -301,7 +303,10 @@ func (e *env) createHCO(ctx context.Context) error {
 		return err
 	}
 	hco := &hcov1beta1.HyperConverged{ObjectMeta: metav1.ObjectMeta{Name: hcov1beta1.Name, Namespace: hcov1beta1.DefaultNamespace,
-		Annotations: map[string]string{"nodevirt.io/use-emulation": "true"}}}
+		Annotations: map[string]string{"nodevirt.io/use-emulation": "true",
+			// The test image servers and registries listen on loopback,
+			// which imports may not reach by default.
+			importstate.AnnImportAllowedNetworks: lab.TestServerNetworks}}}
 	deadline := time.Now().Add(90 * time.Second)
 	for {
 		_, err := e.virt.HyperConvergeds.Create(ctx, hco)

@@ -26,6 +26,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/launcher/libvirttest"
 	"github.com/nodevirt/nodevirt/test/controlplane"
@@ -165,6 +166,11 @@ func Up(ctx context.Context, cfg Config) error {
 
 func step(w io.Writer, what string) { fmt.Fprintf(w, "==> %s\n", what) }
 
+// TestServerNetworks is what the lab lets imports reach although nodes
+// forbid it by default: loopback, where the demo's image server and the
+// tests' servers and registries listen.
+const TestServerNetworks = "127.0.0.0/8,::1"
+
 // EnsureHCO creates the namespace and the HyperConverged (asking for
 // emulation when told), retrying while a brain that just started
 // establishes its CRDs.
@@ -173,9 +179,10 @@ func EnsureHCO(ctx context.Context, kube kubernetes.Interface, virt *client.Set,
 	if _, err := kube.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return err
 	}
-	hco := &hcov1beta1.HyperConverged{ObjectMeta: metav1.ObjectMeta{Name: hcov1beta1.Name, Namespace: hcov1beta1.DefaultNamespace}}
+	hco := &hcov1beta1.HyperConverged{ObjectMeta: metav1.ObjectMeta{Name: hcov1beta1.Name, Namespace: hcov1beta1.DefaultNamespace,
+		Annotations: map[string]string{importstate.AnnImportAllowedNetworks: TestServerNetworks}}}
 	if emulation {
-		hco.Annotations = map[string]string{"nodevirt.io/use-emulation": "true"}
+		hco.Annotations["nodevirt.io/use-emulation"] = "true"
 	}
 	// The CRD may still be getting established by a brain that just started.
 	deadline := time.Now().Add(2 * time.Minute)
