@@ -16,7 +16,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
@@ -31,8 +30,11 @@ const (
 
 // reservationTTL is how long a VMI admitted by the quota webhook is
 // counted before it shows in a list of the namespace's VMIs: past it, a
-// create that failed after admission (a name taken, etcd down) no longer
-// holds quota.
+// create that failed after admission (refused by the API server's own quota
+// admission, a name taken, etcd down) no longer holds quota. A retry under
+// the same name replaces the reservation at once. (The API server's quota
+// admission errs the same way: it charges status.used before the write and
+// leaves a failed create's charge to the quota controller's next sync.)
 const reservationTTL = 30 * time.Second
 
 // The compute resources of a quota that VMIs are charged for, as pods are:
@@ -65,10 +67,10 @@ type quota struct {
 	ns map[string]*ledger
 }
 
-// ledger is one namespace's lock and reservations.
+// ledger is one namespace's lock and reservations, by VMI name.
 type ledger struct {
 	mu      sync.Mutex
-	pending map[types.UID]reservation
+	pending map[string]reservation
 }
 
 type reservation struct {
@@ -282,7 +284,7 @@ func (q *quota) ledger(ns string) *ledger {
 	defer q.mu.Unlock()
 	l := q.ns[ns]
 	if l == nil {
-		l = &ledger{pending: map[types.UID]reservation{}}
+		l = &ledger{pending: map[string]reservation{}}
 		q.ns[ns] = l
 	}
 	return l
@@ -296,8 +298,8 @@ func (q *quota) admit(ctx context.Context, req *admissionv1.AdmissionRequest) *a
 		return Denyf("decode virtualmachineinstance: %v", err)
 	}
 	vmi.Namespace = req.Namespace
-	if vmi.UID == "" {
-		vmi.UID = req.UID
+	if vmi.Name == "" {
+		vmi.Name = req.Name
 	}
 	if !q.synced(ctx) {
 		return Deny(http.StatusServiceUnavailable, "resource quotas are not known yet")
@@ -319,13 +321,13 @@ func (q *quota) admit(ctx context.Context, req *admissionv1.AdmissionRequest) *a
 	if err != nil {
 		return Deny(http.StatusInternalServerError, fmt.Sprintf("list virtualmachineinstances: %v", err))
 	}
-	others := l.others(list, vmi.UID, q.now())
+	others := l.others(list, vmi.Name, q.now())
 	if err := CheckQuotas(quotas, &vmi, others, ratio); err != nil {
 		return &admissionv1.AdmissionResponse{Result: &metav1.Status{Status: metav1.StatusFailure,
 			Code: http.StatusForbidden, Reason: metav1.StatusReasonForbidden, Message: err.Error()}}
 	}
 	if req.DryRun == nil || !*req.DryRun {
-		l.pending[vmi.UID] = reservation{vmi: vmi.DeepCopy(), until: q.now().Add(reservationTTL)}
+		l.pending[vmi.Name] = reservation{vmi: vmi.DeepCopy(), until: q.now().Add(reservationTTL)}
 	}
 	return Allow()
 }
@@ -345,15 +347,15 @@ func (q *quota) listVMIs(ctx context.Context, ns string) ([]kubevirtv1.VirtualMa
 	return out, nil
 }
 
-// others are the namespace's VMIs besides uid: those listed and the
-// reservations the list does not show yet. Reservations the list shows, or
-// past their time, are dropped.
-func (l *ledger) others(list []kubevirtv1.VirtualMachineInstance, uid types.UID, now time.Time) []*kubevirtv1.VirtualMachineInstance {
-	listed := map[types.UID]bool{}
+// others are the namespace's VMIs besides the one named name: those listed
+// and the reservations the list does not show yet. Reservations the list
+// shows (by name), or past their time, are dropped.
+func (l *ledger) others(list []kubevirtv1.VirtualMachineInstance, name string, now time.Time) []*kubevirtv1.VirtualMachineInstance {
+	listed := map[string]bool{}
 	var out []*kubevirtv1.VirtualMachineInstance
 	for i := range list {
-		listed[list[i].UID] = true
-		if list[i].UID != uid {
+		listed[list[i].Name] = true
+		if list[i].Name != name {
 			out = append(out, &list[i])
 		}
 	}
@@ -361,7 +363,7 @@ func (l *ledger) others(list []kubevirtv1.VirtualMachineInstance, uid types.UID,
 		switch {
 		case listed[k] || now.After(r.until):
 			delete(l.pending, k)
-		case k != uid:
+		case k != name:
 			out = append(out, r.vmi)
 		}
 	}

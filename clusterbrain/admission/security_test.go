@@ -322,3 +322,32 @@ func TestLimitRangeDefaultsAndLimitQuotas(t *testing.T) {
 		t.Fatalf("vmi over the LimitRange max: %v", err)
 	}
 }
+
+// A create the API server refuses after the quota webhook admitted it (here
+// its own quota admission, for a quota whose status lacks the object
+// count) does not keep holding quota against a retry of the same VMI.
+func TestRefusedCreateRetriedUnderQuota(t *testing.T) {
+	e := setup(t)
+	serve(t, e, certs.Config{})
+	ctx := context.Background()
+	hard := corev1.ResourceList{corev1.ResourceRequestsMemory: resource.MustParse("200Mi"),
+		"count/virtualmachineinstances.kubevirt.io": resource.MustParse("5")}
+	rq, err := e.kube.CoreV1().ResourceQuotas(e.ns).Create(ctx, quotaOf(e.ns, "both", hard), metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// What a quota controller that has not counted VMIs yet leaves.
+	rq.Status = corev1.ResourceQuotaStatus{Hard: hard, Used: corev1.ResourceList{corev1.ResourceRequestsMemory: resource.MustParse("0")}}
+	if _, err := e.kube.CoreV1().ResourceQuotas(e.ns).UpdateStatus(ctx, rq, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := waitRefused(t, e, vmiWith(e.ns, "retried", "1536Mi", nil), "exceeded quota: both"); err == nil {
+		t.Fatal("the quota never took effect")
+	}
+	for i := range 3 {
+		_, err := e.virt.VMIs.Create(ctx, vmiWith(e.ns, "retried", "128Mi", nil))
+		if err == nil || !strings.Contains(err.Error(), "status unknown for quota: both") {
+			t.Fatalf("attempt %d: %v, want the API server's own refusal", i, err)
+		}
+	}
+}

@@ -84,14 +84,14 @@ func TestResourceQuotaCountsVMIs(t *testing.T) {
 	if _, err := e.kube.CoreV1().ResourceQuotas(n.name).Create(ctx, quota, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	// The quota controller fills status.hard before the API server's quota
-	// admission takes the quota into account.
+	// The quota controller fills status.hard and status.used before the API
+	// server's quota admission admits anything under the quota.
 	n.eventually(30*time.Second, "quota status", func() (bool, string) {
 		q, err := e.kube.CoreV1().ResourceQuotas(n.name).Get(ctx, "vms", metav1.GetOptions{})
 		if err != nil {
 			return false, err.Error()
 		}
-		return len(q.Status.Hard) == 2, fmt.Sprintf("status %+v", q.Status)
+		return len(q.Status.Hard) == 2 && len(q.Status.Used) == 2, fmt.Sprintf("status %+v", q.Status)
 	})
 
 	var last error
