@@ -358,6 +358,9 @@ func validateMemory(dom *field.Path, d *kubevirtv1.DomainSpec, withInstancetype 
 	if hasReq && req.Cmp(minMemory) < 0 {
 		errs = append(errs, field.Invalid(dom.Child("resources", "requests", "memory"), req.String(), "must be greater than or equal to 1Mi"))
 	}
+	if hasLim && lim.Cmp(minMemory) < 0 {
+		errs = append(errs, field.Invalid(dom.Child("resources", "limits", "memory"), lim.String(), "must be greater than or equal to 1Mi"))
+	}
 	if guest != nil && guest.Cmp(minMemory) < 0 {
 		errs = append(errs, field.Invalid(dom.Child("memory", "guest"), guest.String(), "must be greater than or equal to 1Mi"))
 	}
