@@ -84,14 +84,27 @@ func TestResourceQuotaCountsVMIs(t *testing.T) {
 	if _, err := e.kube.CoreV1().ResourceQuotas(n.name).Create(ctx, quota, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	// The quota controller fills status.hard and status.used before the API
-	// server's quota admission admits anything under the quota.
-	n.eventually(30*time.Second, "quota status", func() (bool, string) {
+	// The quota controller fills status.used before the API server's quota
+	// admission admits anything under the quota. It counts a custom
+	// resource once its discovery (every 30 s) has seen it, and looks at a
+	// quota again when its spec changes (or every 5 minutes): the test
+	// nudges the quota's spec (an unrelated storage limit) until the VMI
+	// count shows.
+	count := corev1.ResourceName("count/virtualmachineinstances.kubevirt.io")
+	nudge := int64(100)
+	n.eventually(90*time.Second, "the quota controller counting VMIs", func() (bool, string) {
 		q, err := e.kube.CoreV1().ResourceQuotas(n.name).Get(ctx, "vms", metav1.GetOptions{})
 		if err != nil {
 			return false, err.Error()
 		}
-		return len(q.Status.Hard) == 2 && len(q.Status.Used) == 2, fmt.Sprintf("status %+v", q.Status)
+		if _, ok := q.Status.Used[count]; ok {
+			return true, ""
+		}
+		nudge++
+		q.Spec.Hard[corev1.ResourceRequestsStorage] = *resource.NewQuantity(nudge<<30, resource.BinarySI)
+		_, _ = e.kube.CoreV1().ResourceQuotas(n.name).Update(ctx, q, metav1.UpdateOptions{})
+		time.Sleep(2 * time.Second)
+		return false, fmt.Sprintf("status %+v", q.Status)
 	})
 
 	var last error
