@@ -41,8 +41,9 @@ func admitDataVolume(_ context.Context, req *admissionv1.AdmissionRequest) *admi
 
 // ValidateDataVolumeSpec checks the structure of a DataVolume spec at p as
 // CDI's webhook does: one source (or a sourceRef), each source's own
-// fields, and a claim spec (pvc or storage, not both) that asks for a size
-// where the size cannot come from the source. Sources nodevirt does not
+// fields, and a claim spec (pvc or storage, not both; none only for a
+// clone, a snapshot restore or a sourceRef) that asks for a size where the
+// size cannot come from the source or the storage profile. Sources nodevirt does not
 // import (S3, GCS, imageio, VDDK) are left to the DataVolume controller,
 // which fails them with a reason.
 func ValidateDataVolumeSpec(p *field.Path, spec *cdiv1.DataVolumeSpec) field.ErrorList {
@@ -114,7 +115,11 @@ func ValidateDataVolumeSpec(p *field.Path, spec *cdiv1.DataVolumeSpec) field.Err
 	}
 	switch {
 	case spec.PVC == nil && spec.Storage == nil:
-		errs = append(errs, field.Required(p.Child("pvc"), "missing data volume pvc or storage"))
+		// "storage:" left empty, as CDI's own clone example does, is a
+		// claim spec entirely from defaults and the source.
+		if !sizeFromSource {
+			errs = append(errs, field.Required(p.Child("storage"), "missing data volume pvc or storage"))
+		}
 	case spec.PVC != nil && spec.Storage != nil:
 		errs = append(errs, field.Forbidden(p.Child("storage"), "pvc and storage cannot be used together"))
 	case spec.PVC != nil:

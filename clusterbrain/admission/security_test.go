@@ -15,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/rest"
 	kubevirtv1 "kubevirt.io/api/core/v1"
+	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/certs"
@@ -349,5 +350,45 @@ func TestRefusedCreateRetriedUnderQuota(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), "status unknown for quota: both") {
 			t.Fatalf("attempt %d: %v, want the API server's own refusal", i, err)
 		}
+	}
+}
+
+// DataVolumes are validated at admission as CDI's webhook does: a
+// DataVolume with two sources or an http source that is not http(s) is
+// refused, naming the field; a valid one is created.
+func TestDataVolumeValidation(t *testing.T) {
+	e := setup(t)
+	serve(t, e, certs.Config{}, RegisterDataVolumes)
+	ctx := context.Background()
+	size := corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")}
+	dv := func(name string, src *cdiv1.DataVolumeSource) *cdiv1.DataVolume {
+		return &cdiv1.DataVolume{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: name},
+			Spec: cdiv1.DataVolumeSpec{Source: src, Storage: &cdiv1.StorageSpec{Resources: corev1.VolumeResourceRequirements{Requests: size}}}}
+	}
+	cases := []struct {
+		dv   *cdiv1.DataVolume
+		want string
+	}{
+		{dv("two", &cdiv1.DataVolumeSource{Blank: &cdiv1.DataVolumeBlankImage{}, Upload: &cdiv1.DataVolumeSourceUpload{}}),
+			"spec.source: Invalid value: 2: exactly one data volume source must be set"},
+		{dv("file", &cdiv1.DataVolumeSource{HTTP: &cdiv1.DataVolumeSourceHTTP{URL: "file:///etc/shadow"}}),
+			`spec.source.http.url.scheme: Unsupported value: "file"`},
+	}
+	var err error
+	for _, c := range cases {
+		err = wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 15*time.Second, true, func(ctx context.Context) (bool, error) {
+			_, err := e.virt.DataVolumes.Create(ctx, c.dv)
+			if err == nil {
+				_ = e.virt.DataVolumes.Delete(ctx, e.ns, c.dv.Name, metav1.DeleteOptions{})
+				return false, nil
+			}
+			return strings.Contains(err.Error(), c.want), nil
+		})
+		if err != nil {
+			t.Errorf("%s never refused with %q", c.dv.Name, c.want)
+		}
+	}
+	if _, err := e.virt.DataVolumes.Create(ctx, dv("blank", &cdiv1.DataVolumeSource{Blank: &cdiv1.DataVolumeBlankImage{}})); err != nil {
+		t.Errorf("valid datavolume: %v", err)
 	}
 }
