@@ -46,10 +46,11 @@ func setup(t *testing.T) env {
 
 // serve runs a server until the test ends and waits until the apiserver
 // calls it.
-func serve(t *testing.T, e env, cc certs.Config) *Server {
+func serve(t *testing.T, e env, cc certs.Config, contributors ...Contributor) *Server {
 	t.Helper()
 	s, err := NewRole(Config{Addr: "127.0.0.1:0", Namespace: e.ns, Certs: cc},
-		Deps{Kube: e.kube, Virt: e.virt, Log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
+		Deps{Kube: e.kube, Virt: e.virt, Log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))},
+		contributors...)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -13,6 +13,8 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/apimachinery/pkg/util/validation/field"
 	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/featuregate"
 )
 
 // rules returns the rule matching resource of kubevirt.io/v1 on ops.
@@ -24,20 +26,33 @@ func rules(resource string, ops ...admissionregistrationv1.OperationType) []admi
 	}}
 }
 
-// RegisterKubeVirt adds KubeVirt's own VM/VMI webhooks to s: VMI defaults
-// and VM/VMI validation. The VMI webhooks are not called for the brain's
-// own user, whose VM controller applies them in process (AdmitVMICreate).
+// RegisterKubeVirt adds KubeVirt's own VM/VMI webhooks to s: VMI defaults,
+// VM/VMI validation (with the KubeVirt CR's feature gates), VMI update
+// restrictions and the namespace's LimitRange defaults and ResourceQuota
+// for VMIs. The VMI defaulting and create validation are not called for the
+// brain's own user, whose VM controller applies them in process
+// (AdmitVMICreate); the LimitRange and quota webhooks are called for every
+// VMI create, the brain's included.
 func RegisterKubeVirt(s *Server) error {
+	kv := &kubevirtWebhooks{cfg: newClusterConfig(s)}
 	s.Register(Webhook{Name: VMIMutatorName, Path: "/virtualmachineinstances-mutate", Mutating: true,
 		Rules: rules("virtualmachineinstances", admissionregistrationv1.Create), MatchConditions: notTheBrain(), Admit: mutateVMI})
 	s.Register(Webhook{Name: "virtualmachine-validator.kubevirt.io", Path: "/virtualmachines-validate",
-		Rules: rules("virtualmachines", admissionregistrationv1.Create, admissionregistrationv1.Update), Admit: admitVM})
+		Rules: rules("virtualmachines", admissionregistrationv1.Create, admissionregistrationv1.Update), Admit: kv.admitVM})
 	s.Register(Webhook{Name: VMIValidatorName, Path: "/virtualmachineinstances-validate-create",
-		Rules: rules("virtualmachineinstances", admissionregistrationv1.Create), MatchConditions: notTheBrain(), Admit: admitVMI})
+		Rules: rules("virtualmachineinstances", admissionregistrationv1.Create), MatchConditions: notTheBrain(), Admit: kv.admitVMI})
+	s.Register(Webhook{Name: VMIUpdateValidatorName, Path: "/virtualmachineinstances-validate-update",
+		Rules: rules("virtualmachineinstances", admissionregistrationv1.Update), MatchConditions: notNodevirt(), Admit: admitVMIUpdate})
+	registerQuota(s, kv.cfg)
 	return nil
 }
 
-func admitVM(_ context.Context, req *admissionv1.AdmissionRequest) *admissionv1.AdmissionResponse {
+// kubevirtWebhooks are the VM/VMI webhooks that read the KubeVirt CR.
+type kubevirtWebhooks struct {
+	cfg *clusterConfig
+}
+
+func (k *kubevirtWebhooks) admitVM(ctx context.Context, req *admissionv1.AdmissionRequest) *admissionv1.AdmissionResponse {
 	var vm kubevirtv1.VirtualMachine
 	if err := json.Unmarshal(req.Object.Raw, &vm); err != nil {
 		return Denyf("decode virtualmachine: %v", err)
@@ -45,18 +60,26 @@ func admitVM(_ context.Context, req *admissionv1.AdmissionRequest) *admissionv1.
 	if req.Operation == admissionv1.Update && vm.DeletionTimestamp != nil {
 		return Allow()
 	}
-	if errs := ValidateVM(&vm); len(errs) > 0 {
+	errs := ValidateVM(&vm)
+	if vm.Spec.Template != nil {
+		errs = append(errs, ValidateFeatureGates(field.NewPath("spec", "template", "spec"), &vm.Spec.Template.Spec, k.cfg.gates(ctx))...)
+	}
+	if len(errs) > 0 {
 		return DenyFields(errs)
 	}
 	return Allow()
 }
 
-func admitVMI(_ context.Context, req *admissionv1.AdmissionRequest) *admissionv1.AdmissionResponse {
+func (k *kubevirtWebhooks) admitVMI(ctx context.Context, req *admissionv1.AdmissionRequest) *admissionv1.AdmissionResponse {
 	var vmi kubevirtv1.VirtualMachineInstance
 	if err := json.Unmarshal(req.Object.Raw, &vmi); err != nil {
 		return Denyf("decode virtualmachineinstance: %v", err)
 	}
-	if errs := ValidateVMISpec(field.NewPath("spec"), &vmi.Spec, false); len(errs) > 0 {
+	spec := field.NewPath("spec")
+	errs := ValidateVMISpec(spec, &vmi.Spec, false)
+	errs = append(errs, ValidateFeatureGates(spec, &vmi.Spec, k.cfg.gates(ctx))...)
+	errs = append(errs, validateReservedLabels(&vmi, privileged(req.UserInfo))...)
+	if len(errs) > 0 {
 		return DenyFields(errs)
 	}
 	return Allow()
@@ -174,6 +197,9 @@ func ValidateVMISpec(p *field.Path, spec *kubevirtv1.VirtualMachineInstanceSpec,
 		if n := countSources(v.VolumeSource); n != 1 {
 			errs = append(errs, field.Invalid(vp, v.Name, fmt.Sprintf("volume must have exactly one source, has %d", n)))
 		}
+		if hd := v.HostDisk; hd != nil {
+			errs = append(errs, validateHostDisk(vp.Child("hostDisk"), hd)...)
+		}
 	}
 	disks := map[string]bool{}
 	boot := map[uint]bool{}
@@ -275,6 +301,48 @@ func ValidateVMISpec(p *field.Path, spec *kubevirtv1.VirtualMachineInstanceSpec,
 	return errs
 }
 
+// HostDiskGateMessage is KubeVirt's refusal of a hostDisk volume when the
+// HostDisk feature gate is off.
+const HostDiskGateMessage = "HostDisk feature gate is not enabled"
+
+// ValidateFeatureGates refuses what spec (at path p) uses that a feature
+// gate guards while enabled says the gate is off: hostDisk volumes without
+// HostDisk, named on the volume as KubeVirt names them.
+func ValidateFeatureGates(p *field.Path, spec *kubevirtv1.VirtualMachineInstanceSpec, enabled func(gate string) bool) field.ErrorList {
+	var errs field.ErrorList
+	for i, v := range spec.Volumes {
+		if v.HostDisk != nil && !enabled(featuregate.HostDisk) {
+			errs = append(errs, field.Forbidden(p.Child("volumes").Index(i), HostDiskGateMessage))
+		}
+	}
+	return errs
+}
+
+// validateHostDisk checks a hostDisk's own fields as KubeVirt does. Where
+// the path may lead on a node is the node agent's decision (nodeagent's
+// hostdisk package), not admission's.
+func validateHostDisk(p *field.Path, hd *kubevirtv1.HostDisk) field.ErrorList {
+	var errs field.ErrorList
+	if hd.Path == "" {
+		errs = append(errs, field.Required(p.Child("path"), "path is required for hostDisk volume"))
+	}
+	switch hd.Type {
+	case kubevirtv1.HostDiskExists:
+		if !hd.Capacity.IsZero() {
+			errs = append(errs, field.Invalid(p.Child("capacity"), hd.Capacity.String(),
+				fmt.Sprintf("is allowed to pass only with type equal to '%s'", kubevirtv1.HostDiskExistsOrCreate)))
+		}
+	case kubevirtv1.HostDiskExistsOrCreate:
+		if hd.Capacity.Sign() <= 0 {
+			errs = append(errs, field.Invalid(p.Child("capacity"), hd.Capacity.String(), "must be positive for type DiskOrCreate"))
+		}
+	default:
+		errs = append(errs, field.NotSupported(p.Child("type"), hd.Type,
+			[]string{string(kubevirtv1.HostDiskExists), string(kubevirtv1.HostDiskExistsOrCreate)}))
+	}
+	return errs
+}
+
 func validateMemory(dom *field.Path, d *kubevirtv1.DomainSpec, withInstancetype bool) field.ErrorList {
 	var errs field.ErrorList
 	req, hasReq := d.Resources.Requests["memory"]
@@ -289,6 +357,9 @@ func validateMemory(dom *field.Path, d *kubevirtv1.DomainSpec, withInstancetype 
 	}
 	if hasReq && req.Cmp(minMemory) < 0 {
 		errs = append(errs, field.Invalid(dom.Child("resources", "requests", "memory"), req.String(), "must be greater than or equal to 1Mi"))
+	}
+	if hasLim && lim.Cmp(minMemory) < 0 {
+		errs = append(errs, field.Invalid(dom.Child("resources", "limits", "memory"), lim.String(), "must be greater than or equal to 1Mi"))
 	}
 	if guest != nil && guest.Cmp(minMemory) < 0 {
 		errs = append(errs, field.Invalid(dom.Child("memory", "guest"), guest.String(), "must be greater than or equal to 1Mi"))

@@ -36,10 +36,11 @@ var everyBrainRoles = []RoleFactory{
 		return metrics.NewBrainServer(d.Config.MetricsAddr, d.Virt, d.Log.With("role", "metrics")), nil
 	},
 	func(d *Deps) (Role, error) {
-		// One webhook server: KubeVirt's VM/VMI admission, the MAC pool and
-		// the hco-webhook.
+		// One webhook server: KubeVirt's VM/VMI admission (with quotas),
+		// CDI's DataVolume validation, the MAC pool and the hco-webhook.
 		return admission.NewRole(admission.Config{Addr: d.Config.WebhookAddr, Namespace: d.Config.Namespace},
 			admission.Deps{Kube: d.Kube, Virt: d.Virt, Log: d.Log},
+			admission.RegisterDataVolumes,
 			macpool.Register(macpool.Config{RestConfig: d.RestConfig, Namespace: d.Config.Namespace}),
 			hco.Webhooks(d.Config.Namespace))
 	},

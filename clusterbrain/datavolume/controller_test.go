@@ -24,6 +24,7 @@ import (
 	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/featuregate"
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport/dvimporttest"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
@@ -65,7 +66,8 @@ func setup(t *testing.T) env {
 			t.Fatal(err)
 		}
 		cdi := &cdiv1.CDI{ObjectMeta: metav1.ObjectMeta{Name: "cdi"}, Spec: cdiv1.CDISpec{Config: &cdiv1.CDIConfigSpec{
-			FilesystemOverhead: &cdiv1.FilesystemOverhead{Global: "0.1"}}}}
+			FilesystemOverhead: &cdiv1.FilesystemOverhead{Global: "0.1"},
+			FeatureGates:       []string{featuregate.HonorWaitForFirstConsumer}}}}
 		if _, err := virt.CDIs.Create(ctx, cdi); err != nil {
 			t.Fatal(err)
 		}

@@ -14,6 +14,7 @@ import (
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/featuregate"
 )
 
 // retryAfter is how soon a DataVolume waiting on something the controller
@@ -81,6 +82,9 @@ func (c *Controller) sync(ctx context.Context, key string) (time.Duration, error
 	wffc := sc != nil && sc.VolumeBindingMode != nil && *sc.VolumeBindingMode == storagev1.VolumeBindingWaitForFirstConsumer
 	kind := sourceKind(src)
 	immediate := dv.Annotations[importstate.AnnImmediateBinding] == "true" || kind == importstate.SourceUpload
+	if wffc && !immediate && pvc.Status.Phase == corev1.ClaimPending {
+		immediate = !c.honorsWaitForFirstConsumer(ctx)
+	}
 	var after time.Duration
 	if pvc.Status.Phase == corev1.ClaimPending && wffc && immediate && pvc.Annotations[importstate.AnnSelectedNode] == "" {
 		if err := c.placeImmediately(ctx, pvc, src); err != nil {
@@ -321,4 +325,16 @@ func findCondition(conds []cdiv1.DataVolumeCondition, t cdiv1.DataVolumeConditio
 		}
 	}
 	return cdiv1.DataVolumeCondition{}
+}
+
+// honorsWaitForFirstConsumer is CDI's HonorWaitForFirstConsumer gate: on
+// unless a CDI CR exists whose configuration leaves it out, in which case
+// claims on WaitForFirstConsumer classes are placed at once, as CDI does
+// without the gate.
+func (c *Controller) honorsWaitForFirstConsumer(ctx context.Context) bool {
+	cdis, err := c.virt.CDIs.List(ctx, "", metav1.ListOptions{})
+	if err != nil || len(cdis) == 0 {
+		return true
+	}
+	return featuregate.CDIEnabled(cdis[0].Spec.Config, featuregate.HonorWaitForFirstConsumer)
 }

@@ -14,6 +14,7 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/featuregate"
 )
 
 const wait = 20 * time.Second
@@ -90,9 +91,12 @@ func TestEmptyCRGetsUpstreamDefaultsAndEveryChild(t *testing.T) {
 		t.Errorf("kubevirt owner = %+v", kv.OwnerReferences)
 	}
 	gates := kv.Spec.Configuration.DeveloperConfiguration.FeatureGates
-	for _, g := range []string{"CPUManager", "Snapshot", "HostDevices", "HypervStrictCheck", "DecentralizedLiveMigration", "DeclarativeHotplugVolumes"} {
-		if !slices.Contains(gates, g) {
-			t.Errorf("kubevirt feature gates %v lack %s", gates, g)
+	// Upstream's defaults ask for these; nodevirt implements none of them,
+	// so the KubeVirt CR does not advertise them.
+	for _, g := range []string{"CPUManager", "Snapshot", "HostDevices", "HypervStrictCheck", "DecentralizedLiveMigration",
+		"DeclarativeHotplugVolumes", "HotplugVolumes", "KubevirtSeccompProfile", featuregate.HostDisk} {
+		if slices.Contains(gates, g) {
+			t.Errorf("kubevirt feature gates %v advertise %s", gates, g)
 		}
 	}
 	if kv.Spec.UninstallStrategy != kubevirtv1.KubeVirtUninstallStrategyBlockUninstallIfWorkloadsExist {
@@ -115,7 +119,7 @@ func TestEmptyCRGetsUpstreamDefaultsAndEveryChild(t *testing.T) {
 	if cdi.Labels[LabelOwnerNamespace] != e.ns || len(cdi.OwnerReferences) != 0 {
 		t.Errorf("cdi labels %v owners %v", cdi.Labels, cdi.OwnerReferences)
 	}
-	if !slices.Equal(cdi.Spec.Config.FeatureGates, []string{"HonorWaitForFirstConsumer", "DataVolumeClaimAdoption"}) {
+	if !slices.Equal(cdi.Spec.Config.FeatureGates, []string{featuregate.HonorWaitForFirstConsumer}) {
 		t.Errorf("cdi feature gates = %v", cdi.Spec.Config.FeatureGates)
 	}
 	if cdi.Status.Phase != "Deployed" {

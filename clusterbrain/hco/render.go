@@ -18,6 +18,7 @@ import (
 	cnaov1 "github.com/nodevirt/nodevirt/clusterbrain/apis/networkaddons/v1"
 	sspv1beta2 "github.com/nodevirt/nodevirt/clusterbrain/apis/ssp/v1beta2"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/featuregate"
 )
 
 // Upstream's names of the children.
@@ -49,12 +50,15 @@ const (
 	defaultValidatorReplicas     = int32(2)
 )
 
-// Feature gates HCO always sets on KubeVirt; HypervStrictCheck is added
-// unless the platform emulates.
+// Feature gates upstream HCO always sets on KubeVirt; HypervStrictCheck is
+// added unless the platform emulates. None of them is implemented by
+// nodevirt, so kubeVirtGates filters them out (featuregate).
 var (
 	mandatoryKubeVirtGates = []string{"CPUManager", "Snapshot", "HostDevices", "KubevirtSeccompProfile"}
 	hardwareKubeVirtGates  = []string{"HypervStrictCheck"}
-	obsoleteCPUModels      = []string{"486", "pentium", "pentium2", "pentium3", "pentiumpro", "coreduo", "n270",
+	// cdiGates are the gates upstream HCO sets on CDI.
+	cdiGates          = []string{"HonorWaitForFirstConsumer", "DataVolumeClaimAdoption"}
+	obsoleteCPUModels = []string{"486", "pentium", "pentium2", "pentium3", "pentiumpro", "coreduo", "n270",
 		"core2duo", "Conroe", "athlon", "phenom", "qemu64", "qemu32", "kvm64", "kvm32"}
 	diskVerificationLimit = resource.MustParse("2G")
 )
@@ -147,7 +151,9 @@ func kubeVirtGates(hc *hcov1beta1.HyperConverged) []string {
 	add(on(fg.AutoResourceLimits), "AutoResourceLimitsGate")
 	add(fg.NonRoot != nil && !*fg.NonRoot, "Root")
 	add(on(fg.WithHostPassthroughCPU), "WithHostPassthroughCPU")
-	return gates
+	// Upstream's mapping above says what each HCO field asks of KubeVirt;
+	// the KubeVirt CR advertises only the gates nodevirt implements.
+	return featuregate.Implemented(gates, featuregate.KubeVirtImplemented)
 }
 
 func kubeVirtPlacement(c hcov1beta1.HyperConvergedConfig) *kubevirtv1.ComponentConfig {
@@ -280,7 +286,8 @@ func renderKubeVirt(hc *hcov1beta1.HyperConverged, version string) (*kubevirtv1.
 	if s.FeatureGates.AlignCPUs != nil && *s.FeatureGates.AlignCPUs {
 		kv.Annotations = map[string]string{kubevirtv1.EmulatorThreadCompleteToEvenParity: ""}
 	}
-	if err := applyPatchAnnotation(hc, hcov1beta1.JSONPatchKubeVirtAnnotation, kv); err != nil {
+	gateList := []string{"spec", "configuration", "developerConfiguration", "featureGates"}
+	if err := applyPatchAnnotation(hc, hcov1beta1.JSONPatchKubeVirtAnnotation, kv, gateList); err != nil {
 		return nil, err
 	}
 	return kv, nil
@@ -317,7 +324,7 @@ func renderCDI(hc *hcov1beta1.HyperConverged, version string) (*cdiv1.CDI, error
 		uninstall = cdiv1.CDIUninstallStrategyRemoveWorkloads
 	}
 	cfg := &cdiv1.CDIConfigSpec{
-		FeatureGates:             []string{"HonorWaitForFirstConsumer", "DataVolumeClaimAdoption"},
+		FeatureGates:             featuregate.Implemented(cdiGates, featuregate.CDIImplemented),
 		TLSSecurityProfile:       cdiTLSProfile(s.TLSSecurityProfile),
 		ScratchSpaceStorageClass: s.ScratchSpaceStorageClass,
 		FilesystemOverhead:       s.FilesystemOverhead.DeepCopy(),
@@ -350,7 +357,7 @@ func renderCDI(hc *hcov1beta1.HyperConverged, version string) (*cdiv1.CDI, error
 	if v, ok := hc.Annotations[importstate.AnnImportAllowedNetworks]; ok {
 		cdi.Annotations[importstate.AnnImportAllowedNetworks] = v
 	}
-	if err := applyPatchAnnotation(hc, hcov1beta1.JSONPatchCDIAnnotation, cdi); err != nil {
+	if err := applyPatchAnnotation(hc, hcov1beta1.JSONPatchCDIAnnotation, cdi, []string{"spec", "config", "featureGates"}); err != nil {
 		return nil, err
 	}
 	return cdi, nil

@@ -105,6 +105,8 @@ func BrainRules() []rbacv1.PolicyRule {
 		rule("", []string{"nodes", "persistentvolumeclaims", "persistentvolumes", "namespaces"}, all...),
 		rule("", []string{"secrets", "configmaps", "services", "endpoints", "serviceaccounts"}, all...),
 		rule("", []string{"events", "pods"}, all...),
+		// VMIs' LimitRange defaults and ResourceQuota (admission).
+		rule("", []string{"resourcequotas", "limitranges"}, "get", "list", "watch"),
 		rule("", []string{"nodes/status", "persistentvolumeclaims/status"}, "get", "update", "patch"),
 		rule("events.k8s.io", []string{"events"}, all...),
 		rule("discovery.k8s.io", []string{"endpointslices"}, all...),

@@ -54,6 +54,10 @@ func testEnv(vmi *v1.VirtualMachineInstance) Env {
 			claim = v.DataVolume.Name
 		case v.Ephemeral != nil:
 			claim = v.Ephemeral.PersistentVolumeClaim.ClaimName
+		case v.HostDisk != nil:
+			// The node agent resolved it inside its host disk root.
+			env.Disks[v.Name] = DiskSource{Path: v.HostDisk.Path, Format: FormatRaw}
+			continue
 		case v.ContainerDisk != nil:
 			// The node agent's image cache.
 			env.Disks[v.Name] = DiskSource{Path: "/var/lib/nodevirt/vms/containerdisks/images/" + v.Name + "/disk.img", Format: FormatRaw}

@@ -111,7 +111,14 @@ func (c *converter) volumeSource(i int, vol *v1.Volume) (volumeSource, bool) {
 		if hd.Path == "" {
 			c.invalid(path+".hostDisk.path", "empty")
 		}
-		return volumeSource{source: fileSource(hd.Path), format: FormatRaw, share: hd.Shared != nil && *hd.Shared}, true
+		// The node resolved (and confined) the path: the domain uses the
+		// file it opened, never hd.Path as given, always as raw.
+		vs, ok := c.nodeDisk(path+".hostDisk", vol.Name)
+		if ok && vs.block {
+			c.refuse(path+".hostDisk", "a hostDisk must be a file")
+		}
+		vs.format, vs.share = FormatRaw, hd.Shared != nil && *hd.Shared
+		return vs, ok
 	case s.CloudInitNoCloud != nil || s.CloudInitConfigDrive != nil:
 		return volumeSource{source: fileSource(c.env.CloudInitPath(vol.Name)), format: FormatRaw}, true
 	case s.ContainerDisk != nil:

@@ -52,7 +52,8 @@ type Env struct {
 	// reachable by the user QEMU runs as. Required.
 	StateDir string
 	// Disks maps a volume name (spec.volumes[].name) to its image, for
-	// persistentVolumeClaim, dataVolume and ephemeral volumes, and to the
+	// persistentVolumeClaim, dataVolume, ephemeral and hostDisk volumes (the
+	// file the node resolved inside its host disk root), and to the
 	// pulled image (read-only, the backing of an overlay) for containerDisk
 	// volumes.
 	Disks map[string]DiskSource

@@ -14,8 +14,8 @@ import (
 // Prepare creates the files vmi's domain refers to inside env.StateDir (made
 // if missing): qcow2 images of emptyDisk volumes, qcow2 overlays of ephemeral
 // volumes on their node disk and of containerDisk volumes on their pulled
-// image, sparse images of hostDisk DiskOrCreate volumes,
-// and cloud-init seed ISOs.
+// image, and cloud-init seed ISOs. hostDisk images are the node's to find or
+// create (inside its allowed root), before Prepare; they come in Env.Disks.
 //
 // Prepare is idempotent: images that exist are kept (they hold the guest's
 // data while the VMI lives); seeds are rebuilt. When it fails, it removes what
@@ -71,15 +71,6 @@ func Prepare(ctx context.Context, vmi *v1.VirtualMachineInstance, env Env) (err 
 			}
 			if err := qemuImg(ctx, "create", "-q", "-f", "qcow2", "-F", string(format), "-b", backing.Path, p); err != nil {
 				return fmt.Errorf("%s: %s: %w", path, what, err)
-			}
-			created = append(created, p)
-		case s.HostDisk != nil && s.HostDisk.Type == v1.HostDiskExistsOrCreate:
-			p := s.HostDisk.Path
-			if exists(p) {
-				continue
-			}
-			if err := createSparse(p, s.HostDisk.Capacity.Value()); err != nil {
-				return fmt.Errorf("%s: host disk: %w", path, err)
 			}
 			created = append(created, p)
 		case s.ConfigMap != nil || s.Secret != nil:
@@ -155,19 +146,6 @@ func buildConfigDisk(ctx context.Context, path string, vol *v1.Volume, env Env, 
 func exists(p string) bool {
 	_, err := os.Stat(p)
 	return err == nil
-}
-
-func createSparse(p string, size int64) error {
-	f, err := os.OpenFile(p, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o644)
-	if err != nil {
-		return err
-	}
-	if err := f.Truncate(size); err != nil {
-		f.Close()
-		os.Remove(p)
-		return err
-	}
-	return f.Close()
 }
 
 func qemuImg(ctx context.Context, args ...string) error {

@@ -56,6 +56,9 @@ type Config struct {
 	CSISocket string
 	// Pools maps storage pool names to directories.
 	Pools map[string]string
+	// HostDiskRoot is the only directory hostDisk volumes may name files
+	// in (hostdisk.DefaultRoot when empty).
+	HostDiskRoot string
 	// Console is the mTLS console/VNC/control server the brain calls;
 	// none when Console.Addr is "-". Without certificate files or TLS it
 	// serves the node's own certificate, requested from the brain by CSR.

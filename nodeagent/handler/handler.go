@@ -56,6 +56,7 @@ import (
 	"github.com/nodevirt/nodevirt/launcher/domain"
 	"github.com/nodevirt/nodevirt/nodeagent/console"
 	"github.com/nodevirt/nodevirt/nodeagent/containerdisk"
+	"github.com/nodevirt/nodevirt/nodeagent/hostdisk"
 	"github.com/nodevirt/nodevirt/nodeagent/kube"
 )
 
@@ -109,6 +110,9 @@ type Config struct {
 	VMIs cache.SharedIndexInformer
 	// Volumes resolves CSI volume handles; may be nil (see VolumeResolver).
 	Volumes VolumeResolver
+	// HostDiskRoot is the only directory hostDisk volumes may name files
+	// in (hostdisk.DefaultRoot when empty); absolute.
+	HostDiskRoot string
 	// PodNetwork is the node's NAT network for pod network interfaces
 	// (masquerade, or bridge binding on the pod network); nil: none, and
 	// VMIs using it fail (see PodNetwork).
@@ -172,6 +176,8 @@ type Handler struct {
 	kubevirt cache.SharedIndexInformer
 	queue    workqueue.TypedRateLimitingInterface[string]
 	console  *console.Server
+	// hostDisks confines hostDisk volumes to Config.HostDiskRoot.
+	hostDisks *hostdisk.Resolver
 
 	mu       sync.Mutex
 	lv       *launcher.Manager // set while Run runs
@@ -219,6 +225,11 @@ func New(cfg Config) (*Handler, error) {
 		h.vmis = NodeVMIInformer(cfg.Virt, cfg.NodeName)
 	}
 	h.kubevirt = cfg.Virt.KubeVirts.Informer(metav1.NamespaceAll, 0, nil)
+	hd, err := hostdisk.New(cfg.HostDiskRoot)
+	if err != nil {
+		return nil, fmt.Errorf("handler: %w", err)
+	}
+	h.hostDisks = hd
 	if cfg.Console.Addr != "" {
 		ccfg := cfg.Console
 		if ccfg.Log == nil {

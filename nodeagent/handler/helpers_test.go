@@ -59,6 +59,8 @@ type node struct {
 	// pod is the pod network handlers of this node get (none when nil).
 	pod    PodNetwork
 	podErr error
+	// hostDiskRoot is the handlers' host disk root (the default when "").
+	hostDiskRoot string
 }
 
 // reachableDir makes a directory the qemu user can traverse, removed at the
@@ -124,7 +126,7 @@ func (n *node) handler(emulation bool) (h *Handler, stop func()) {
 	h, err := New(Config{
 		NodeName: n.name, StateDir: n.stateDir, LibvirtURI: n.uri, Emulation: emulation,
 		Kube: n.kube, Virt: n.virt, Volumes: n.csi, NetStateDir: n.netState, ShutdownRetry: 2 * time.Second,
-		PodNetwork: n.pod, PodNetworkErr: n.podErr,
+		PodNetwork: n.pod, PodNetworkErr: n.podErr, HostDiskRoot: n.hostDiskRoot,
 		Console: n.pki.ServerConfig("127.0.0.1:0"),
 		Log:     slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelInfo})).With("node", n.name),
 	})

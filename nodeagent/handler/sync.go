@@ -118,6 +118,9 @@ func (h *Handler) start(ctx context.Context, lv *launcher.Manager, vmi *v1.Virtu
 	if err := h.resolveContainerDisks(ctx, vmi, disks); err != nil {
 		return nil, err
 	}
+	if err := h.resolveHostDisks(vmi, disks); err != nil {
+		return nil, err
+	}
 	secrets, err := h.resolveSecrets(ctx, vmi)
 	if err != nil {
 		return nil, err

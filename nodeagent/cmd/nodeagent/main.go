@@ -13,6 +13,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/daemon"
 	"github.com/nodevirt/nodevirt/nodeagent/agent"
+	"github.com/nodevirt/nodevirt/nodeagent/hostdisk"
 )
 
 func main() {
@@ -28,6 +29,7 @@ func main() {
 	flag.StringVar(&cfg.Emulation, "emulation", "auto", "auto (probe KVM), on (TCG) or off (require KVM)")
 	flag.StringVar(&cfg.LibvirtURI, "libvirt-uri", "qemu:///system", "libvirt connection URI")
 	flag.StringVar(&cfg.CSISocket, "csi-socket", "/var/lib/kubelet/plugins/kubevirt.io.hostpath-provisioner/csi.sock", "CSI driver socket")
+	flag.StringVar(&cfg.HostDiskRoot, "host-disk-root", hostdisk.DefaultRoot, "the only directory hostDisk volumes may name files in (no symlinks followed below it)")
 	flag.StringVar(&pools, "pools", "", "storage pools as name=path,name=path (default: default=<state-dir>/pools/default)")
 	flag.StringVar(&cfg.UploadAddr, "upload-addr", ":8447", "listen address of the upload receiver for the brain's upload proxy (- for none)")
 	flag.StringVar(&cfg.BrainNamespace, "brain-namespace", "kubevirt-hyperconverged", "namespace of the brain's Secrets (node CA)")

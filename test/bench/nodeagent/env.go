@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -22,10 +23,13 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/featuregate"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/launcher/libvirttest"
 	"github.com/nodevirt/nodevirt/test/controlplane"
@@ -144,12 +148,15 @@ func (e *env) start(ctx context.Context) error {
 		"--state-dir="+agentDir, "--emulation=on", "--health-addr="+e.agentAt,
 		"--csi-socket="+filepath.Join(agentDir, "csi", "csi.sock"), "--pools=default="+e.path("pools", "default"),
 		"--console-addr="+freeAddr("127.0.0.1"), "--upload-addr="+freeAddr(""), "--metrics-addr="+e.metrics,
-		"--pod-bridge="+e.bridge, "--pod-cidr="+e.cidr); err != nil {
+		"--pod-bridge="+e.bridge, "--pod-cidr="+e.cidr, "--host-disk-root="+e.path("disks")); err != nil {
 		return err
 	}
 	e.agentErr = make(chan error, 1)
 	go func(cmd *exec.Cmd) { e.agentErr <- cmd.Wait() }(e.agent)
 	if err := lab.EnsureHCO(ctx, e.kube, e.virt, true); err != nil {
+		return err
+	}
+	if err := e.enableHostDisk(ctx); err != nil {
 		return err
 	}
 	return e.waitReady(ctx, 3*time.Minute)
@@ -457,4 +464,32 @@ func tail(path string, n int) string {
 		lines = lines[len(lines)-n:]
 	}
 	return strings.Join(lines, "\n")
+}
+
+// enableHostDisk turns KubeVirt's HostDisk gate on the way an administrator
+// does (HCO's KubeVirt JSON-patch annotation) and waits until the KubeVirt
+// CR has it: the guest's disk is a hostDisk under the agent's
+// --host-disk-root.
+func (e *env) enableHostDisk(ctx context.Context) error {
+	gate := `[{"op":"add","path":"/spec/configuration/developerConfiguration/featureGates/-","value":"HostDisk"}]`
+	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": map[string]string{
+		hcov1beta1.JSONPatchKubeVirtAnnotation: gate}}})
+	if err != nil {
+		return err
+	}
+	if _, err := e.virt.HyperConvergeds.Patch(ctx, hcov1beta1.DefaultNamespace, hcov1beta1.Name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		return fmt.Errorf("enable HostDisk: %w", err)
+	}
+	return e.poll(ctx, time.Minute, func() (string, error) {
+		kvs, err := e.virt.KubeVirts.List(ctx, hcov1beta1.DefaultNamespace, metav1.ListOptions{})
+		if err != nil {
+			return "kubevirt: " + err.Error(), nil
+		}
+		for _, kv := range kvs {
+			if featuregate.KubeVirtEnabled(kv, featuregate.HostDisk) {
+				return "", nil
+			}
+		}
+		return "HostDisk gate not on the KubeVirt CR yet", nil
+	})
 }

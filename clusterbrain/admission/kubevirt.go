@@ -1,0 +1,82 @@
+package admission
+
+import (
+	"context"
+	"time"
+
+	"k8s.io/client-go/tools/cache"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/featuregate"
+)
+
+// defaultCPUAllocationRatio is KubeVirt's developerConfiguration
+// cpuAllocationRatio default: a vCPU without a CPU request is charged a
+// tenth of a CPU, as virt-launcher's pod requests it.
+const defaultCPUAllocationRatio = 10
+
+// clusterConfig is what the KubeVirt CR says that admission needs: its
+// feature gates and CPU allocation ratio. Without a client (or a KubeVirt
+// CR) no gate is on and the defaults apply.
+type clusterConfig struct {
+	virt *client.Set               // nil without a client
+	kvs  cache.SharedIndexInformer // nil without a client
+}
+
+// newClusterConfig watches the KubeVirt CRs with s's client and runs the
+// informer beside the server.
+func newClusterConfig(s *Server) *clusterConfig {
+	c := &clusterConfig{}
+	if s.deps.Virt == nil {
+		return c
+	}
+	c.virt = s.deps.Virt
+	c.kvs = s.deps.Virt.KubeVirts.Informer("", 0, nil)
+	s.Go(func(ctx context.Context) error { c.kvs.Run(ctx.Done()); return nil })
+	return c
+}
+
+// kubeVirts returns the KubeVirt CRs, waiting up to 5s for the first list.
+func (c *clusterConfig) kubeVirts(ctx context.Context) []*kubevirtv1.KubeVirt {
+	if c == nil || c.kvs == nil {
+		return nil
+	}
+	if !c.kvs.HasSynced() {
+		wctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		defer cancel()
+		cache.WaitForCacheSync(wctx.Done(), c.kvs.HasSynced)
+	}
+	var out []*kubevirtv1.KubeVirt
+	for _, o := range c.kvs.GetStore().List() {
+		if kv, ok := o.(*kubevirtv1.KubeVirt); ok && kv.DeletionTimestamp == nil {
+			out = append(out, kv)
+		}
+	}
+	return out
+}
+
+// gates returns the feature-gate test for the cluster's KubeVirt CRs: a gate
+// is on when a KubeVirt CR turns it on.
+func (c *clusterConfig) gates(ctx context.Context) func(string) bool {
+	kvs := c.kubeVirts(ctx)
+	return func(gate string) bool {
+		for _, kv := range kvs {
+			if featuregate.KubeVirtEnabled(kv, gate) {
+				return true
+			}
+		}
+		return false
+	}
+}
+
+// cpuAllocationRatio is the KubeVirt CR's developerConfiguration
+// cpuAllocationRatio, or KubeVirt's default.
+func (c *clusterConfig) cpuAllocationRatio(ctx context.Context) int {
+	for _, kv := range c.kubeVirts(ctx) {
+		if dc := kv.Spec.Configuration.DeveloperConfiguration; dc != nil && dc.CPUAllocationRatio > 0 {
+			return dc.CPUAllocationRatio
+		}
+	}
+	return defaultCPUAllocationRatio
+}
