@@ -49,7 +49,9 @@ type nodePolicy struct {
 	validations []admissionregistrationv1.Validation
 }
 
-func ops(o ...admissionregistrationv1.OperationType) []admissionregistrationv1.OperationType { return o }
+func ops(o ...admissionregistrationv1.OperationType) []admissionregistrationv1.OperationType {
+	return o
+}
 
 func ruleFor(group, version string, resources []string, o []admissionregistrationv1.OperationType) admissionregistrationv1.NamedRuleWithOperations {
 	scope := admissionregistrationv1.AllScopes
@@ -106,13 +108,13 @@ func nodePolicies() []nodePolicy {
 			rules: []admissionregistrationv1.NamedRuleWithOperations{
 				ruleFor("kubevirt.io", "*", []string{"virtualmachineinstances", "virtualmachineinstances/status"}, ops(update, del))},
 			validations: []admissionregistrationv1.Validation{{
-				Expression: "(" + bound("oldObject") + ") && (request.operation == 'DELETE' || (" + bound("object") + "))",
+				Expression:        "(" + bound("oldObject") + ") && (request.operation == 'DELETE' || (" + bound("object") + "))",
 				MessageExpression: "'node ' + variables.nodeName + ' may write only the VirtualMachineInstances bound to it'"}}},
 		{name: NodeRestrictionPolicy + "-pvs",
 			rules: []admissionregistrationv1.NamedRuleWithOperations{
 				ruleFor("", "v1", []string{"persistentvolumes", "persistentvolumes/status"}, ops(create, update, del))},
 			validations: []admissionregistrationv1.Validation{{
-				Expression: "(request.operation == 'CREATE' || (" + pvNode("oldObject") + ")) && (request.operation == 'DELETE' || (" + pvNode("object") + "))",
+				Expression:        "(request.operation == 'CREATE' || (" + pvNode("oldObject") + ")) && (request.operation == 'DELETE' || (" + pvNode("object") + "))",
 				MessageExpression: "'node ' + variables.nodeName + ' may write only the PersistentVolumes of its own volumes'"}}},
 		{name: NodeRestrictionPolicy + "-claims",
 			rules: []admissionregistrationv1.NamedRuleWithOperations{

@@ -196,7 +196,9 @@ func TestNodeWritesOnlyItsOwnObjects(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, name := range []string{"np-pv-forged-" + suffix, "np-pv-mine-" + suffix, "np-pv-other-" + suffix} {
-		t.Cleanup(func() { _ = admin.CoreV1().PersistentVolumes().Delete(context.Background(), name, metav1.DeleteOptions{}) })
+		t.Cleanup(func() {
+			_ = admin.CoreV1().PersistentVolumes().Delete(context.Background(), name, metav1.DeleteOptions{})
+		})
 	}
 	err = kube.CoreV1().PersistentVolumes().Delete(ctx, "np-pv-other-"+suffix, metav1.DeleteOptions{})
 	refused(t, "delete a PV of another node", err)

@@ -86,9 +86,9 @@ type Server struct {
 	log  *slog.Logger
 	kube kubernetes.Interface
 
-	signer   *Signer
-	ca       *uploadtls.CA
-	auth     atomic.Pointer[frontProxyAuth]
+	signer *Signer
+	ca     *uploadtls.CA
+	auth   atomic.Pointer[frontProxyAuth]
 	// toNodes reaches a node's upload endpoint, verifying that the
 	// server's certificate names that node (see toNode).
 	toNodes  *http.Transport
