@@ -63,6 +63,24 @@ func refused(t *testing.T, what string, err error) {
 	}
 }
 
+// waitRefused retries write until the API server refuses it (policies
+// are loaded asynchronously after they are created).
+func waitRefused(t *testing.T, what string, write func() error) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		err := write()
+		if err != nil {
+			refused(t, what, err)
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: still allowed after 30s", what)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
 func allowed(t *testing.T, what string, err error) {
 	t.Helper()
 	if err != nil {
@@ -104,18 +122,12 @@ func TestNodeWritesOnlyItsOwnObjects(t *testing.T) {
 	}
 	kube, virt := nodeClient(t, cp, mine)
 
-	// Policies take effect once the API server has loaded them.
-	deadline := time.Now().Add(30 * time.Second)
-	for {
+	// The API server loads policies in the background: wait until it
+	// enforces them (on a write it refuses in every case).
+	waitRefused(t, "patch another Node", func() error {
 		_, err := kube.CoreV1().Nodes().Patch(ctx, other, types.MergePatchType, annotate("x", "1"), metav1.PatchOptions{})
-		if err != nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("node restriction policies never took effect: a node patched another Node")
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+		return err
+	})
 
 	// Nodes.
 	_, err = kube.CoreV1().Nodes().Patch(ctx, other, types.MergePatchType, annotate("x", "2"), metav1.PatchOptions{})
@@ -129,8 +141,15 @@ func TestNodeWritesOnlyItsOwnObjects(t *testing.T) {
 	lease := func(name string) *coordinationv1.Lease {
 		return &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: rbac.NodeLeaseNamespace}}
 	}
-	_, err = kube.CoordinationV1().Leases(rbac.NodeLeaseNamespace).Create(ctx, lease(other), metav1.CreateOptions{})
-	refused(t, "create another node's Lease", err)
+	if _, err := admin.CoordinationV1().Leases(rbac.NodeLeaseNamespace).Create(ctx, lease(other), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitRefused(t, "patch another node's Lease", func() error {
+		_, err := kube.CoordinationV1().Leases(rbac.NodeLeaseNamespace).Patch(ctx, other, types.MergePatchType, annotate("x", "1"), metav1.PatchOptions{})
+		return err
+	})
+	_, err = kube.CoordinationV1().Leases(rbac.NodeLeaseNamespace).Create(ctx, lease("np-forged-"+suffix), metav1.CreateOptions{})
+	refused(t, "create a Lease of another name", err)
 	_, err = kube.CoordinationV1().Leases(rbac.NodeLeaseNamespace).Create(ctx, lease(mine), metav1.CreateOptions{})
 	allowed(t, "create its own Lease", err)
 
@@ -148,6 +167,10 @@ func TestNodeWritesOnlyItsOwnObjects(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	waitRefused(t, "patch a VMI bound to another node", func() error {
+		_, err := virt.VMIs.Patch(ctx, ns, "on-"+other, types.MergePatchType, annotate("x", "1"), metav1.PatchOptions{})
+		return err
+	})
 	theirs, err := virt.VMIs.Get(ctx, ns, "on-"+other)
 	if err != nil {
 		t.Fatal(err) // reading is not restricted
@@ -188,22 +211,24 @@ func TestNodeWritesOnlyItsOwnObjects(t *testing.T) {
 						Operator: corev1.NodeSelectorOpIn, Values: []string{node}}}}}}},
 			}}
 	}
-	_, err = kube.CoreV1().PersistentVolumes().Create(ctx, pv("np-pv-forged-"+suffix, other), metav1.CreateOptions{})
-	refused(t, "create a PV on another node", err)
-	_, err = kube.CoreV1().PersistentVolumes().Create(ctx, pv("np-pv-mine-"+suffix, mine), metav1.CreateOptions{})
-	allowed(t, "create a PV on its own node", err)
-	if _, err := admin.CoreV1().PersistentVolumes().Create(ctx, pv("np-pv-other-"+suffix, other), metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
 	for _, name := range []string{"np-pv-forged-" + suffix, "np-pv-mine-" + suffix, "np-pv-other-" + suffix} {
 		t.Cleanup(func() {
 			_ = admin.CoreV1().PersistentVolumes().Delete(context.Background(), name, metav1.DeleteOptions{})
 		})
 	}
+	if _, err := admin.CoreV1().PersistentVolumes().Create(ctx, pv("np-pv-other-"+suffix, other), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitRefused(t, "patch a PV of another node", func() error {
+		_, err := kube.CoreV1().PersistentVolumes().Patch(ctx, "np-pv-other-"+suffix, types.MergePatchType, annotate("x", "1"), metav1.PatchOptions{})
+		return err
+	})
+	_, err = kube.CoreV1().PersistentVolumes().Create(ctx, pv("np-pv-forged-"+suffix, other), metav1.CreateOptions{})
+	refused(t, "create a PV on another node", err)
+	_, err = kube.CoreV1().PersistentVolumes().Create(ctx, pv("np-pv-mine-"+suffix, mine), metav1.CreateOptions{})
+	allowed(t, "create a PV on its own node", err)
 	err = kube.CoreV1().PersistentVolumes().Delete(ctx, "np-pv-other-"+suffix, metav1.DeleteOptions{})
 	refused(t, "delete a PV of another node", err)
-	_, err = kube.CoreV1().PersistentVolumes().Patch(ctx, "np-pv-other-"+suffix, types.MergePatchType, annotate("x", "1"), metav1.PatchOptions{})
-	refused(t, "patch a PV of another node", err)
 
 	// Claims placed on each node.
 	for _, n := range []string{mine, other} {
@@ -215,9 +240,11 @@ func TestNodeWritesOnlyItsOwnObjects(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	_, err = kube.CoreV1().PersistentVolumeClaims(ns).Patch(ctx, "claim-"+other, types.MergePatchType,
-		annotate("cdi.kubevirt.io/storage.pod.phase", "Succeeded"), metav1.PatchOptions{})
-	refused(t, "report on a claim placed on another node", err)
+	waitRefused(t, "report on a claim placed on another node", func() error {
+		_, err := kube.CoreV1().PersistentVolumeClaims(ns).Patch(ctx, "claim-"+other, types.MergePatchType,
+			annotate("cdi.kubevirt.io/storage.pod.phase", "Succeeded"), metav1.PatchOptions{})
+		return err
+	})
 	_, err = kube.CoreV1().PersistentVolumeClaims(ns).Patch(ctx, "claim-"+mine, types.MergePatchType,
 		annotate("cdi.kubevirt.io/storage.pod.phase", "Running"), metav1.PatchOptions{})
 	allowed(t, "report on its own claim", err)
