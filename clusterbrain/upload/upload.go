@@ -142,9 +142,9 @@ func (s *Server) Run(ctx context.Context) error {
 	defer s.proxyLn.Close()
 	go s.refreshAuth(ctx)
 
-	api := &http.Server{Handler: s.apiHandler(), ReadHeaderTimeout: 30 * time.Second,
+	api := &http.Server{Handler: s.apiHandler(), ReadHeaderTimeout: 30 * time.Second, IdleTimeout: 2 * time.Minute,
 		TLSConfig: &tls.Config{MinVersion: tls.VersionTLS12, GetConfigForClient: s.apiTLSConfig}}
-	proxy := &http.Server{Handler: s.proxyHandler(), ReadHeaderTimeout: 30 * time.Second,
+	proxy := &http.Server{Handler: s.proxyHandler(), ReadHeaderTimeout: 30 * time.Second, IdleTimeout: 2 * time.Minute,
 		TLSConfig: &tls.Config{MinVersion: tls.VersionTLS12, Certificates: []tls.Certificate{s.proxyTLS}}}
 	errc := make(chan error, 2)
 	go func() { errc <- api.ServeTLS(s.apiLn, "", "") }()

@@ -194,9 +194,9 @@ func New(cfg Config, backend Backend) (*Server, error) {
 	mux.HandleFunc("GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/{info}", s.guestAgent)
 	s.srv = &http.Server{
 		Handler:           s.authorize(mux),
-		ReadHeaderTimeout: 10 * time.Second,
-		TLSNextProto:      map[string]func(*http.Server, *tls.Conn, http.Handler){},
-		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelDebug),
+		ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute,
+		TLSNextProto: map[string]func(*http.Server, *tls.Conn, http.Handler){},
+		ErrorLog:     slog.NewLogLogger(s.log.Handler(), slog.LevelDebug),
 	}
 	return s, nil
 }

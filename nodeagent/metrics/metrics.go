@@ -141,7 +141,7 @@ func (s *Server) Run(ctx context.Context) error {
 	s.mu.Unlock()
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", s.Handler())
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute}
 	stop := context.AfterFunc(ctx, func() { _ = srv.Close() })
 	defer stop()
 	s.log.Info("metrics serving", "addr", s.addr)
