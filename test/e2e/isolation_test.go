@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"crypto/rand"
+	"crypto/tls"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -14,12 +15,19 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume"
+	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
+	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
+	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
+	nodeconsole "github.com/nodevirt/nodevirt/nodeagent/console"
 )
 
 // grant gives user the rules in namespace ns through a Role.
@@ -141,5 +149,76 @@ func TestCrossNamespaceCloneFollowsCDIsRule(t *testing.T) {
 	cur.Annotations[datavolume.AnnAuthorizedSource] = "pvc/kube-system/anything"
 	if _, err := e.virt.DataVolumes.Update(ctx, cur); err == nil {
 		t.Error("the authorization stamp was rewritten")
+	}
+}
+
+// TestAnotherNodesCredentials: with the credentials of another node
+// (user system:node:<other>, group nodevirt:nodes, and a certificate from
+// the node CA naming it) nothing of this suite's node can be written and
+// its console cannot be read: the Node, the claims placed on it, its
+// console server. Secrets are never listed.
+func TestAnotherNodesCredentials(t *testing.T) {
+	e := require(t)
+	n := e.namespace(t)
+	ctx := context.Background()
+	other := "other-" + e.run
+	kc := filepath.Join(t.TempDir(), "other.kubeconfig")
+	if err := e.cp.WriteKubeconfig(kc, rbac.NodeUser(other), rbac.NodesGroup); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := clientcmd.BuildConfigFromFlags("", kc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kube := kubernetes.NewForConfigOrDie(cfg)
+
+	patch := []byte(`{"metadata":{"annotations":{"nodevirt.io/hijacked":"true"}}}`)
+	if _, err := kube.CoreV1().Nodes().Patch(ctx, e.nodeName, types.MergePatchType, patch, metav1.PatchOptions{}); err == nil {
+		t.Errorf("another node patched node %s", e.nodeName)
+	}
+	// A claim the suite's node filled.
+	dv := immediateDV(n.name, "placed", &cdiv1.DataVolumeSource{Blank: &cdiv1.DataVolumeBlankImage{}})
+	if _, err := e.virt.DataVolumes.Create(ctx, dv); err != nil {
+		t.Fatal(err)
+	}
+	n.waitImported("", "placed")
+	report := []byte(`{"metadata":{"annotations":{"cdi.kubevirt.io/storage.pod.phase":"Failed"}}}`)
+	if _, err := kube.CoreV1().PersistentVolumeClaims(n.name).Patch(ctx, "placed", types.MergePatchType, report, metav1.PatchOptions{}); err == nil {
+		t.Errorf("another node reported on a claim of node %s", e.nodeName)
+	}
+	if _, err := kube.CoreV1().Secrets(n.name).List(ctx, metav1.ListOptions{}); err == nil {
+		t.Error("a node listed the Secrets of a namespace")
+	}
+	if _, err := kube.CoreV1().Secrets(hcov1beta1.DefaultNamespace).Get(ctx, uploadtls.CASecretName, metav1.GetOptions{}); err == nil {
+		t.Error("a node read the node CA's Secret")
+	}
+
+	// The suite node's console server refuses another node's certificate.
+	node, err := e.kube.CoreV1().Nodes().Get(ctx, e.nodeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := node.Annotations[subresources.NodeAddressAnnotation]
+	if addr == "" {
+		t.Fatalf("node %s publishes no console address", e.nodeName)
+	}
+	ca, err := uploadtls.EnsureCA(ctx, e.kube, hcov1beta1.DefaultNamespace)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert, err := ca.Issue(rbac.NodeUser(other), []string{other, subresources.NodeServerName}, nil, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tlsCfg := &tls.Config{Certificates: []tls.Certificate{cert}, RootCAs: ca.Pool(), ServerName: e.nodeName, MinVersion: tls.VersionTLS12}
+	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	conn, err := (&nodeconsole.Client{Addr: addr, TLS: tlsCfg}).Console(cctx, n.name, "any")
+	if err == nil {
+		conn.Close()
+		t.Fatal("another node's certificate opened a console stream")
+	}
+	if !strings.Contains(err.Error(), "403") && !strings.Contains(err.Error(), "not allowed") {
+		t.Errorf("console with another node's certificate: %v, want 403", err)
 	}
 }
