@@ -26,6 +26,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/daemon"
+	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 )
 
@@ -73,7 +74,7 @@ func (c *Config) defaults() {
 		def  string
 	}{
 		{&c.HealthAddr, "127.0.0.1:8480"}, {&c.WebhookAddr, "127.0.0.1:8443"}, {&c.SubresourcesAddr, ":8444"},
-		{&c.UploadAPIAddr, ":8445"}, {&c.UploadProxyAddr, ":8446"}, {&c.MetricsAddr, ":8484"},
+		{&c.UploadAPIAddr, ":8445"}, {&c.UploadProxyAddr, ":8446"}, {&c.MetricsAddr, metrics.DefaultBrainAddr},
 		{&c.CLIDownloadAddr, ":8482"}, {&c.VirtctlDir, "/usr/local/share/nodevirt/virtctl"},
 	} {
 		if *d.addr == "" {

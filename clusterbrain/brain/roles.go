@@ -42,7 +42,7 @@ var everyBrainRoles = []RoleFactory{
 			admission.Deps{Kube: d.Kube, Virt: d.Virt, Log: d.Log},
 			admission.RegisterDataVolumes,
 			macpool.Register(macpool.Config{RestConfig: d.RestConfig, Namespace: d.Config.Namespace}),
-			hco.Webhooks(d.Config.Namespace))
+			hco.Webhooks(d.Config.Namespace), datavolume.Webhooks())
 	},
 }
 
@@ -55,7 +55,7 @@ var leaderRoles = []RoleFactory{
 		if err != nil {
 			return nil, err
 		}
-		return datavolume.New(datavolume.Config{Kube: d.Kube, Virt: d.Virt, Log: d.Log, Snapshots: snapshotv1.NewClient(dyn)})
+		return datavolume.New(datavolume.Config{Kube: d.Kube, Virt: d.Virt, Log: d.Log, Snapshots: snapshotv1.NewClient(dyn), Namespace: d.Config.Namespace})
 	},
 	func(d *Deps) (Role, error) {
 		return hco.New(hco.Config{Namespace: d.Config.Namespace, Kube: d.Kube, Virt: d.Virt, Log: d.Log.With("role", "hco"), BrainHealth: d.Health.Ready})

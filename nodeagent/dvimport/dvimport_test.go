@@ -18,6 +18,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -74,6 +75,11 @@ func setup(t *testing.T) env {
 		cdi := &cdiv1.CDI{ObjectMeta: metav1.ObjectMeta{Name: "cdi",
 			Annotations: map[string]string{importstate.AnnImportAllowedNetworks: "127.0.0.0/8,::1"}}}
 		if _, err := virt.CDIs.Create(ctx, cdi); err != nil {
+			t.Fatal(err)
+		}
+		// The brain's namespace, where it writes clone requests.
+		brainNS := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "kubevirt-hyperconverged"}}
+		if _, err := kube.CoreV1().Namespaces().Create(ctx, brainNS, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 			t.Fatal(err)
 		}
 		log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))

@@ -407,7 +407,11 @@ func deref(p *string) string {
 // only the non-zero blocks; from another node streamed from its endpoint
 // (mutual TLS, see ExportPath).
 func (a *Agent) clone(ctx context.Context, t *target, onProgress func(importer.Progress)) (importer.Result, error) {
-	ns, name, _ := strings.Cut(t.pvc.Annotations[importstate.AnnCloneRequest], "/")
+	creq, err := a.cloneRequest(ctx, t.pvc)
+	if err != nil {
+		return importer.Result{}, err
+	}
+	ns, name := creq.SourceNamespace, creq.SourceName
 	src, err := a.pvcs.PersistentVolumeClaims(ns).Get(name)
 	if err != nil {
 		return importer.Result{}, &importer.Error{Reason: importer.ReasonSourceNotFound, Err: fmt.Errorf("clone source pvc %s/%s: %w", ns, name, err)}

@@ -140,7 +140,7 @@ func serveFile(path string) (string, func(), error) {
 	name := filepath.Base(path)
 	mux := http.NewServeMux()
 	mux.HandleFunc("/"+name, func(w http.ResponseWriter, r *http.Request) { http.ServeFile(w, r, path) })
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute}
 	go srv.Serve(ln)
 	return fmt.Sprintf("http://%s/%s", ln.Addr(), name), func() { srv.Close() }, nil
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/daemon"
 	"github.com/nodevirt/nodevirt/nodeagent/agent"
 	"github.com/nodevirt/nodevirt/nodeagent/hostdisk"
+	nodemetrics "github.com/nodevirt/nodevirt/nodeagent/metrics"
 )
 
 func main() {
@@ -38,7 +39,7 @@ func main() {
 	flag.StringVar(&cfg.Console.KeyFile, "console-key", "", "console server key (PEM)")
 	flag.StringVar(&cfg.Console.ClientCAFile, "console-client-ca", "", "CA bundle that client (brain) certificates must chain to")
 	flag.StringVar(&consoleClients, "console-allowed-clients", "", "comma-separated client certificate names allowed (empty: any the CA signed)")
-	flag.StringVar(&cfg.MetricsAddr, "metrics-addr", ":8485", "listen address of /metrics (- for none)")
+	flag.StringVar(&cfg.MetricsAddr, "metrics-addr", nodemetrics.DefaultAddr, "listen address of /metrics (- for none; unauthenticated: loopback unless you put a proxy in front)")
 	flag.StringVar(&cfg.PodCIDR, "pod-cidr", "10.244.0.0/24", "IPv4 subnet of the node's pod network for masquerade interfaces (- for none)")
 	flag.StringVar(&cfg.PodBridge, "pod-bridge", "nodevirt0", "bridge of the node's pod network")
 	flag.IntVar(&gcPercent, "gc-percent", 50, "Go GC target: heap growth in percent of the live heap before a collection (GOGC, which wins when set)")

@@ -82,7 +82,7 @@ func run(ctx context.Context, cfg config) error {
 	if err != nil {
 		return err
 	}
-	srv := &http.Server{Handler: http.FileServer(http.Dir(src))}
+	srv := &http.Server{Handler: http.FileServer(http.Dir(src)), ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute}
 	go srv.Serve(ln)
 	defer srv.Close()
 	base := "http://" + ln.Addr().String() + "/"
