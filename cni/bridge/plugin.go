@@ -200,6 +200,13 @@ func attachVeth(ctx context.Context, hh, ch *netlink.Handle, cns netns.NsHandle,
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("look up container interface %s: %w", rec.IfName, err)
 	}
+	// As the reference plugin: the container end is up after ADD, with or
+	// without IPAM, unless the config asks to leave it down.
+	if !n.DisableContainerInterface {
+		if err := ch.LinkSetUp(cont); err != nil {
+			return nil, nil, nil, fmt.Errorf("set %s up: %w", rec.IfName, err)
+		}
+	}
 	rec.MAC = cont.Attrs().HardwareAddr.String()
 	if n.MACSpoofCheck {
 		rec.SpoofChain = spoofChainName(rec.Port)
@@ -258,12 +265,9 @@ func nextIP(ip net.IP) net.IP {
 	return out
 }
 
-// configureContainer sets the container interface up with the IPAM
+// configureContainer gives the (already up) container interface the IPAM
 // addresses and routes. IPv6 addresses skip DAD unless enabledad.
 func configureContainer(ch *netlink.Handle, cont netlink.Link, res *current.Result, n *NetConf) error {
-	if err := ch.LinkSetUp(cont); err != nil {
-		return fmt.Errorf("set %s up: %w", cont.Attrs().Name, err)
-	}
 	for _, ip := range res.IPs {
 		a := &netlink.Addr{IPNet: &net.IPNet{IP: ip.Address.IP, Mask: ip.Address.Mask}}
 		if ip.Address.IP.To4() == nil && !n.EnableDAD {

@@ -231,6 +231,9 @@ func checkContainer(args *skel.CmdArgs, port netlink.Link, prev *current.Result,
 	if n.DisableContainerInterface {
 		return mac, nil
 	}
+	if cont.Attrs().Flags&netUp == 0 {
+		return nil, fmt.Errorf("container interface %s is down", args.IfName)
+	}
 	addrs, err := ch.AddrList(cont, netlink.FAMILY_ALL)
 	if err != nil {
 		return nil, fmt.Errorf("list addresses of %s: %w", args.IfName, err)
