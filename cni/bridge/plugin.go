@@ -147,10 +147,10 @@ func Add(ctx context.Context, n *NetConf, args *skel.CmdArgs) (_ *current.Result
 			rec.MasqIPs = append(rec.MasqIPs, a.IP.String())
 		}
 		rec.MasqChain = masqChainName(tag)
-		if err := runNFT(ctx, masqAddScript(tag, addrs)); err != nil {
+		if err := addMasqRules(tag, addrs); err != nil {
 			return nil, fmt.Errorf("ipMasq: %w", err)
 		}
-		undo.add(func() { _ = runNFT(ctx, masqDelScript(tag, ipsOf(rec.MasqIPs))) })
+		undo.add(func() { _ = delMasqRules(tag, ipsOf(rec.MasqIPs)) })
 		if err := st.write(recPath, rec); err != nil {
 			return nil, err
 		}
@@ -210,10 +210,10 @@ func attachVeth(ctx context.Context, hh, ch *netlink.Handle, cns netns.NsHandle,
 	rec.MAC = cont.Attrs().HardwareAddr.String()
 	if n.MACSpoofCheck {
 		rec.SpoofChain = spoofChainName(rec.Port)
-		if err := runNFT(ctx, spoofAddScript(rec.Port, cont.Attrs().HardwareAddr, attachmentTag(rec.Network, rec.ContainerID, rec.IfName))); err != nil {
+		if err := addSpoofRules(rec.Port, cont.Attrs().HardwareAddr, attachmentTag(rec.Network, rec.ContainerID, rec.IfName)); err != nil {
 			return nil, nil, nil, fmt.Errorf("macspoofchk: %w", err)
 		}
-		undo.add(func() { _ = runNFT(ctx, spoofDelScript(rec.Port)) })
+		undo.add(func() { _ = delSpoofRules(rec.Port) })
 	}
 	if err := st.write(recPath, rec); err != nil {
 		return nil, nil, nil, err

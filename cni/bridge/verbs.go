@@ -103,13 +103,13 @@ func removeHostSide(ctx context.Context, rec *Record, remove linkRemover) error 
 		errs = append(errs, err)
 	}
 	if rec.SpoofChain != "" {
-		if err := runNFT(ctx, spoofDelScript(rec.Port)); err != nil {
+		if err := delSpoofRules(rec.Port); err != nil {
 			errs = append(errs, fmt.Errorf("remove macspoofchk rules: %w", err))
 		}
 	}
 	if rec.MasqChain != "" {
 		tag := attachmentTag(rec.Network, rec.ContainerID, rec.IfName)
-		if err := runNFT(ctx, masqDelScript(tag, ipsOf(rec.MasqIPs))); err != nil {
+		if err := delMasqRules(tag, ipsOf(rec.MasqIPs)); err != nil {
 			errs = append(errs, fmt.Errorf("remove ipMasq rules: %w", err))
 		}
 	}
@@ -191,7 +191,7 @@ func Check(ctx context.Context, n *NetConf, args *skel.CmdArgs) error {
 		return fmt.Errorf("check: %w", err)
 	}
 	if n.MACSpoofCheck {
-		if err := checkSpoofChain(ctx, rec.Port, mac); err != nil {
+		if err := checkSpoofRules(rec.Port, mac); err != nil {
 			return fmt.Errorf("check: %w", err)
 		}
 	}
@@ -250,7 +250,8 @@ func checkContainer(args *skel.CmdArgs, port netlink.Link, prev *current.Result,
 }
 
 // CmdStatus reports whether ADD can be served: the state directory is
-// usable, nft exists when the config needs it, and the IPAM plugin is ready.
+// usable, nftables answers when the config needs it, and the IPAM plugin is
+// ready.
 func CmdStatus(args *skel.CmdArgs) error {
 	n, err := LoadNetConf(args.StdinData, args.Args)
 	if err != nil {
@@ -260,7 +261,7 @@ func CmdStatus(args *skel.CmdArgs) error {
 		return types.NewError(ErrPluginNotAvailable, fmt.Sprintf("state dir %s: %v", n.StateDir, err), "")
 	}
 	if n.MACSpoofCheck || n.IPMasq {
-		if _, err := nftPath(); err != nil {
+		if err := nftablesUsable(); err != nil {
 			return types.NewError(ErrPluginNotAvailable, err.Error(), "")
 		}
 	}
