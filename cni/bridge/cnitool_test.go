@@ -74,7 +74,7 @@ func TestCNIToolAttachesUpInterfaces(t *testing.T) {
 			}
 			run := func(verb string, c *cnitest.NS) string {
 				t.Helper()
-				out, err := cnitest.CNITool(ctx, e.host, tool, confDir, pluginDir, verb, "testnet", c)
+				out, err := cnitest.CNITool(ctx, e.host, tool, confDir, pluginDir(t), verb, "testnet", c)
 				if err != nil {
 					t.Fatal(err)
 				}

@@ -306,7 +306,7 @@ func TestGCRemovesStaleAttachments(t *testing.T) {
 	}
 	_ = drop.Close()
 	// A runtime that lost its cache: only the plugin's GC can clean up.
-	fresh := cnitest.NewRuntime(e.host, []string{pluginDir}, t.TempDir())
+	fresh := cnitest.NewRuntime(e.host, []string{pluginDir(t)}, t.TempDir())
 	if err := fresh.GC(ctx, conf, []types.GCAttachment{{ContainerID: "keep", IfName: "eth0"}}); err != nil {
 		t.Fatalf("GC: %v", err)
 	}
