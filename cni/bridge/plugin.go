@@ -1,6 +1,7 @@
 package bridge
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -95,6 +96,11 @@ func Add(ctx context.Context, n *NetConf, args *skel.CmdArgs) (_ *current.Result
 		Netns: args.Netns, Bridge: n.Bridge, Port: portName(n.Name, args.ContainerID, args.IfName),
 		VLAN: n.VLAN, Trunk: n.Trunk,
 	}
+	if n.IPAM.Type != "" {
+		// Recorded before the allocation, so that GC releases it whatever
+		// happens to this process.
+		rec.IPAMType, rec.IPAMConfig = n.IPAM.Type, args.StdinData
+	}
 	br, port, cont, err := attachVeth(ctx, hh, ch, cns, n, st, recPath, rec, &undo)
 	if err != nil {
 		return nil, err
@@ -109,7 +115,7 @@ func Add(ctx context.Context, n *NetConf, args *skel.CmdArgs) (_ *current.Result
 		},
 	}
 	if n.IPAM.Type == "" {
-		return result, st.write(recPath, rec)
+		return result, nil
 	}
 
 	im, err := newIPAM(n.IPAM.Type)
@@ -122,9 +128,12 @@ func Add(ctx context.Context, n *NetConf, args *skel.CmdArgs) (_ *current.Result
 		return nil, err
 	}
 	undo.add(func() { _ = im.run(ctx, "DEL", ipamStdin, nil, nil) })
-	rec.IPAMType, rec.IPAMConfig = n.IPAM.Type, ipamStdin
-	if err := st.write(recPath, rec); err != nil {
-		return nil, err
+	if !bytes.Equal(ipamStdin, rec.IPAMConfig) {
+		// The plugin took a downgraded config: GC must hand it the same.
+		rec.IPAMConfig = ipamStdin
+		if err := st.write(recPath, rec); err != nil {
+			return nil, err
+		}
 	}
 	result.IPs, result.Routes, result.DNS = ipres.IPs, ipres.Routes, ipres.DNS
 	gws := gateways(result, n)
@@ -166,10 +175,6 @@ func attachVeth(ctx context.Context, hh, ch *netlink.Handle, cns netns.NsHandle,
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	// A port of an earlier ADD of this very attachment is stale: replace it.
-	if err := deleteLink(hh, rec.Port); err != nil {
-		return nil, nil, nil, err
-	}
 	veth := &netlink.Veth{
 		LinkAttrs: netlink.LinkAttrs{
 			Name: rec.Port, MTU: n.MTU, TxQLen: -1, MasterIndex: br.Attrs().Index, Flags: netUp,
@@ -179,10 +184,24 @@ func attachVeth(ctx context.Context, hh, ch *netlink.Handle, cns netns.NsHandle,
 		PeerNamespace:    netlink.NsFd(int(cns)),
 		PeerMTU:          uint32(n.MTU),
 	}
-	if err := hh.LinkAdd(veth); err != nil {
-		if errors.Is(err, syscall.EEXIST) {
+	err = hh.LinkAdd(veth)
+	if errors.Is(err, syscall.EEXIST) {
+		// A port of an earlier ADD of this very attachment is stale:
+		// replace it (its peer goes with it). Otherwise the name taken is
+		// the container's.
+		stale, lerr := linkByName(hh, rec.Port)
+		if lerr != nil {
+			return nil, nil, nil, lerr
+		}
+		if stale == nil {
 			return nil, nil, nil, fmt.Errorf("create veth: interface %q already exists in the container netns", rec.IfName)
 		}
+		if err := deleteLink(hh, rec.Port); err != nil {
+			return nil, nil, nil, err
+		}
+		err = hh.LinkAdd(veth)
+	}
+	if err != nil {
 		return nil, nil, nil, fmt.Errorf("create veth %s/%s: %w", rec.Port, rec.IfName, err)
 	}
 	undo.add(func() { _ = deleteLink(hh, rec.Port) })

@@ -160,7 +160,7 @@ func DetachTap(ctx context.Context, conf *NetConf, tap string) error {
 			rec.SpoofChain = spoofChainName(tap)
 		}
 	}
-	if err := removeHostSide(ctx, rec, deleteLink); err != nil {
+	if err := removeHostSide(ctx, rec, removeInLine, nil); err != nil {
 		return fmt.Errorf("detach %s: %w", tap, err)
 	}
 	return st.remove(recPath)

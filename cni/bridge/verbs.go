@@ -28,13 +28,13 @@ func CmdDel(args *skel.CmdArgs) error {
 	if err != nil {
 		return err
 	}
-	return del(context.Background(), n, args, removeLinkViaHelper)
+	return del(context.Background(), n, args, startHelperRemoval)
 }
 
 // Del is CmdDel on a parsed config, for callers that live on after it: the
 // port is deleted in line.
 func Del(ctx context.Context, n *NetConf, args *skel.CmdArgs) error {
-	return del(ctx, n, args, deleteLink)
+	return del(ctx, n, args, removeInLine)
 }
 
 func del(ctx context.Context, n *NetConf, args *skel.CmdArgs, remove linkRemover) error {
@@ -66,41 +66,43 @@ func del(ctx context.Context, n *NetConf, args *skel.CmdArgs, remove linkRemover
 			}
 		}
 	}
-	var errs []error
-	if n.IPAM.Type != "" {
+	// The IPAM release runs while the port is being removed.
+	releaseIPAM := func() error {
+		if n.IPAM.Type == "" {
+			return nil
+		}
 		im, err := newIPAM(n.IPAM.Type)
-		if err == nil {
-			stdin, conf := args.StdinData, n
-			if len(rec.IPAMConfig) > 0 {
-				stdin, conf = rec.IPAMConfig, nil
-			}
-			im.serveNative(stdin, args.Args, args.ContainerID, args.IfName)
-			err = im.run(ctx, "DEL", stdin, conf, nil)
-		}
 		if err != nil {
-			errs = append(errs, err)
+			return err
 		}
+		stdin, conf := args.StdinData, n
+		if len(rec.IPAMConfig) > 0 {
+			stdin, conf = rec.IPAMConfig, nil
+		}
+		im.serveNative(stdin, args.Args, args.ContainerID, args.IfName)
+		return im.run(ctx, "DEL", stdin, conf, nil)
 	}
-	if err := removeHostSide(ctx, rec, remove); err != nil {
-		errs = append(errs, err)
+	if err := removeHostSide(ctx, rec, remove, releaseIPAM); err != nil {
+		return err
 	}
-	if len(errs) == 0 {
-		return st.remove(recPath)
-	}
-	return errors.Join(errs...)
+	return st.remove(recPath)
 }
 
 // removeHostSide removes a record's port and nft chains before returning,
-// so that nothing of the attachment remains when DEL answers.
-func removeHostSide(ctx context.Context, rec *Record, remove linkRemover) error {
+// so that nothing of the attachment remains when DEL answers. meanwhile
+// (if set) runs while the port is being removed.
+func removeHostSide(ctx context.Context, rec *Record, remove linkRemover, meanwhile func() error) error {
 	hh, err := netlink.NewHandle(unix.NETLINK_ROUTE)
 	if err != nil {
 		return fmt.Errorf("netlink: %w", err)
 	}
 	defer hh.Close()
+	removed := remove(hh, rec.Port)
 	var errs []error
-	if err := remove(hh, rec.Port); err != nil {
-		errs = append(errs, err)
+	if meanwhile != nil {
+		if err := meanwhile(); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	if rec.SpoofChain != "" {
 		if err := delSpoofRules(rec.Port); err != nil {
@@ -112,6 +114,9 @@ func removeHostSide(ctx context.Context, rec *Record, remove linkRemover) error 
 		if err := delMasqRules(tag, ipsOf(rec.MasqIPs)); err != nil {
 			errs = append(errs, fmt.Errorf("remove ipMasq rules: %w", err))
 		}
+	}
+	if err := removed(); err != nil {
+		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
 }
@@ -323,7 +328,7 @@ func GC(ctx context.Context, n *NetConf, stdin []byte) error {
 				recErrs = append(recErrs, err)
 			}
 		}
-		if err := removeHostSide(ctx, rec, deleteLink); err != nil {
+		if err := removeHostSide(ctx, rec, removeInLine, nil); err != nil {
 			recErrs = append(recErrs, err)
 		}
 		if len(recErrs) == 0 {
