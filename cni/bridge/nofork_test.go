@@ -12,8 +12,9 @@ import (
 
 // TestNoForkOnAddDel traces the plugin binary's process creation with
 // strace: ADD (with spoof-check rules and host-local addresses) starts no
-// process at all; DEL starts exactly one, the link-unregistration helper
-// (see unregister.go for why that one cannot be a thread).
+// process at all; a DEL with no other DEL running starts exactly one, the
+// link-unregistration helper (see unregister.go for why that one cannot be
+// a thread, and why concurrent DELs do without it).
 func TestNoForkOnAddDel(t *testing.T) {
 	strace, err := exec.LookPath("strace")
 	if err != nil {

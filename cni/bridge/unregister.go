@@ -23,7 +23,8 @@ import (
 // The binary therefore hands the RTM_DELLINK to a helper process (itself,
 // forked and executed directly, without os/exec) started before the rest of
 // DEL's work, and answers as soon as the kernel has announced the link's
-// removal. When DEL answers, the link no longer exists in any namespace;
+// removal. It does so only when no other DEL is handing off at that moment:
+// concurrent deletions share the kernel's wait, so those delete in line. When DEL answers, the link no longer exists in any namespace;
 // only the kernel's reclamation of its memory is still running, in the
 // helper's syscall.
 
@@ -55,6 +56,25 @@ func RunUnregisterHelper() int {
 // linkRemover starts removing a host link by name and returns a function
 // that waits until the link is gone; a missing link is success.
 type linkRemover func(h *netlink.Handle, name string) (wait func() error)
+
+// helperUnlessBusy hands the deletion to a helper process when no other DEL
+// using this state directory is doing so at the moment, and otherwise
+// deletes in line: with deletions running concurrently the kernel's wait is
+// one barrier shared by all of them, while every extra process costs CPU
+// the concurrent calls compete for.
+func helperUnlessBusy(st store) linkRemover {
+	return func(h *netlink.Handle, name string) func() error {
+		unlock, ok := st.tryLock("unregister")
+		if !ok {
+			return removeInLine(h, name)
+		}
+		wait := startHelperRemoval(h, name)
+		return func() error {
+			defer unlock()
+			return wait()
+		}
+	}
+}
 
 // removeInLine deletes the link in the calling thread (for callers that live
 // on after the call, where the kernel's wait costs nothing but time).

@@ -28,7 +28,7 @@ func CmdDel(args *skel.CmdArgs) error {
 	if err != nil {
 		return err
 	}
-	return del(context.Background(), n, args, startHelperRemoval)
+	return del(context.Background(), n, args, helperUnlessBusy(store{n.StateDir}))
 }
 
 // Del is CmdDel on a parsed config, for callers that live on after it: the
