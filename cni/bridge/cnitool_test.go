@@ -80,6 +80,13 @@ func TestCNIToolAttachesUpInterfaces(t *testing.T) {
 				}
 				return out
 			}
+			// cnitool keeps its result cache on the host (/var/lib/cni): a
+			// test that stops half-way still deletes what it added.
+			t.Cleanup(func() {
+				for _, c := range []*cnitest.NS{c1, c2} {
+					_, _ = cnitest.CNITool(ctx, e.host, tool, confDir, pluginDir(t), "del", "testnet", c)
+				}
+			})
 			ips := map[*cnitest.NS]string{c1: "10.81.0.1", c2: "10.81.0.2"}
 			for _, c := range []*cnitest.NS{c1, c2} {
 				out := run("add", c)
