@@ -44,6 +44,10 @@ type Config struct {
 	Kubeconfig string
 	// NodeName is this node's name (default: host name).
 	NodeName string
+	// NodeIP is the node's InternalIP, where the brain and other nodes
+	// reach its endpoints; New fills it from the node's interfaces when
+	// empty (node.InternalIP), never with loopback.
+	NodeIP string
 	// StateDir holds per-VM state, volumes' default pool and sockets.
 	StateDir string
 	// HealthAddr serves /healthz and /readyz.
@@ -216,12 +220,17 @@ func New(cfg Config) (*Agent, error) {
 	if err != nil {
 		return nil, err
 	}
+	nodeIP, err := node.InternalIP(cfg.NodeIP)
+	if err != nil {
+		return nil, err
+	}
+	cfg.NodeIP = nodeIP.String()
 	emulation, reason := decideEmulation(cfg.Emulation)
-	cfg.Log.Info("virtualization", "node", cfg.NodeName, "emulation", emulation, "reason", reason)
+	cfg.Log.Info("virtualization", "node", cfg.NodeName, "ip", cfg.NodeIP, "emulation", emulation, "reason", reason)
 	if cfg.Emulation == EmulationOff && emulation {
 		return nil, fmt.Errorf("kvm required but unusable: %s", reason)
 	}
-	reg, err := node.New(node.Config{Name: cfg.NodeName, Emulation: emulation, Reason: reason, Log: cfg.Log,
+	reg, err := node.New(node.Config{Name: cfg.NodeName, InternalIP: cfg.NodeIP, Emulation: emulation, Reason: reason, Log: cfg.Log,
 		// Volumes' node affinity uses the CSI topology key, which kubelet
 		// would publish from NodeGetInfo; without a kubelet the agent does.
 		Labels: map[string]string{csi.TopologyKey: cfg.NodeName}}, kc)

@@ -35,6 +35,9 @@ const (
 // Config describes the node.
 type Config struct {
 	Name string
+	// InternalIP is the address published as the Node's InternalIP
+	// (see InternalIP); required.
+	InternalIP string
 	// Emulation reports that guests run under TCG, not KVM.
 	Emulation bool
 	// Reason explains the KVM/emulation decision.
@@ -58,6 +61,9 @@ type Registrar struct {
 func New(cfg Config, kube kube.Interface) (*Registrar, error) {
 	if cfg.Name == "" {
 		return nil, fmt.Errorf("node name is required")
+	}
+	if cfg.InternalIP == "" {
+		return nil, fmt.Errorf("node %s: internal ip is required", cfg.Name)
 	}
 	if cfg.Heartbeat == 0 {
 		cfg.Heartbeat = 10 * time.Second
@@ -155,7 +161,7 @@ func (r *Registrar) heartbeat(ctx context.Context) error {
 			Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "NodeAgentReady",
 			Message: "nodevirt nodeagent is running", LastHeartbeatTime: now, LastTransitionTime: now,
 		}},
-		"addresses": []corev1.NodeAddress{{Type: corev1.NodeHostName, Address: r.cfg.Name}, {Type: corev1.NodeInternalIP, Address: "127.0.0.1"}},
+		"addresses": []corev1.NodeAddress{{Type: corev1.NodeHostName, Address: r.cfg.Name}, {Type: corev1.NodeInternalIP, Address: r.cfg.InternalIP}},
 		"nodeInfo":  corev1.NodeSystemInfo{Architecture: runtime.GOARCH, OperatingSystem: "linux", KubeletVersion: "nodevirt"},
 	}
 	patch, _ := json.Marshal(map[string]any{"status": status})
