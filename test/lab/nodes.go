@@ -360,7 +360,7 @@ func removeNodeCgroups(hs []cgroupHierarchy, n Node) error {
 // writeNodeFiles writes node n's private libvirt configuration, /etc/hosts
 // and its holder and enter scripts.
 func writeNodeFiles(cfg Config, nodes []Node, n Node, hs []cgroupHierarchy) error {
-	for _, d := range []string{"run", "lib-libvirt", "log-libvirt/qemu", "cache-libvirt", "pools/default", "nodeagent"} {
+	for _, d := range []string{"run/lock", "lib-libvirt", "log-libvirt/qemu", "cache-libvirt", "pools/default", "nodeagent"} {
 		if err := os.MkdirAll(n.path(d), 0o755); err != nil {
 			return err
 		}
