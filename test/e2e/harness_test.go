@@ -52,6 +52,11 @@ type env struct {
 
 	brain *daemon
 	agent *daemon
+	// agent2 is the second node's agent (multinode_test.go); node2Err is
+	// why the second node could not start (the cross-node tests fail
+	// with it, the others run).
+	agent2   *daemon
+	node2Err error
 
 	// setupErr is why the product could not be started at all: every test
 	// fails with it.
@@ -156,7 +161,10 @@ func (e *env) setup(ctx context.Context) error {
 		return err
 	}
 	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
-	e.cp, err = controlplane.Start(ctx, controlplane.Config{Dir: e.path("controlplane"), ControllerManager: true, Log: quiet})
+	// The second node reaches the API server from its own network
+	// namespace, at its fabric's gateway.
+	e.cp, err = controlplane.Start(ctx, controlplane.Config{Dir: e.path("controlplane"), ControllerManager: true, Log: quiet,
+		BindAddress: "0.0.0.0"})
 	if err != nil {
 		return fmt.Errorf("control plane: %w", err)
 	}
@@ -173,6 +181,9 @@ func (e *env) setup(ctx context.Context) error {
 	}
 	if err := e.startDaemons(); err != nil {
 		return err
+	}
+	if e.node2Err = e.startSecondNode(); e.node2Err != nil {
+		fmt.Fprintf(os.Stderr, "e2e: second node: %v\n", e.node2Err)
 	}
 	if err := e.createHCO(ctx); err != nil {
 		return err
@@ -396,7 +407,7 @@ func (e *env) teardown() error {
 			d.stop()
 		}
 	}
-	errs = append(errs, e.removeDomains(), e.removePodNetwork(), e.removeMounts(), e.removeBridges(),
+	errs = append(errs, e.removeSecondNode(), e.removeDomains(), e.removePodNetwork(), e.removeMounts(), e.removeBridges(),
 		bridge.RemoveUnusedTables(context.Background()))
 	if e.cp != nil {
 		e.cp.Stop()

@@ -41,18 +41,53 @@ import (
 // Every process of a node enters through the node's enter script, which
 // first moves itself into the node's cgroups, then joins the holder's
 // namespaces. Killing every process in the netns is a node's power loss.
-const (
-	UnderlayBridge  = "nvlab0"
-	SwitchBridge    = "nvlab-sw"
-	UnderlayGateway = "10.77.0.1"
-	underlayPrefix  = "10.77.0."
-	underlayBits    = 24
-	// LabBridge is the bridge every lab node has, joined across nodes.
-	LabBridge     = "br-lab"
-	netnsPrefix   = "nodevirt-"
-	natTable      = "nodevirt-lab"
-	cgroupSubtree = "nodevirt-lab"
+// Fabric names what a multi-node setup makes on the host: the lab's
+// (LabFabric) or a test run's, so that both can run side by side.
+type Fabric struct {
+	// Prefix starts every host-side link name (at most 10 characters), the
+	// nft table and the cgroup subtree.
+	Prefix string
+	// Subnet is the first three octets of the underlay /24; the host holds
+	// .1, node i holds .(10+i).
+	Subnet string
+	// SwitchBridge is the host-side bridge joining every node's LabBridge.
+	SwitchBridge string
+	// LabBridge is the bridge every node has, its uplink in SwitchBridge.
+	LabBridge string
+	// NetnsPrefix + node name is a node's named network namespace.
+	NetnsPrefix string
+}
+
+// LabFabric is `make lab`'s.
+var LabFabric = Fabric{Prefix: "nvlab", Subnet: "10.77.0", SwitchBridge: "nvlab-sw", LabBridge: "br-lab", NetnsPrefix: "nodevirt-"}
+
+// The lab's names, as the README gives them.
+var (
+	UnderlayBridge  = LabFabric.UnderlayBridge()
+	SwitchBridge    = LabFabric.SwitchBridge
+	UnderlayGateway = LabFabric.Gateway()
+	LabBridge       = LabFabric.LabBridge
 )
+
+const underlayBits = 24
+
+// UnderlayBridge is the host-side bridge of the underlay.
+func (f Fabric) UnderlayBridge() string { return f.Prefix + "0" }
+
+// Gateway is the host's address on the underlay, where nodes reach the API
+// server and the outside.
+func (f Fabric) Gateway() string { return f.Subnet + ".1" }
+
+// NodeIP is the underlay address of the node with index i (from 1).
+func (f Fabric) NodeIP(i int) string { return f.Subnet + "." + strconv.Itoa(10+i) }
+
+func (f Fabric) natTable() string { return f.Prefix }
+
+// NewNode describes node name, the index-th (from 1) of fabric f, keeping
+// its files in dir.
+func NewNode(f Fabric, name string, index int, dir, podCIDR string) Node {
+	return Node{Name: name, Index: index, IP: f.NodeIP(index), PodCIDR: podCIDR, Dir: dir, Fabric: f}
+}
 
 // Node is one node of a multi-node lab.
 type Node struct {
@@ -66,10 +101,17 @@ type Node struct {
 	PodCIDR string
 	// Dir holds the node's private directories, scripts and pid files.
 	Dir string
+	// Fabric is what the node is plugged into.
+	Fabric Fabric
 }
 
 // Netns is the node's named network namespace.
-func (n Node) Netns() string { return netnsPrefix + n.Name }
+func (n Node) Netns() string { return n.Fabric.NetnsPrefix + n.Name }
+
+// links are the host-side ends of the node's underlay and switch veths.
+func (n Node) links() (under, sw string) {
+	return fmt.Sprintf("%su%d", n.Fabric.Prefix, n.Index), fmt.Sprintf("%ss%d", n.Fabric.Prefix, n.Index)
+}
 
 func (n Node) path(parts ...string) string {
 	return filepath.Join(append([]string{n.Dir}, parts...)...)
@@ -96,8 +138,7 @@ func (c Config) Nodes() []Node {
 	nodes := make([]Node, c.NodeCount)
 	for i := range nodes {
 		name := fmt.Sprintf("node%d", i+1)
-		nodes[i] = Node{Name: name, Index: i + 1, IP: underlayPrefix + strconv.Itoa(10+i+1),
-			PodCIDR: fmt.Sprintf("10.244.%d.0/24", i+1), Dir: c.path("nodes", name)}
+		nodes[i] = NewNode(LabFabric, name, i+1, c.path("nodes", name), fmt.Sprintf("10.244.%d.0/24", i+1))
 	}
 	return nodes
 }
@@ -125,10 +166,11 @@ func linkExists(name string) bool {
 	return err == nil
 }
 
-// ensureFabric creates the host side: the underlay bridge with the gateway
-// address, NAT for the nodes' egress, and the switch bridge.
-func ensureFabric(cfg Config) error {
-	for _, br := range []string{UnderlayBridge, SwitchBridge} {
+// Up creates the host side of f: the underlay bridge with the gateway
+// address, NAT for the nodes' egress, and the switch bridge. stateDir keeps
+// what Down restores (IPv4 forwarding as it was).
+func (f Fabric) Up(stateDir string) error {
+	for _, br := range []string{f.UnderlayBridge(), f.SwitchBridge} {
 		if !linkExists(br) {
 			if err := run("ip", "link", "add", br, "type", "bridge"); err != nil {
 				return err
@@ -138,26 +180,26 @@ func ensureFabric(cfg Config) error {
 			return err
 		}
 	}
-	if err := run("ip", "addr", "replace", fmt.Sprintf("%s/%d", UnderlayGateway, underlayBits), "dev", UnderlayBridge); err != nil {
+	if err := run("ip", "addr", "replace", fmt.Sprintf("%s/%d", f.Gateway(), underlayBits), "dev", f.UnderlayBridge()); err != nil {
 		return err
 	}
 	// Forwarding as it was is restored by Down.
 	fwd := "/proc/sys/net/ipv4/ip_forward"
-	if _, err := os.Stat(cfg.path("ip_forward.saved")); errors.Is(err, os.ErrNotExist) {
+	if _, err := os.Stat(filepath.Join(stateDir, "ip_forward.saved")); errors.Is(err, os.ErrNotExist) {
 		old, err := os.ReadFile(fwd)
 		if err != nil {
 			return err
 		}
-		if err := os.WriteFile(cfg.path("ip_forward.saved"), old, 0o644); err != nil {
+		if err := os.WriteFile(filepath.Join(stateDir, "ip_forward.saved"), old, 0o644); err != nil {
 			return err
 		}
 	}
 	if err := os.WriteFile(fwd, []byte("1"), 0o644); err != nil {
 		return err
 	}
-	_ = run("nft", "delete", "table", "ip", natTable)
+	_ = run("nft", "delete", "table", "ip", f.natTable())
 	rules := fmt.Sprintf("table ip %s {\n chain postrouting {\n  type nat hook postrouting priority srcnat; policy accept;\n"+
-		"  ip saddr %s0/%d oifname != %q masquerade\n }\n}\n", natTable, underlayPrefix, underlayBits, UnderlayBridge)
+		"  ip saddr %s.0/%d oifname != %q masquerade\n }\n}\n", f.natTable(), f.Subnet, underlayBits, f.UnderlayBridge())
 	cmd := exec.Command("nft", "-f", "-")
 	cmd.Stdin = strings.NewReader(rules)
 	if out, err := cmd.CombinedOutput(); err != nil {
@@ -178,7 +220,8 @@ func ensureNodeNet(n Node) error {
 	if err := in("link", "set", "lo", "up"); err != nil {
 		return err
 	}
-	under, sw := "nvu-"+n.Name, "nvs-"+n.Name
+	under, sw := n.links()
+	f := n.Fabric
 	if !linkExists(under) {
 		if err := run("ip", "link", "add", under, "type", "veth", "peer", "name", "eth0", "netns", ns); err != nil {
 			return err
@@ -189,22 +232,22 @@ func ensureNodeNet(n Node) error {
 			return err
 		}
 	}
-	for _, l := range []struct{ link, br string }{{under, UnderlayBridge}, {sw, SwitchBridge}} {
+	for _, l := range []struct{ link, br string }{{under, f.UnderlayBridge()}, {sw, f.SwitchBridge}} {
 		if err := run("ip", "link", "set", l.link, "master", l.br, "up"); err != nil {
 			return err
 		}
 	}
-	if err := in("link", "show", LabBridge); err != nil {
-		if err := in("link", "add", LabBridge, "type", "bridge"); err != nil {
+	if err := in("link", "show", f.LabBridge); err != nil {
+		if err := in("link", "add", f.LabBridge, "type", "bridge"); err != nil {
 			return err
 		}
 	}
 	for _, step := range [][]string{
 		{"addr", "replace", fmt.Sprintf("%s/%d", n.IP, underlayBits), "dev", "eth0"},
 		{"link", "set", "eth0", "up"},
-		{"route", "replace", "default", "via", UnderlayGateway},
-		{"link", "set", "lab0", "master", LabBridge, "up"},
-		{"link", "set", LabBridge, "up"},
+		{"route", "replace", "default", "via", f.Gateway()},
+		{"link", "set", "lab0", "master", f.LabBridge, "up"},
+		{"link", "set", f.LabBridge, "up"},
 	} {
 		if err := in(step...); err != nil {
 			return err
@@ -302,7 +345,7 @@ func sameControllers(key string, opts []string) bool {
 // process's own cgroup, so the lab stays inside whatever limits it runs
 // under.
 func nodeCgroupDir(h cgroupHierarchy, n Node) string {
-	return filepath.Join(h.Dir, h.Own, cgroupSubtree, n.Name)
+	return filepath.Join(h.Dir, h.Own, n.Fabric.Prefix, n.Name)
 }
 
 // ensureNodeCgroups creates node n's cgroups (cpuset ones get their
@@ -359,7 +402,7 @@ func removeNodeCgroups(hs []cgroupHierarchy, n Node) error {
 
 // writeNodeFiles writes node n's private libvirt configuration, /etc/hosts
 // and its holder and enter scripts.
-func writeNodeFiles(cfg Config, nodes []Node, n Node, hs []cgroupHierarchy) error {
+func writeNodeFiles(nodes []Node, n Node, hs []cgroupHierarchy) error {
 	for _, d := range []string{"run/lock", "lib-libvirt", "log-libvirt/qemu", "cache-libvirt", "pools/default", "nodeagent"} {
 		if err := os.MkdirAll(n.path(d), 0o755); err != nil {
 			return err
@@ -392,7 +435,7 @@ func writeNodeFiles(cfg Config, nodes []Node, n Node, hs []cgroupHierarchy) erro
 	}); err != nil {
 		return err
 	}
-	hosts := "127.0.0.1\tlocalhost\n" + UnderlayGateway + "\tlab-host\n"
+	hosts := "127.0.0.1\tlocalhost\n" + n.Fabric.Gateway() + "\tlab-host\n"
 	for _, o := range nodes {
 		hosts += o.IP + "\t" + o.Name + "\n"
 	}
@@ -457,7 +500,7 @@ func appendConf(file, tag string, kv map[string]string) error {
 
 // startHolder starts node n's holder unless it runs, and waits until its
 // namespaces are set up.
-func startHolder(cfg Config, n Node) error {
+func startHolder(n Node) error {
 	if _, ok := controlplane.AlivePid(n.path("holder.pid")); ok {
 		return nil
 	}

@@ -37,28 +37,12 @@ func recordedNodeCount(dir string) int {
 func upNodes(cfg Config) error {
 	step(cfg.Out, fmt.Sprintf("%d nodes: namespaces, underlay %s (%s), switch %s, libvirtd+virtlogd each",
 		cfg.NodeCount, UnderlayBridge, UnderlayGateway, SwitchBridge))
-	if err := ensureFabric(cfg); err != nil {
+	if err := LabFabric.Up(cfg.Dir); err != nil {
 		return fmt.Errorf("lab fabric: %w", err)
-	}
-	hs, err := hostCgroups()
-	if err != nil {
-		return fmt.Errorf("cgroups: %w", err)
 	}
 	nodes := cfg.Nodes()
 	for _, n := range nodes {
-		if err := ensureNodeNet(n); err != nil {
-			return fmt.Errorf("node %s network: %w", n.Name, err)
-		}
-		if err := ensureNodeCgroups(hs, n); err != nil {
-			return fmt.Errorf("node %s: %w", n.Name, err)
-		}
-		if err := writeNodeFiles(cfg, nodes, n, hs); err != nil {
-			return fmt.Errorf("node %s files: %w", n.Name, err)
-		}
-		if err := startHolder(cfg, n); err != nil {
-			return err
-		}
-		if err := startNodeLibvirt(n); err != nil {
+		if err := StartNode(n, nodes); err != nil {
 			return err
 		}
 		fmt.Fprintf(cfg.Out, "    %s: netns %s, ip %s, pod subnet %s, libvirt host uuid %s\n",
@@ -67,11 +51,75 @@ func upNodes(cfg Config) error {
 	return nil
 }
 
+// StartNode brings node n (one of nodes) up to its libvirtd: its netns and
+// links, cgroups, private directories and configuration, the holder of its
+// namespaces, virtlogd and libvirtd. What already runs is kept.
+func StartNode(n Node, nodes []Node) error {
+	hs, err := hostCgroups()
+	if err != nil {
+		return fmt.Errorf("cgroups: %w", err)
+	}
+	if err := ensureNodeNet(n); err != nil {
+		return fmt.Errorf("node %s network: %w", n.Name, err)
+	}
+	if err := ensureNodeCgroups(hs, n); err != nil {
+		return fmt.Errorf("node %s: %w", n.Name, err)
+	}
+	if err := writeNodeFiles(nodes, n, hs); err != nil {
+		return fmt.Errorf("node %s files: %w", n.Name, err)
+	}
+	if err := startHolder(n); err != nil {
+		return err
+	}
+	return startNodeLibvirt(n)
+}
+
+// RemoveNode kills every process of node n and removes its netns, links
+// and cgroups; what is gone already is success.
+func RemoveNode(n Node) error {
+	hs, err := hostCgroups()
+	if err != nil {
+		return err
+	}
+	var errs []error
+	if _, err := os.Stat("/run/netns/" + n.Netns()); err == nil {
+		errs = append(errs, PowerOff(n), run("ip", "netns", "del", n.Netns()))
+	}
+	under, sw := n.links()
+	for _, l := range []string{under, sw} {
+		if linkExists(l) {
+			errs = append(errs, run("ip", "link", "del", l))
+		}
+	}
+	errs = append(errs, removeNodeCgroups(hs, n))
+	return errors.Join(errs...)
+}
+
+// Down removes the host side of f (bridges, NAT table) and restores IPv4
+// forwarding as Up found it.
+func (f Fabric) Down(stateDir string) error {
+	var errs []error
+	for _, br := range []string{f.UnderlayBridge(), f.SwitchBridge} {
+		if linkExists(br) {
+			errs = append(errs, run("ip", "link", "del", br))
+		}
+	}
+	if err := run("nft", "delete", "table", "ip", f.natTable()); err != nil && !strings.Contains(err.Error(), "No such file") {
+		errs = append(errs, err)
+	}
+	if old, err := os.ReadFile(filepath.Join(stateDir, "ip_forward.saved")); err == nil {
+		errs = append(errs, os.WriteFile("/proc/sys/net/ipv4/ip_forward", old, 0o644))
+	} else if !errors.Is(err, os.ErrNotExist) {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
 // startNodeAgents starts every node's agent inside its node; the agents
 // reach the API server at the underlay gateway.
 func startNodeAgents(cfg Config, cp *controlplane.ControlPlane) error {
 	step(cfg.Out, "nodeagents")
-	server, err := underlayServer(cp.URL)
+	server, err := UnderlayServer(LabFabric, cp.URL)
 	if err != nil {
 		return err
 	}
@@ -80,7 +128,7 @@ func startNodeAgents(cfg Config, cp *controlplane.ControlPlane) error {
 		if err := cp.WriteKubeconfig(kc, rbac.NodeUser(n.Name), rbac.NodesGroup); err != nil {
 			return err
 		}
-		if err := pointKubeconfig(kc, server); err != nil {
+		if err := PointKubeconfig(kc, server); err != nil {
 			return err
 		}
 		dir := n.AgentDir()
@@ -96,18 +144,19 @@ func startNodeAgents(cfg Config, cp *controlplane.ControlPlane) error {
 	return nil
 }
 
-// underlayServer is the API server's URL as the nodes reach it.
-func underlayServer(url string) (string, error) {
+// UnderlayServer is the API server's URL (on loopback) as nodes on f
+// reach it.
+func UnderlayServer(f Fabric, url string) (string, error) {
 	i := strings.LastIndex(url, ":")
 	if i < 0 {
 		return "", fmt.Errorf("api server url %q has no port", url)
 	}
-	return "https://" + UnderlayGateway + url[i:], nil
+	return "https://" + f.Gateway() + url[i:], nil
 }
 
-// pointKubeconfig makes a kubeconfig reach the API server at server while
+// PointKubeconfig makes a kubeconfig reach the API server at server while
 // still verifying its certificate for 127.0.0.1.
-func pointKubeconfig(file, server string) error {
+func PointKubeconfig(file, server string) error {
 	kc, err := clientcmd.LoadFromFile(file)
 	if err != nil {
 		return err
@@ -180,39 +229,15 @@ func downNodes(cfg Config) error {
 		return nil
 	}
 	step(cfg.Out, fmt.Sprintf("%d nodes", len(nodes)))
-	hs, err := hostCgroups()
-	if err != nil {
-		return err
-	}
 	var errs []error
 	for _, n := range nodes {
 		if pid, ok := controlplane.AlivePid(n.path("nodeagent.pid")); ok {
 			errs = append(errs, controlplane.TerminatePid(pid, 15*time.Second))
 		}
-		if _, err := os.Stat("/run/netns/" + n.Netns()); err == nil {
-			fmt.Fprintf(cfg.Out, "    %s: processes, netns %s\n", n.Name, n.Netns())
-			errs = append(errs, PowerOff(n), run("ip", "netns", "del", n.Netns()))
-		}
-		for _, l := range []string{"nvu-" + n.Name, "nvs-" + n.Name} {
-			if linkExists(l) {
-				errs = append(errs, run("ip", "link", "del", l))
-			}
-		}
-		errs = append(errs, removeNodeCgroups(hs, n))
+		fmt.Fprintf(cfg.Out, "    %s: processes, netns %s, links, cgroups\n", n.Name, n.Netns())
+		errs = append(errs, RemoveNode(n))
 	}
-	for _, br := range []string{UnderlayBridge, SwitchBridge} {
-		if linkExists(br) {
-			errs = append(errs, run("ip", "link", "del", br))
-		}
-	}
-	if err := run("nft", "delete", "table", "ip", natTable); err != nil && !strings.Contains(err.Error(), "No such file") {
-		errs = append(errs, err)
-	}
-	if old, err := os.ReadFile(cfg.path("ip_forward.saved")); err == nil {
-		errs = append(errs, os.WriteFile("/proc/sys/net/ipv4/ip_forward", old, 0o644))
-	} else if !errors.Is(err, os.ErrNotExist) {
-		errs = append(errs, err)
-	}
+	errs = append(errs, LabFabric.Down(cfg.Dir))
 	return errors.Join(errs...)
 }
 
