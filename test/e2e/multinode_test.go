@@ -192,9 +192,11 @@ func TestCrossNode(t *testing.T) {
 		t.Errorf("the host's libvirtd has the domain of the VM placed on %s", node2.Name)
 	}
 	for _, v := range vms {
-		s := n.serial(v.name)
+		var s *serialLog
 		if v.node == node2.Name {
 			s = n.serialOn(node2, v.name)
+		} else {
+			s = n.serial(v.name)
 		}
 		s.expect(`NODEVIRT-IP eth0 `+v.self+`/24`, bootTimeout)
 		s.expect(`E2E-PING-(OK|FAILED) `+v.peer, 150*time.Second)
