@@ -20,7 +20,9 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/daemon"
+	"github.com/nodevirt/nodevirt/clusterbrain/fencing"
 	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
+	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
 	"github.com/nodevirt/nodevirt/csi"
 	"github.com/nodevirt/nodevirt/nodeagent/console"
 	"github.com/nodevirt/nodevirt/nodeagent/handler"
@@ -84,7 +86,12 @@ type Config struct {
 	// PodBridge is the pod network's bridge, podnet.DefaultBridge when
 	// empty. Its state lives in <StateDir>/podnet.
 	PodBridge string
-	Log       *slog.Logger
+	// SelfFence is what the agent does when it cannot renew its Lease for
+	// longer than FencingWindow and reaches no peer: fencing.ModeStop
+	// (default) stops its guests, fencing.ModeNone nothing.
+	SelfFence     string
+	FencingWindow time.Duration
+	Log           *slog.Logger
 }
 
 func (c *Config) defaults() {
@@ -127,6 +134,12 @@ func (c *Config) defaults() {
 	if c.PodBridge == "" {
 		c.PodBridge = podnet.DefaultBridge
 	}
+	if c.SelfFence == "" {
+		c.SelfFence = fencing.ModeStop
+	}
+	if c.FencingWindow == 0 {
+		c.FencingWindow = fencing.DefaultWindow
+	}
 	if c.CertDir == "" {
 		c.CertDir = filepath.Join(c.StateDir, "pki")
 	}
@@ -152,6 +165,12 @@ func (c *Config) validate() error {
 	}
 	if c.NodeName == "" {
 		return errors.New("node name is required")
+	}
+	if c.SelfFence != fencing.ModeStop && c.SelfFence != fencing.ModeNone {
+		return fmt.Errorf("self-fence must be %s or %s, not %q", fencing.ModeStop, fencing.ModeNone, c.SelfFence)
+	}
+	if c.FencingWindow < 5*time.Second {
+		return fmt.Errorf("fencing window %s: at least 5s", c.FencingWindow)
 	}
 	return nil
 }
@@ -233,7 +252,8 @@ func New(cfg Config) (*Agent, error) {
 	reg, err := node.New(node.Config{Name: cfg.NodeName, InternalIP: cfg.NodeIP, Emulation: emulation, Reason: reason, Log: cfg.Log,
 		// Volumes' node affinity uses the CSI topology key, which kubelet
 		// would publish from NodeGetInfo; without a kubelet the agent does.
-		Labels: map[string]string{csi.TopologyKey: cfg.NodeName}}, kc)
+		Labels:         map[string]string{csi.TopologyKey: cfg.NodeName},
+		PeerAnnotation: subresources.NodeAddressAnnotation}, kc)
 	if err != nil {
 		return nil, err
 	}
@@ -265,6 +285,15 @@ func New(cfg Config) (*Agent, error) {
 			return nil, err
 		}
 		a.roles = append(a.roles, r)
+	}
+	if cfg.SelfFence == fencing.ModeStop {
+		for _, r := range a.roles {
+			if g, ok := r.(GuestStopper); ok {
+				a.roles = append(a.roles, &fencer{window: cfg.FencingWindow, renewed: reg.LastRenewal, peers: reg.Peers, guests: g,
+					log: func(msg string, args ...any) { cfg.Log.Warn(msg, append(args, "node", cfg.NodeName)...) }})
+				break
+			}
+		}
 	}
 	return a, nil
 }

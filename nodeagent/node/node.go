@@ -11,6 +11,7 @@ import (
 	"log/slog"
 	"os"
 	"runtime"
+	"sync/atomic"
 	"time"
 
 	coordinationv1 "k8s.io/api/coordination/v1"
@@ -47,7 +48,10 @@ type Config struct {
 	Labels map[string]string
 	// Heartbeat is how often the Lease and Ready condition are renewed.
 	Heartbeat time.Duration
-	Log       *slog.Logger
+	// PeerAnnotation is the Node annotation holding a node agent's
+	// address (host:port); Peers lists the other nodes' (none when empty).
+	PeerAnnotation string
+	Log            *slog.Logger
 }
 
 // Registrar keeps the Node object current.
@@ -55,6 +59,44 @@ type Registrar struct {
 	cfg        Config
 	kube       kube.Interface
 	standalone bool
+	// renewed is when the Lease was last renewed (unix nanoseconds).
+	renewed atomic.Int64
+	peers   atomic.Pointer[[]string]
+}
+
+// LastRenewal is when this agent last renewed its Lease (zero before the
+// first renewal, or when a kubelet owns the Node).
+func (r *Registrar) LastRenewal() time.Time {
+	if ns := r.renewed.Load(); ns != 0 {
+		return time.Unix(0, ns)
+	}
+	return time.Time{}
+}
+
+// Peers are the other node agents' addresses as last listed.
+func (r *Registrar) Peers() []string {
+	if p := r.peers.Load(); p != nil {
+		return *p
+	}
+	return nil
+}
+
+// refreshPeers lists the other node agents' addresses.
+func (r *Registrar) refreshPeers(ctx context.Context) {
+	if r.cfg.PeerAnnotation == "" {
+		return
+	}
+	list, err := r.kube.CoreV1().Nodes().List(ctx, metav1.ListOptions{LabelSelector: LabelManagedBy})
+	if err != nil {
+		return
+	}
+	var peers []string
+	for _, n := range list.Items {
+		if a := n.Annotations[r.cfg.PeerAnnotation]; a != "" && n.Name != r.cfg.Name {
+			peers = append(peers, a)
+		}
+	}
+	r.peers.Store(&peers)
 }
 
 // New returns a Registrar for cfg.
@@ -169,7 +211,12 @@ func (r *Registrar) heartbeat(ctx context.Context) error {
 		metav1.PatchOptions{FieldManager: FieldManager}, "status"); err != nil {
 		return fmt.Errorf("node %s status: %w", r.cfg.Name, err)
 	}
-	return r.renewLease(ctx)
+	if err := r.renewLease(ctx); err != nil {
+		return err
+	}
+	r.renewed.Store(time.Now().UnixNano())
+	r.refreshPeers(ctx)
+	return nil
 }
 
 func (r *Registrar) renewLease(ctx context.Context) error {
