@@ -85,10 +85,11 @@ func RemoveNode(n Node) error {
 	if _, err := os.Stat("/run/netns/" + n.Netns()); err == nil {
 		errs = append(errs, PowerOff(n), run("ip", "netns", "del", n.Netns()))
 	}
+	// Deleting the netns deletes the veths' other ends, asynchronously.
 	under, sw := n.links()
 	for _, l := range []string{under, sw} {
-		if linkExists(l) {
-			errs = append(errs, run("ip", "link", "del", l))
+		if err := run("ip", "link", "del", l); err != nil && linkExists(l) {
+			errs = append(errs, err)
 		}
 	}
 	errs = append(errs, removeNodeCgroups(hs, n))
@@ -255,4 +256,17 @@ func NodeCommand(cfg Config, node string, argv ...string) ([]string, error) {
 		return nil, fmt.Errorf("node %s is not running (make lab)", n.Name)
 	}
 	return EnterCommand(n, argv...), nil
+}
+
+// PowerOffNode kills every process of the lab's node named node
+// (PowerOff).
+func PowerOffNode(cfg Config, node string) error {
+	if err := cfg.defaults(); err != nil {
+		return err
+	}
+	n, err := cfg.Node(node)
+	if err != nil {
+		return err
+	}
+	return PowerOff(n)
 }

@@ -21,7 +21,8 @@ import (
 func main() {
 	if len(os.Args) < 2 {
 		fmt.Fprintln(os.Stderr, "usage: nodevirt-lab up|down|demo|exec|build-controlplane|build-upstream-virtctl [flags]\n"+
-			"       nodevirt-lab exec [--dir DIR] NODE -- CMD ARGS...   (runs a command inside a lab node)")
+			"       nodevirt-lab exec [--dir DIR] NODE -- CMD ARGS...   (runs a command inside a lab node)\n"+
+			"       nodevirt-lab power-off [--dir DIR] NODE             (kills every process of a node at once)")
 		os.Exit(2)
 	}
 	verb := os.Args[1]
@@ -47,6 +48,14 @@ func main() {
 		err = lab.Demo(ctx, cfg)
 	case "exec":
 		err = execInNode(cfg, fs.Args())
+	case "power-off":
+		// Every process of the node killed at once: a host's power loss.
+		// `nodevirt-lab up` (make lab) powers it on again.
+		if fs.NArg() != 1 {
+			err = fmt.Errorf("power-off: want NODE")
+			break
+		}
+		err = lab.PowerOffNode(cfg, fs.Arg(0))
 	case "build-controlplane":
 		_, err = controlplane.EnsureBinaries(ctx, "")
 	case "build-upstream-virtctl":
