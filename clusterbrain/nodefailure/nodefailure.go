@@ -60,6 +60,8 @@ func New(cfg Config) (*Controller, error) {
 	if cfg.Margin == 0 {
 		cfg.Margin = fencing.DefaultMargin
 	}
+	// A node is unreachable no later than it is lost.
+	cfg.Grace = min(cfg.Grace, cfg.Window)
 	if cfg.Interval == 0 {
 		cfg.Interval = 2 * time.Second
 	}

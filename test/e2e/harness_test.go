@@ -218,7 +218,7 @@ func (e *env) startDaemons() error {
 	if err := e.cp.WriteKubeconfig(agentKC, rbac.NodeUser(e.nodeName), rbac.NodesGroup); err != nil {
 		return err
 	}
-	brainArgs := []string{"--kubeconfig=" + brainKC, "--health-addr=" + freeAddr(),
+	brainArgs := []string{"--kubeconfig=" + brainKC, "--health-addr=" + freeAddr(), "--fencing-window=" + fencingWindow.String(),
 		// Every listener of the brain takes a port the kernel picks (the
 		// brain registers what it bound), so the suite never races another
 		// process for a port nor collides with a lab on the same host.
@@ -228,7 +228,7 @@ func (e *env) startDaemons() error {
 		"--metrics-addr=127.0.0.1:0", "--cli-download-addr=127.0.0.1:0"}
 	e.brain = newDaemon(e, "clusterbrain", brainArgs...)
 	agentDir := e.path("nodeagent")
-	agentArgs := []string{"--kubeconfig=" + agentKC, "--node-name=" + e.nodeName,
+	agentArgs := []string{"--kubeconfig=" + agentKC, "--node-name=" + e.nodeName, "--fencing-window=" + fencingWindow.String(),
 		"--state-dir=" + agentDir, "--emulation=on", "--health-addr=" + freeAddr(),
 		"--csi-socket=" + filepath.Join(agentDir, "csi", "csi.sock"),
 		"--pools=" + poolName() + "=" + e.path("pools", poolName())}

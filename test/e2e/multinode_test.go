@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -16,6 +17,7 @@ import (
 	nadv1 "github.com/k8snetworkplumbingwg/network-attachment-definition-client/pkg/apis/k8s.cni.cncf.io/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	"libvirt.org/go/libvirtxml"
 
@@ -29,6 +31,14 @@ import (
 // agent on the host) is plugged into the same fabric: the fabric's switch
 // bridge in the host namespace carries the name of the second node's lab
 // bridge, so a cnv-bridge NAD on that name joins VMs on both nodes.
+
+// fencingWindow is the suite's (package fencing): short, so that a lost
+// node's VMs move within a test's patience.
+const fencingWindow = 10 * time.Second
+
+// secondNodeTaint keeps the tests that do not ask for the second node off
+// it: they look at their domains in the host's libvirtd.
+const secondNodeTaint = "nodevirt.io/e2e-second-node"
 
 // fabric is the run's: names and an underlay subnet of its own, so a lab
 // and other runs on the host are left alone.
@@ -70,8 +80,25 @@ func (e *env) startSecondNode() error {
 	if err := lab.PointKubeconfig(kc, server); err != nil {
 		return err
 	}
+	// The Node exists before its agent, tainted, and the agent adopts it as
+	// its own (standalone): nothing lands there untolerated.
+	if _, err := e.kube.CoreV1().Nodes().Create(context.Background(), &corev1.Node{
+		ObjectMeta: metav1.ObjectMeta{Name: n.Name, Labels: map[string]string{"nodevirt.io/nodeagent": "standalone",
+			corev1.LabelHostname: n.Name}},
+		Spec: corev1.NodeSpec{Taints: []corev1.Taint{{Key: secondNodeTaint, Effect: corev1.TaintEffectNoSchedule}}},
+	}, metav1.CreateOptions{}); err != nil {
+		return fmt.Errorf("pre-create node %s: %w", n.Name, err)
+	}
+	return e.startAgent2()
+}
+
+// startAgent2 starts (again) the second node's agent.
+func (e *env) startAgent2() error {
+	n := e.node2()
+	kc := filepath.Join(n.Dir, "nodeagent.kubeconfig")
 	dir := n.AgentDir()
 	argv := lab.EnterCommand(n, filepath.Join(e.bin, "nodeagent"), "--kubeconfig="+kc, "--node-name="+n.Name,
+		"--fencing-window="+fencingWindow.String(),
 		"--node-ip="+n.IP, "--pod-cidr="+n.PodCIDR, "--state-dir="+dir, "--emulation=on",
 		"--csi-socket="+filepath.Join(dir, "csi", "csi.sock"),
 		"--pools="+poolName()+"="+filepath.Join(n.Dir, "pools", poolName()))
@@ -139,6 +166,13 @@ func withNodeSelector(node string) vmiOption {
 	}
 }
 
+// onSecondNodeToo lets a VMI run on the suite's second node.
+func onSecondNodeToo() vmiOption {
+	return func(s *kubevirtv1.VirtualMachineInstanceSpec) {
+		s.Tolerations = append(s.Tolerations, corev1.Toleration{Key: secondNodeTaint, Operator: corev1.TolerationOpExists})
+	}
+}
+
 // TestCrossNode: the scheduler places two VMs on different nodes by
 // nodeSelector; the one on the second node (its own namespaces, libvirtd
 // and agent, reached by the brain over the underlay) boots and upstream
@@ -179,7 +213,7 @@ func TestCrossNode(t *testing.T) {
 		{"second", node2.Name, "10.232.0.2", "10.232.0.1"},
 	}
 	for _, v := range vms {
-		n.createVM(n.newVM(v.name, kubevirtv1.RunStrategyAlways, withBridge("cross"), withNodeSelector(v.node),
+		n.createVM(n.newVM(v.name, kubevirtv1.RunStrategyAlways, withBridge("cross"), withNodeSelector(v.node), onSecondNodeToo(),
 			withUserData(pingUserData(v.self, v.peer))))
 	}
 	for _, v := range vms {
@@ -205,4 +239,95 @@ func TestCrossNode(t *testing.T) {
 		}
 	}
 	t.Run("console on the second node", func(t *testing.T) { n.upstreamVirtctl().checkConsole("second") })
+}
+
+// TestNodePowerLoss: every process of the second node is killed at once
+// (its agent, libvirtd, QEMU): past the fencing window plus margin the brain
+// fails the VMI over (NodeUnreachable, an event on the VM) and the VM runs
+// again on the first node, its disk being reachable there; when the node
+// comes back it cleans up the stale domain and never runs it again. Not
+// parallel: it takes the second node away.
+func TestNodePowerLoss(t *testing.T) {
+	e := require(t)
+	if e.node2Err != nil {
+		t.Fatalf("second node: %v", e.node2Err)
+	}
+	node2 := e.node2()
+	n := e.namespace(t)
+	ctx := context.Background()
+	n.eventually(90*time.Second, "node "+node2.Name+" Ready", func() (bool, string) {
+		node, err := e.kube.CoreV1().Nodes().Get(ctx, node2.Name, metav1.GetOptions{})
+		return err == nil && nodeReady(node), fmt.Sprint("not Ready ", err)
+	})
+	// Cordon the first node while the VM starts, so it lands on the second.
+	cordon := func(on bool) {
+		patch := fmt.Sprintf(`{"spec":{"unschedulable":%v}}`, on)
+		if _, err := e.kube.CoreV1().Nodes().Patch(ctx, e.nodeName, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+			t.Fatalf("cordon %s: %v", e.nodeName, err)
+		}
+	}
+	cordon(true)
+	n.createVM(n.newVM("mover", kubevirtv1.RunStrategyAlways, onSecondNodeToo()))
+	first := n.waitVMIOfVM("mover", 2*time.Minute)
+	cordon(false)
+	if first.Status.NodeName != node2.Name {
+		t.Fatalf("vmi mover runs on %s, want %s (the first node was cordoned)", first.Status.NodeName, node2.Name)
+	}
+	n.serialOn(node2, "mover").expect(`NODEVIRT-GUEST-READY`, bootTimeout)
+
+	off := time.Now()
+	if err := lab.PowerOff(node2); err != nil {
+		t.Fatal(err)
+	}
+	second := n.waitVMIOfVM("mover", 2*time.Minute, first.UID)
+	moved := time.Since(off)
+	if second.Status.NodeName != e.nodeName {
+		t.Fatalf("after the power loss the vmi runs on %q, want %s", second.Status.NodeName, e.nodeName)
+	}
+	t.Logf("power loss to running on %s: %s (fencing window %s + margin %s)", e.nodeName, moved.Round(100*time.Millisecond),
+		fencingWindow, 10*time.Second)
+	if bound := fencingWindow + 10*time.Second + 10*time.Second /* heartbeat */ + 60*time.Second; moved > bound {
+		t.Errorf("the VM took %s to run again, more than %s", moved.Round(time.Second), bound)
+	}
+	events, err := e.kube.CoreV1().Events(n.name).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=mover"})
+	if err != nil || !slices.ContainsFunc(events.Items, func(ev corev1.Event) bool {
+		return ev.Reason == "NodeUnreachable" && ev.InvolvedObject.Kind == "VirtualMachine"
+	}) {
+		t.Errorf("no NodeUnreachable event on VM mover (err %v)", err)
+	}
+	node, err := e.kube.CoreV1().Nodes().Get(ctx, node2.Name, metav1.GetOptions{})
+	if err != nil || nodeReady(node) || !slices.ContainsFunc(node.Spec.Taints, func(t corev1.Taint) bool {
+		return t.Key == corev1.TaintNodeUnreachable
+	}) {
+		t.Errorf("the lost node is not NotReady and tainted unreachable: %v (err %v)", node.Spec.Taints, err)
+	}
+
+	// Power on: the node's libvirtd finds the domain defined, the agent
+	// undefines it without starting it.
+	if err := lab.StartNode(node2, []lab.Node{node2}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.startAgent2(); err != nil {
+		t.Fatal(err)
+	}
+	dom := domainName(n.name, "mover")
+	n.eventually(90*time.Second, "stale domain "+dom+" removed from "+node2.Name, func() (bool, string) {
+		out, err := nodeVirsh(node2, "list", "--all", "--name")
+		if err != nil {
+			return false, err.Error()
+		}
+		if st, _ := nodeVirsh(node2, "domstate", dom); strings.TrimSpace(st) == "running" {
+			t.Errorf("the returning node runs %s again while the VM runs on %s", dom, e.nodeName)
+		}
+		return !strings.Contains(out, dom), "still defined: " + strings.TrimSpace(out)
+	})
+	n.eventually(60*time.Second, "node "+node2.Name+" Ready again, untainted", func() (bool, string) {
+		node, err := e.kube.CoreV1().Nodes().Get(ctx, node2.Name, metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		return nodeReady(node) && !slices.ContainsFunc(node.Spec.Taints, func(t corev1.Taint) bool {
+			return t.Key == corev1.TaintNodeUnreachable
+		}), fmt.Sprint(node.Spec.Taints)
+	})
 }
