@@ -28,8 +28,10 @@ import (
 //     the way a physical switch joins hosts' bridges;
 //   - a mount, UTS and cgroup namespace held by a small "holder" process
 //     (the node's init): its own sysfs (so /sys/class/net is the node's),
-//     cgroup hierarchies mounted inside the cgroup namespace (so libvirt's
-//     machine cgroups of two nodes never collide), a private /run,
+//     cgroup hierarchies mounted inside the cgroup namespace, whose root is
+//     the node's cgroup <the lab's own cgroup>/<Fabric.Prefix>/<node> in
+//     every hierarchy (so libvirt's machine cgroups of two nodes never
+//     collide, and the lab stays under its own limits), a private /run,
 //     /etc/libvirt, /var/lib/libvirt, /var/log/libvirt, /var/cache/libvirt,
 //     /etc/hosts and hostname. `ip netns exec` is not used: it mounts a
 //     fresh /sys whose cgroup directory is empty, and libvirt would run
@@ -41,6 +43,7 @@ import (
 // Every process of a node enters through the node's enter script, which
 // first moves itself into the node's cgroups, then joins the holder's
 // namespaces. Killing every process in the netns is a node's power loss.
+
 // Fabric names what a multi-node setup makes on the host: the lab's
 // (LabFabric) or a test run's, so that both can run side by side.
 type Fabric struct {
