@@ -44,7 +44,27 @@ type Config struct {
 }
 
 // Controller is the node-failure role.
-type Controller struct{ cfg Config }
+//
+// It times each node from when it last saw the node's Lease renewed (its
+// own clock), not from the renewal time written in the Lease: a brain that
+// just took over, or that could not read the API for a while (an API
+// server outage), gives every node a full window again instead of failing
+// everything over at once; and a node's clock never shortens its window.
+// When every node would be lost at once, the trouble is on the brain's
+// side: nothing is failed over.
+type Controller struct {
+	cfg Config
+	// seen is, per node, the last renewal time read from its Lease and
+	// when this brain first read it.
+	seen map[string]observation
+	// blind is set when the last check could not read the API.
+	blind bool
+}
+
+type observation struct {
+	renewal time.Time
+	at      time.Time
+}
 
 // New returns the controller.
 func New(cfg Config) (*Controller, error) {
@@ -71,7 +91,7 @@ func New(cfg Config) (*Controller, error) {
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
-	return &Controller{cfg: cfg}, nil
+	return &Controller{cfg: cfg, seen: map[string]observation{}}, nil
 }
 
 // Name implements daemon.Role.
@@ -97,15 +117,65 @@ func (c *Controller) Run(ctx context.Context) error {
 func (c *Controller) Sync(ctx context.Context) error {
 	nodes, err := c.cfg.Kube.CoreV1().Nodes().List(ctx, metav1.ListOptions{LabelSelector: LabelManagedBy})
 	if err != nil {
+		c.blind = true
 		return fmt.Errorf("list nodes: %w", err)
 	}
-	var errs []error
+	leases, err := c.cfg.Kube.CoordinationV1().Leases(corev1.NamespaceNodeLease).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		c.blind = true
+		return fmt.Errorf("list node leases: %w", err)
+	}
+	now := c.cfg.Now()
+	if c.blind {
+		// Back from not seeing the API: what happened meanwhile is unknown,
+		// every node gets a full window from now.
+		c.seen = map[string]observation{}
+		c.blind = false
+	}
+	renewals := map[string]time.Time{}
+	for i := range leases.Items {
+		renewals[leases.Items[i].Name] = leaseRenewed(&leases.Items[i])
+	}
+	var states []nodeCheck
 	for i := range nodes.Items {
-		if err := c.syncNode(ctx, &nodes.Items[i]); err != nil {
-			errs = append(errs, fmt.Errorf("node %s: %w", nodes.Items[i].Name, err))
+		n := &nodes.Items[i]
+		r, ok := renewals[n.Name]
+		if !ok {
+			continue // registering
+		}
+		o, known := c.seen[n.Name]
+		if !known || !o.renewal.Equal(r) {
+			o = observation{renewal: r, at: now}
+			c.seen[n.Name] = o
+		}
+		states = append(states, c.check(n, o.at, now))
+	}
+	lost := 0
+	for _, st := range states {
+		if st.Lost {
+			lost++
+		}
+	}
+	holdBack := lost > 1 && lost == len(states)
+	if holdBack {
+		c.cfg.Log.Warn("every node looks lost: not failing over (the trouble is likely on the brain's side)", "nodes", lost)
+	}
+	var errs []error
+	for _, st := range states {
+		if err := c.apply(ctx, st, holdBack); err != nil {
+			errs = append(errs, fmt.Errorf("node %s: %w", st.node.Name, err))
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// nodeCheck is one node's state and what it was decided from.
+type nodeCheck struct {
+	State
+	node       *corev1.Node
+	lastSeen   time.Time
+	agentReady corev1.ConditionStatus
+	oos        bool
 }
 
 // State is what the lease and the agent's own condition say of a node.
@@ -138,14 +208,7 @@ func Decide(now, renewed time.Time, agentReady corev1.ConditionStatus, outOfServ
 	return s
 }
 
-func (c *Controller) syncNode(ctx context.Context, n *corev1.Node) error {
-	renewed, err := c.renewTime(ctx, n.Name)
-	if err != nil {
-		return err
-	}
-	if renewed.IsZero() {
-		return nil // registering
-	}
+func (c *Controller) check(n *corev1.Node, lastSeen, now time.Time) nodeCheck {
 	agentReady := corev1.ConditionUnknown
 	for _, cond := range n.Status.Conditions {
 		if cond.Type == corev1.NodeReady {
@@ -153,27 +216,20 @@ func (c *Controller) syncNode(ctx context.Context, n *corev1.Node) error {
 		}
 	}
 	oos := slices.ContainsFunc(n.Spec.Taints, func(t corev1.Taint) bool { return t.Key == fencing.TaintOutOfService })
-	s := Decide(c.cfg.Now(), renewed, agentReady, oos, c.cfg.Grace, c.cfg.Window, c.cfg.Margin)
-	var errs []error
-	if s.Ready == corev1.ConditionUnknown && agentReady != corev1.ConditionUnknown {
-		errs = append(errs, c.markUnknown(ctx, n.Name, renewed))
-	}
-	errs = append(errs, c.keepTaints(ctx, n, s.Taints))
-	if s.Lost {
-		errs = append(errs, c.failOver(ctx, n.Name, oos))
-	}
-	return errors.Join(errs...)
+	return nodeCheck{State: Decide(now, lastSeen, agentReady, oos, c.cfg.Grace, c.cfg.Window, c.cfg.Margin),
+		node: n, lastSeen: lastSeen, agentReady: agentReady, oos: oos}
 }
 
-func (c *Controller) renewTime(ctx context.Context, node string) (time.Time, error) {
-	l, err := c.cfg.Kube.CoordinationV1().Leases(corev1.NamespaceNodeLease).Get(ctx, node, metav1.GetOptions{})
-	if apierrors.IsNotFound(err) {
-		return time.Time{}, nil
+func (c *Controller) apply(ctx context.Context, st nodeCheck, holdBack bool) error {
+	var errs []error
+	if st.Ready == corev1.ConditionUnknown && st.agentReady != corev1.ConditionUnknown {
+		errs = append(errs, c.markUnknown(ctx, st.node.Name, st.lastSeen))
 	}
-	if err != nil {
-		return time.Time{}, err
+	errs = append(errs, c.keepTaints(ctx, st.node, st.Taints))
+	if st.Lost && (!holdBack || st.oos) {
+		errs = append(errs, c.failOver(ctx, st.node.Name, st.oos))
 	}
-	return leaseRenewed(l), nil
+	return errors.Join(errs...)
 }
 
 func leaseRenewed(l *coordinationv1.Lease) time.Time {
@@ -188,7 +244,7 @@ func leaseRenewed(l *coordinationv1.Lease) time.Time {
 
 func (c *Controller) markUnknown(ctx context.Context, node string, renewed time.Time) error {
 	now := metav1.NewTime(c.cfg.Now())
-	msg := fmt.Sprintf("nodevirt nodeagent stopped renewing its lease (last %s)", renewed.UTC().Format(time.RFC3339))
+	msg := fmt.Sprintf("nodevirt nodeagent stopped renewing its lease (last renewal seen %s)", renewed.UTC().Format(time.RFC3339))
 	patch, _ := json.Marshal(map[string]any{"status": map[string]any{"conditions": []corev1.NodeCondition{{
 		Type: corev1.NodeReady, Status: corev1.ConditionUnknown, Reason: "NodeStatusUnknown", Message: msg,
 		LastHeartbeatTime: metav1.NewTime(renewed), LastTransitionTime: now,
