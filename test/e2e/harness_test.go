@@ -456,12 +456,12 @@ func sweepStale() {
 			continue
 		}
 		fmt.Fprintf(os.Stderr, "e2e: removing what the dead run %s left\n", run)
-		stale := &env{run: run, root: dir}
+		stale := &env{run: run, root: dir, nodeName: "e2e-" + run}
 		stale.bridges, _ = filepath.Glob("/sys/class/net/nve2e" + run + "*")
 		for i, b := range stale.bridges {
 			stale.bridges[i] = filepath.Base(b)
 		}
-		if errors.Join(stale.removeDomains(), stale.removePodNetwork(), stale.removeMounts(), stale.removeBridges()) == nil {
+		if errors.Join(stale.removeSecondNode(), stale.removeDomains(), stale.removePodNetwork(), stale.removeMounts(), stale.removeBridges()) == nil {
 			os.RemoveAll(dir)
 		}
 	}
