@@ -4,6 +4,10 @@ GO ?= go
 BIN := $(CURDIR)/bin
 LAB := $(CURDIR)/.lab
 EMULATION ?= on
+# NODES=N (N >= 2) runs the lab's nodes each in namespaces of its own; unset
+# keeps the running lab's count (one node when there is none).
+NODES ?=
+LAB_NODES = $(if $(NODES),--nodes $(NODES))
 DEBIAN_PACKAGES := libvirt-daemon-system libvirt-dev qemu-system-x86 qemu-utils etcd-server \
 	containernetworking-plugins nftables iptables busybox-static extlinux syslinux-common genisoimage qemu-guest-agent \
 	iproute2 ovmf xz-utils zstd curl cpio kmod e2fsprogs util-linux
@@ -67,7 +71,7 @@ upstream-virtctl:
 	$(GO) run ./test/cmd/nodevirt-lab build-upstream-virtctl
 
 lab: build
-	$(BIN)/nodevirt-lab up --dir $(LAB) --bin $(BIN) --emulation $(EMULATION)
+	$(BIN)/nodevirt-lab up --dir $(LAB) --bin $(BIN) --emulation $(EMULATION) $(LAB_NODES)
 
 lab-down:
 	@if [ -x $(BIN)/nodevirt-lab ]; then $(BIN)/nodevirt-lab down --dir $(LAB); \

@@ -26,6 +26,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/daemon"
+	"github.com/nodevirt/nodevirt/clusterbrain/fencing"
 	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 )
@@ -57,6 +58,11 @@ type Config struct {
 	VirtctlDir      string
 	// LeaseDuration bounds how long a dead leader holds the lease.
 	LeaseDuration time.Duration
+	// FencingWindow is how long a node may go without renewing its Lease
+	// before its agent stops its guests; the brain fails its VMIs over
+	// after the window plus fencing.DefaultMargin (package fencing). Never
+	// shorter than the agents' --fencing-window.
+	FencingWindow time.Duration
 	// Log receives structured logs.
 	Log *slog.Logger
 }
@@ -83,6 +89,9 @@ func (c *Config) defaults() {
 	}
 	if c.LeaseDuration == 0 {
 		c.LeaseDuration = 10 * time.Second
+	}
+	if c.FencingWindow == 0 {
+		c.FencingWindow = fencing.DefaultWindow
 	}
 	if c.Log == nil {
 		c.Log = slog.Default()
