@@ -127,7 +127,7 @@ clean:
 # VMs under vagrant-libvirt, nodevirt installed in them through the systemd
 # deployment above.
 VAGRANT_PACKAGES := vagrant vagrant-libvirt mmdebstrap dnsmasq-base libvirt-daemon-system qemu-system-x86 \
-	qemu-utils extlinux syslinux-common e2fsprogs util-linux openssh-client
+	qemu-utils extlinux syslinux-common e2fsprogs util-linux fdisk openssh-client
 VAGRANT_BOX ?= nodevirt/debian12
 VAGRANT_STAGE := $(CURDIR)/vagrant/.stage
 NODES ?= 2
