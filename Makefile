@@ -153,7 +153,11 @@ vagrant-stage: build install-controlplane
 	$(MAKE) --no-print-directory install DESTDIR=$(VAGRANT_STAGE)/root
 	$(MAKE) --no-print-directory install-controlplane DESTDIR=$(VAGRANT_STAGE)/root
 	install -m 0755 $$(command -v kubectl) $(VAGRANT_STAGE)/root$(PREFIX)/bin/kubectl
-	tar -C $(VAGRANT_STAGE)/root -czf $(VAGRANT_STAGE)/nodevirt.tar.gz .
+	ln -f $(VAGRANT_STAGE)/root$(PREFIX)/share/nodevirt/virtctl/virtctl-linux-amd64 $(VAGRANT_STAGE)/root$(PREFIX)/bin/virtctl
+	@# Copies into TCG VMs are slow (SSH): each role gets only what it runs.
+	tar -C $(VAGRANT_STAGE)/root -czf $(VAGRANT_STAGE)/control.tar.gz --exclude=.$(PREFIX)/bin/nodeagent --exclude=.$(CNI_BIN_DIR) .
+	tar -C $(VAGRANT_STAGE)/root -czf $(VAGRANT_STAGE)/node.tar.gz --exclude=.$(PREFIX)/share/nodevirt \
+		$(foreach b,kube-apiserver kube-controller-manager kubectl clusterbrain virtctl,--exclude=.$(PREFIX)/bin/$(b)) .
 
 vagrant-up: vagrant-box vagrant-stage
 	cd vagrant && NODES=$(NODES) VAGRANT_BOX=$(VAGRANT_BOX) vagrant up
