@@ -52,8 +52,8 @@ func FuzzNetConf(f *testing.F) {
 			if err != nil {
 				t.Fatalf("ParseNetConf accepted what LoadNetConf refuses: %v", err)
 			}
-			if !reflect.DeepEqual(comparable(direct), comparable(n)) {
-				t.Fatalf("the two parsers disagree:\n%+v\n%+v", comparable(direct), comparable(n))
+			if !reflect.DeepEqual(validated(direct), validated(n)) {
+				t.Fatalf("the two parsers disagree:\n%+v\n%+v", validated(direct), validated(n))
 			}
 		} else {
 			checkAccepted(t, nil, n)
@@ -62,8 +62,8 @@ func FuzzNetConf(f *testing.F) {
 	})
 }
 
-// comparable is the validated part of a config.
-func comparable(n *NetConf) []any {
+// validated is the validated part of a config.
+func validated(n *NetConf) []any {
 	return []any{n.Name, n.Type, n.CNIVersion, n.Bridge, n.MTU, n.VLAN, n.Trunk, n.StateDir, n.MAC.String(),
 		n.PreserveDefaultVLAN, n.MACSpoofCheck, n.HairpinMode, n.PromiscMode, n.PortIsolation,
 		n.IsGateway, n.IsDefaultGateway, n.IPMasq, n.IPAM.Type}
