@@ -127,12 +127,13 @@ test: deps controlplane upstream-virtctl vet
 # written to the package's testdata/fuzz and fails the target.
 FUZZTIME ?= 1m
 TEST_FUZZTIME ?= 5s
+FUZZMINTIME ?= 5s
 fuzz:
 	@for file in $$(grep -rl --include='*_test.go' --exclude-dir=.lab --exclude-dir=bin '^func Fuzz' . | sort); do \
 		pkg=./$$(dirname $${file#./}); \
 		for f in $$(sed -n 's/^func \(Fuzz[A-Za-z0-9_]*\)(.*/\1/p' $$file); do \
 			echo "fuzz $$pkg $$f ($(FUZZTIME))"; \
-			$(GO) test -run '^$$' -fuzz "^$$f\$$" -fuzztime $(FUZZTIME) $$pkg >/tmp/nodevirt-fuzz.out 2>&1 || { cat /tmp/nodevirt-fuzz.out; exit 1; }; \
+			$(GO) test -run '^$$' -fuzz "^$$f\$$" -fuzztime $(FUZZTIME) -fuzzminimizetime $(FUZZMINTIME) $$pkg >/tmp/nodevirt-fuzz.out 2>&1 || { cat /tmp/nodevirt-fuzz.out; exit 1; }; \
 		done; \
 	done
 
