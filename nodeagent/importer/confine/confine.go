@@ -19,6 +19,7 @@
 package confine
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -275,11 +276,4 @@ func (l *limitedBuffer) Write(p []byte) (int, error) {
 	return len(p), nil
 }
 
-func (l *limitedBuffer) String() string { return string(trimSpace(l.b)) }
-
-func trimSpace(b []byte) []byte {
-	for len(b) > 0 && (b[len(b)-1] == '\n' || b[len(b)-1] == ' ' || b[len(b)-1] == '\r') {
-		b = b[:len(b)-1]
-	}
-	return b
-}
+func (l *limitedBuffer) String() string { return string(bytes.TrimSpace(l.b)) }
