@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -215,6 +216,42 @@ func TestPuller(t *testing.T) {
 		}
 		_, err = p.Pull(ctx, Request{Image: host + "/kubevirt/custom:v1", Path: "/custom/none.img", InsecureRegistries: insecure, AllowedNetworks: loopback}, "vmi-f")
 		wantPullError(t, err, ReasonErrImagePull, importer.ReasonInvalidImage)
+	})
+
+	t.Run("hostile disks are refused", func(t *testing.T) {
+		// A VMDK descriptor whose FLAT extent is the host's /etc/passwd, and
+		// a qcow2 whose backing file is.
+		vmdk := []byte("# Disk DescriptorFile\nversion=1\nCID=fffffffe\nparentCID=ffffffff\ncreateType=\"monolithicFlat\"\nRW 4 FLAT \"/etc/passwd\" 0\n")
+		qcowPath := filepath.Join(t.TempDir(), "backing.qcow2")
+		if out, err := exec.Command("qemu-img", "create", "-q", "-f", "qcow2", "-u", "-F", "raw", "-b", "/etc/passwd", qcowPath, "16M").CombinedOutput(); err != nil {
+			t.Fatalf("qemu-img create: %v: %s", err, out)
+		}
+		backing, err := os.ReadFile(qcowPath)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for repo, disk := range map[string][]byte{"evil/vmdk": vmdk, "evil/qcow2": backing} {
+			publish(repo, "v1", map[string][]byte{"disk/disk.img": disk})
+			_, err := p.Pull(ctx, Request{Image: host + "/" + repo + ":v1", InsecureRegistries: insecure, AllowedNetworks: loopback}, "vmi-evil")
+			pe := wantPullError(t, err, ReasonErrImagePull, importer.ReasonUnsupportedImage)
+			if !strings.Contains(pe.Error(), "/etc/passwd") {
+				t.Errorf("%s: message %q does not name the host file", repo, pe.Error())
+			}
+		}
+		imgs, err := p.Images()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for img := range imgs {
+			if strings.Contains(img.Reference, "evil/") {
+				t.Errorf("refused image %s is cached", img.Reference)
+			}
+		}
+	})
+
+	t.Run("loopback needs the allowance", func(t *testing.T) {
+		_, err := p.Pull(ctx, Request{Image: host + "/kubevirt/unreachable:v1", InsecureRegistries: insecure}, "vmi-noreach")
+		wantPullError(t, err, ReasonErrImagePull, importer.ReasonNetworkNotAllowed)
 	})
 
 	t.Run("no disk in the image", func(t *testing.T) {

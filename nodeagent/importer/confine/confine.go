@@ -19,6 +19,7 @@
 package confine
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -181,17 +182,23 @@ func Run(ctx context.Context, spec Spec, name string, args ...string) ([]byte, e
 	}
 	defer cleanup()
 	cmd := Command(ctx, spec, name, args...)
-	var stderr limitedBuffer
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
-	if err != nil {
+	stdout, stderr := &limitedBuffer{max: MaxOutput}, &limitedBuffer{max: 64 << 10}
+	cmd.Stdout, cmd.Stderr = stdout, stderr
+	if err := cmd.Run(); err != nil {
 		if ctx.Err() != nil {
 			return nil, ctx.Err()
 		}
-		return out, &ExitError{Err: err, Stderr: stderr.String()}
+		return nil, &ExitError{Err: err, Stderr: stderr.String()}
 	}
-	return out, nil
+	if stdout.dropped {
+		return nil, fmt.Errorf("confine: %s printed more than %d bytes", name, MaxOutput)
+	}
+	return stdout.b, nil
 }
+
+// MaxOutput bounds what Run keeps of a program's standard output (it is
+// held in the caller's memory).
+const MaxOutput = 4 << 20
 
 // Start is Command with a temporary root directory, started; the returned
 // wait waits for the program and removes the root directory.
@@ -265,21 +272,22 @@ func (e *ExitError) Error() string {
 
 func (e *ExitError) Unwrap() error { return e.Err }
 
-// limitedBuffer keeps the first 64 KiB written to it.
-type limitedBuffer struct{ b []byte }
+// limitedBuffer keeps the first max bytes written to it.
+type limitedBuffer struct {
+	b       []byte
+	max     int
+	dropped bool
+}
 
 func (l *limitedBuffer) Write(p []byte) (int, error) {
-	if room := 64<<10 - len(l.b); room > 0 {
+	room := l.max - len(l.b)
+	if room < len(p) {
+		l.dropped = true
+	}
+	if room > 0 {
 		l.b = append(l.b, p[:min(room, len(p))]...)
 	}
 	return len(p), nil
 }
 
-func (l *limitedBuffer) String() string { return string(trimSpace(l.b)) }
-
-func trimSpace(b []byte) []byte {
-	for len(b) > 0 && (b[len(b)-1] == '\n' || b[len(b)-1] == ' ' || b[len(b)-1] == '\r') {
-		b = b[:len(b)-1]
-	}
-	return b
-}
+func (l *limitedBuffer) String() string { return string(bytes.TrimSpace(l.b)) }

@@ -124,3 +124,13 @@ func TestRefusesBadBinds(t *testing.T) {
 		t.Fatal("bind outside /in and /out accepted")
 	}
 }
+
+// TestOutputIsBounded: a program printing without end does not grow the
+// caller.
+func TestOutputIsBounded(t *testing.T) {
+	needRoot(t)
+	_, err := Run(context.Background(), Spec{}, "/bin/sh", "-c", "yes | head -c 8388608")
+	if err == nil || !strings.Contains(err.Error(), "printed more than") {
+		t.Fatalf("8 MiB of output: %v, want refused", err)
+	}
+}
