@@ -4,12 +4,16 @@ GO ?= go
 BIN := $(CURDIR)/bin
 LAB := $(CURDIR)/.lab
 EMULATION ?= on
+# NODES=N (N >= 2) runs the lab's nodes each in namespaces of its own; unset
+# keeps the running lab's count (one node when there is none).
+NODES ?=
+LAB_NODES = $(if $(NODES),--nodes $(NODES))
 DEBIAN_PACKAGES := libvirt-daemon-system libvirt-dev qemu-system-x86 qemu-utils etcd-server \
 	containernetworking-plugins nftables iptables busybox-static extlinux syslinux-common genisoimage qemu-guest-agent \
-	iproute2 ovmf xz-utils zstd curl cpio kmod e2fsprogs util-linux
+	iproute2 ovmf xz-utils zstd curl cpio kmod e2fsprogs util-linux strace
 TEST_TIMEOUT ?= 35m
 
-.PHONY: all build install deps controlplane upstream-virtctl lab lab-down demo test unit bench vet fmt clean virtctl-dist
+.PHONY: all build install install-units install-controlplane vagrant-deps vagrant-box vagrant-stage vagrant-up vagrant-down test-vagrant vagrant-test deps controlplane upstream-virtctl lab lab-down demo test unit bench vet fmt clean virtctl-dist fuzz
 
 all: build
 
@@ -37,16 +41,47 @@ build: deps
 	@if [ -d csi/cmd/hostpath-csi-driver ]; then $(GO) build -o $(BIN)/ ./csi/cmd/hostpath-csi-driver; fi
 
 # install puts the daemons on PATH, the CNI plugin where runtimes look for it
-# (as cnv-bridge and nodevirt-bridge) and the systemd units in place.
+# (as cnv-bridge and nodevirt-bridge), and the systemd deployment in place
+# (see install-units). The control-plane programs come with
+# install-controlplane.
 PREFIX ?= /usr/local
 CNI_BIN_DIR ?= /opt/cni/bin
-install: build
-	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(CNI_BIN_DIR) $(DESTDIR)/etc/systemd/system
+install: build install-units
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(CNI_BIN_DIR)
 	install -m 0755 $(BIN)/nodeagent $(BIN)/clusterbrain $(DESTDIR)$(PREFIX)/bin/
 	@if [ -x $(BIN)/virtctl ]; then install -m 0755 $(BIN)/virtctl $(DESTDIR)$(PREFIX)/bin/; fi
+	install -d $(DESTDIR)$(PREFIX)/share/nodevirt/virtctl
+	@if [ -e $(BIN)/dist/virtctl-linux-amd64 ]; then install -m 0755 $(BIN)/dist/virtctl-linux-amd64 $(DESTDIR)$(PREFIX)/share/nodevirt/virtctl/; fi
 	install -m 0755 $(BIN)/cnv-bridge $(DESTDIR)$(CNI_BIN_DIR)/cnv-bridge
 	ln -sf cnv-bridge $(DESTDIR)$(CNI_BIN_DIR)/nodevirt-bridge
-	install -m 0644 systemd/*.service $(DESTDIR)/etc/systemd/system/
+
+# install-units installs the systemd units (their /usr/local paths following
+# PREFIX), nodevirt-certs (credentials), the documentation the units name,
+# and the configuration files they read
+# (/etc/nodevirt/*.conf; existing ones are kept, the shipped defaults go
+# beside them as *.conf.dist).
+UNITDIR ?= /etc/systemd/system
+install-units:
+	install -d $(DESTDIR)$(UNITDIR) $(DESTDIR)/etc/nodevirt $(DESTDIR)$(PREFIX)/share/doc/nodevirt $(DESTDIR)$(PREFIX)/sbin
+	install -m 0755 systemd/nodevirt-certs $(DESTDIR)$(PREFIX)/sbin/nodevirt-certs
+	@for u in systemd/*.service; do \
+		sed 's|/usr/local/|$(PREFIX)/|g' $$u > $(DESTDIR)$(UNITDIR)/$${u##*/} && chmod 0644 $(DESTDIR)$(UNITDIR)/$${u##*/} || exit 1; \
+	done
+	install -m 0644 systemd/README.md $(DESTDIR)$(PREFIX)/share/doc/nodevirt/systemd.md
+	install -m 0644 README.md $(DESTDIR)$(PREFIX)/share/doc/nodevirt/README.md
+	@for c in systemd/conf/*.conf; do \
+		f=$(DESTDIR)/etc/nodevirt/$${c##*/}; \
+		if [ -e $$f ]; then install -m 0644 $$c $$f.dist; else install -m 0644 $$c $$f; fi || exit 1; \
+	done
+	@if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
+
+# install-controlplane installs kube-apiserver and kube-controller-manager
+# (built by `make controlplane`) for nodevirt-kube-*.service.
+CONTROLPLANE_CACHE ?= /var/cache/nodevirt/controlplane
+install-controlplane: controlplane
+	install -d $(DESTDIR)$(PREFIX)/bin
+	d=$$(ls -td $(CONTROLPLANE_CACHE)/*/ | head -1); \
+	install -m 0755 $$d/kube-apiserver $$d/kube-controller-manager $(DESTDIR)$(PREFIX)/bin/
 
 # virtctl-dist cross-builds the CLI for the download service (bin/dist, served
 # by the brain at the upstream download paths); `make build` links the host's.
@@ -67,7 +102,7 @@ upstream-virtctl:
 	$(GO) run ./test/cmd/nodevirt-lab build-upstream-virtctl
 
 lab: build
-	$(BIN)/nodevirt-lab up --dir $(LAB) --bin $(BIN) --emulation $(EMULATION)
+	$(BIN)/nodevirt-lab up --dir $(LAB) --bin $(BIN) --emulation $(EMULATION) $(LAB_NODES)
 
 lab-down:
 	@if [ -x $(BIN)/nodevirt-lab ]; then $(BIN)/nodevirt-lab down --dir $(LAB); \
@@ -84,6 +119,23 @@ vet:
 # control plane, libvirtd + QEMU (TCG), network namespaces and CSI sockets.
 test: deps controlplane upstream-virtctl vet
 	$(GO) test -p 2 -timeout $(TEST_TIMEOUT) ./... 2>&1 | tee $(CURDIR)/.test.out; exit $${PIPESTATUS[0]}
+	@$(MAKE) -s fuzz FUZZTIME=$(TEST_FUZZTIME)
+
+# fuzz runs every Fuzz target of the module (seed corpora in each package's
+# testdata/fuzz) with the coverage-guided fuzzer for FUZZTIME each; `make test`
+# runs them briefly, `make fuzz FUZZTIME=10m` for a long run. A crasher is
+# written to the package's testdata/fuzz and fails the target.
+FUZZTIME ?= 1m
+TEST_FUZZTIME ?= 5s
+FUZZMINTIME ?= 5s
+fuzz:
+	@for file in $$(grep -rl --include='*_test.go' --exclude-dir=.lab --exclude-dir=bin '^func Fuzz' . | sort); do \
+		pkg=./$$(dirname $${file#./}); \
+		for f in $$(sed -n 's/^func \(Fuzz[A-Za-z0-9_]*\)(.*/\1/p' $$file); do \
+			echo "fuzz $$pkg $$f ($(FUZZTIME))"; \
+			$(GO) test -run '^$$' -fuzz "^$$f\$$" -fuzztime $(FUZZTIME) -fuzzminimizetime $(FUZZMINTIME) $$pkg >/tmp/nodevirt-fuzz.out 2>&1 || { cat /tmp/nodevirt-fuzz.out; exit 1; }; \
+		done; \
+	done
 
 bench: build
 	@mkdir -p $(LAB)
@@ -91,3 +143,50 @@ bench: build
 
 clean:
 	rm -rf $(BIN)
+
+# The Vagrant multi-node lab (vagrant/README.md): a control VM and NODES node
+# VMs under vagrant-libvirt, nodevirt installed in them through the systemd
+# deployment above.
+VAGRANT_PACKAGES := vagrant vagrant-libvirt mmdebstrap dnsmasq-base libvirt-daemon-system qemu-system-x86 \
+	qemu-utils extlinux syslinux-common e2fsprogs util-linux fdisk openssh-client
+VAGRANT_BOX ?= nodevirt/debian12
+VAGRANT_STAGE := $(CURDIR)/vagrant/.stage
+NODES ?= 2
+
+vagrant-deps:
+	@missing=$$(for p in $(VAGRANT_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing Debian packages: $$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+	@vagrant/host-prepare
+
+# vagrant-box builds the Debian 12 box from Debian packages and adds it as
+# $(VAGRANT_BOX), unless a box of that name is there already (FORCE=1 rebuilds).
+vagrant-box: vagrant-deps
+	vagrant/box/build --name $(VAGRANT_BOX) --out $(CURDIR)/vagrant/.box $(if $(FORCE),--force)
+
+# vagrant-stage gathers what the VMs install (they have neither Go nor the
+# internet): `make install` into a staging root, the control-plane programs
+# and kubectl.
+vagrant-stage: build install-controlplane
+	rm -rf $(VAGRANT_STAGE) && mkdir -p $(VAGRANT_STAGE)
+	$(MAKE) --no-print-directory install DESTDIR=$(VAGRANT_STAGE)/root
+	$(MAKE) --no-print-directory install-controlplane DESTDIR=$(VAGRANT_STAGE)/root
+	install -m 0755 $$(command -v kubectl) $(VAGRANT_STAGE)/root$(PREFIX)/bin/kubectl
+	ln -f $(VAGRANT_STAGE)/root$(PREFIX)/share/nodevirt/virtctl/virtctl-linux-amd64 $(VAGRANT_STAGE)/root$(PREFIX)/bin/virtctl
+	@# Copies into TCG VMs are slow (SSH): each role gets only what it runs.
+	tar -C $(VAGRANT_STAGE)/root -czf $(VAGRANT_STAGE)/control.tar.gz --exclude=.$(PREFIX)/bin/nodeagent --exclude=.$(CNI_BIN_DIR) .
+	tar -C $(VAGRANT_STAGE)/root -czf $(VAGRANT_STAGE)/node.tar.gz --exclude=.$(PREFIX)/share/nodevirt \
+		$(foreach b,kube-apiserver kube-controller-manager kubectl clusterbrain virtctl,--exclude=.$(PREFIX)/bin/$(b)) .
+
+vagrant-up: vagrant-box vagrant-stage
+	cd vagrant && NODES=$(NODES) VAGRANT_BOX=$(VAGRANT_BOX) vagrant up
+
+vagrant-down:
+	@if command -v vagrant >/dev/null; then cd vagrant && vagrant destroy -f; fi
+
+# test-vagrant brings the lab up from nothing, checks it from the control VM
+# and destroys it, printing how long each step took.
+test-vagrant vagrant-test: vagrant-box vagrant-stage
+	NODES=$(NODES) VAGRANT_BOX=$(VAGRANT_BOX) vagrant/test

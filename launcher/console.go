@@ -2,6 +2,7 @@ package launcher
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"sync"
@@ -34,14 +35,65 @@ func (m *Manager) Console(ctx context.Context, name string) (io.ReadWriteCloser,
 	return &console{st: st}, nil
 }
 
-type console struct {
-	st      *libvirt.Stream
-	writeMu sync.Mutex
-	once    sync.Once
-	err     error
+// rawStream is what a console needs of a libvirt stream (*libvirt.Stream).
+type rawStream interface {
+	Recv(p []byte) (int, error)
+	Send(p []byte) (int, error)
+	Abort() error
+	Free() error
 }
 
+var _ rawStream = (*libvirt.Stream)(nil)
+
+// console is a libvirt console stream shared by a reader and a writer.
+// Close may come while the reader is blocked inside Recv (the client went
+// away): it aborts the stream at once, which ends that Recv, but frees it
+// only once no Recv or Send is in flight — freeing under a running Recv
+// is a use after free in libvirt.
+type console struct {
+	st      rawStream
+	writeMu sync.Mutex
+
+	mu     sync.Mutex
+	users  int // Recv and Send calls in flight
+	closed bool
+	once   sync.Once
+	free   sync.Once
+}
+
+// errConsoleClosed answers a Read or Write after Close.
+var errConsoleClosed = errors.New("console closed")
+
+// enter registers a stream call; false after Close.
+func (c *console) enter() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return false
+	}
+	c.users++
+	return true
+}
+
+// leave ends a stream call, freeing the stream if it was the last one after
+// Close.
+func (c *console) leave() {
+	c.mu.Lock()
+	c.users--
+	last := c.closed && c.users == 0
+	c.mu.Unlock()
+	if last {
+		c.release()
+	}
+}
+
+func (c *console) release() { c.free.Do(func() { _ = c.st.Free() }) }
+
 func (c *console) Read(p []byte) (int, error) {
+	if !c.enter() {
+		return 0, errConsoleClosed
+	}
+	defer c.leave()
 	n, err := c.st.Recv(p)
 	if err != nil && err != io.EOF {
 		return n, fmt.Errorf("console read: %w", err)
@@ -52,6 +104,10 @@ func (c *console) Read(p []byte) (int, error) {
 func (c *console) Write(p []byte) (int, error) {
 	c.writeMu.Lock()
 	defer c.writeMu.Unlock()
+	if !c.enter() {
+		return 0, errConsoleClosed
+	}
+	defer c.leave()
 	written := 0
 	for written < len(p) {
 		n, err := c.st.Send(p[written:])
@@ -63,12 +119,20 @@ func (c *console) Write(p []byte) (int, error) {
 	return written, nil
 }
 
+// Close aborts the stream; it is freed now if no call is in flight, else
+// when the last one returns.
 func (c *console) Close() error {
 	c.once.Do(func() {
-		c.st.Abort()
-		c.err = c.st.Free()
+		c.mu.Lock()
+		c.closed = true
+		idle := c.users == 0
+		c.mu.Unlock()
+		_ = c.st.Abort()
+		if idle {
+			c.release()
+		}
 	})
-	return c.err
+	return nil
 }
 
 // VNCSocket returns the unix socket QEMU serves the domain's VNC display on.

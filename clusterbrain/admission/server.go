@@ -218,9 +218,9 @@ func (s *Server) Run(ctx context.Context) error {
 
 	srv := &http.Server{
 		Handler:           s.mux,
-		ReadHeaderTimeout: 10 * time.Second,
-		TLSConfig:         s.tlsConfig(),
-		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelDebug),
+		ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute,
+		TLSConfig: s.tlsConfig(),
+		ErrorLog:  slog.NewLogLogger(s.log.Handler(), slog.LevelDebug),
 	}
 	go func() {
 		<-ctx.Done()

@@ -150,7 +150,7 @@ func (s *Server) Run(ctx context.Context) error {
 	}
 	srv := &http.Server{
 		Handler:           s.authenticate(s.cfg.Handler),
-		ReadHeaderTimeout: 30 * time.Second,
+		ReadHeaderTimeout: 30 * time.Second, IdleTimeout: 2 * time.Minute,
 		TLSConfig: &tls.Config{
 			GetCertificate: cm.GetCertificate,
 			ClientAuth:     tls.RequestClientCert,

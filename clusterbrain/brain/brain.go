@@ -26,6 +26,8 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/daemon"
+	"github.com/nodevirt/nodevirt/clusterbrain/fencing"
+	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 )
 
@@ -56,6 +58,11 @@ type Config struct {
 	VirtctlDir      string
 	// LeaseDuration bounds how long a dead leader holds the lease.
 	LeaseDuration time.Duration
+	// FencingWindow is how long a node may go without renewing its Lease
+	// before its agent stops its guests; the brain fails its VMIs over
+	// after the window plus fencing.DefaultMargin (package fencing). Never
+	// shorter than the agents' --fencing-window.
+	FencingWindow time.Duration
 	// Log receives structured logs.
 	Log *slog.Logger
 }
@@ -73,7 +80,7 @@ func (c *Config) defaults() {
 		def  string
 	}{
 		{&c.HealthAddr, "127.0.0.1:8480"}, {&c.WebhookAddr, "127.0.0.1:8443"}, {&c.SubresourcesAddr, ":8444"},
-		{&c.UploadAPIAddr, ":8445"}, {&c.UploadProxyAddr, ":8446"}, {&c.MetricsAddr, ":8484"},
+		{&c.UploadAPIAddr, ":8445"}, {&c.UploadProxyAddr, ":8446"}, {&c.MetricsAddr, metrics.DefaultBrainAddr},
 		{&c.CLIDownloadAddr, ":8482"}, {&c.VirtctlDir, "/usr/local/share/nodevirt/virtctl"},
 	} {
 		if *d.addr == "" {
@@ -82,6 +89,9 @@ func (c *Config) defaults() {
 	}
 	if c.LeaseDuration == 0 {
 		c.LeaseDuration = 10 * time.Second
+	}
+	if c.FencingWindow == 0 {
+		c.FencingWindow = fencing.DefaultWindow
 	}
 	if c.Log == nil {
 		c.Log = slog.Default()

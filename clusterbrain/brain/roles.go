@@ -13,6 +13,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
 	"github.com/nodevirt/nodevirt/clusterbrain/migration"
 	"github.com/nodevirt/nodevirt/clusterbrain/nodecerts"
+	"github.com/nodevirt/nodevirt/clusterbrain/nodefailure"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
@@ -42,7 +43,7 @@ var everyBrainRoles = []RoleFactory{
 			admission.Deps{Kube: d.Kube, Virt: d.Virt, Log: d.Log},
 			admission.RegisterDataVolumes,
 			macpool.Register(macpool.Config{RestConfig: d.RestConfig, Namespace: d.Config.Namespace}),
-			hco.Webhooks(d.Config.Namespace))
+			hco.Webhooks(d.Config.Namespace), datavolume.Webhooks())
 	},
 }
 
@@ -51,11 +52,17 @@ var _ vmcontroller.Placer = (*scheduler.Scheduler)(nil)
 // leaderRoles run only on the elected brain: controllers that write.
 var leaderRoles = []RoleFactory{
 	func(d *Deps) (Role, error) {
+		// Nodes' Ready condition and taints from their Leases; lost nodes'
+		// VMIs failed over (package fencing's timeline).
+		return nodefailure.New(nodefailure.Config{Kube: d.Kube, Virt: d.Virt, Window: d.Config.FencingWindow,
+			Log: d.Log.With("role", "node-failure")})
+	},
+	func(d *Deps) (Role, error) {
 		dyn, err := dynamic.NewForConfig(d.RestConfig)
 		if err != nil {
 			return nil, err
 		}
-		return datavolume.New(datavolume.Config{Kube: d.Kube, Virt: d.Virt, Log: d.Log, Snapshots: snapshotv1.NewClient(dyn)})
+		return datavolume.New(datavolume.Config{Kube: d.Kube, Virt: d.Virt, Log: d.Log, Snapshots: snapshotv1.NewClient(dyn), Namespace: d.Config.Namespace})
 	},
 	func(d *Deps) (Role, error) {
 		return hco.New(hco.Config{Namespace: d.Config.Namespace, Kube: d.Kube, Virt: d.Virt, Log: d.Log.With("role", "hco"), BrainHealth: d.Health.Ready})

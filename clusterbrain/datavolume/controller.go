@@ -53,6 +53,9 @@ type Config struct {
 	// Snapshots reads the VolumeSnapshots DataVolumes restore and keeps the
 	// default VolumeSnapshotClass; nil fails snapshot sources.
 	Snapshots *snapshotv1.Client
+	// Namespace is the brain's namespace, where it writes the clone
+	// requests nodes read (default kubevirt-hyperconverged).
+	Namespace string
 }
 
 func (c *Config) defaults() {
@@ -64,6 +67,9 @@ func (c *Config) defaults() {
 	}
 	if c.Log == nil {
 		c.Log = slog.Default()
+	}
+	if c.Namespace == "" {
+		c.Namespace = "kubevirt-hyperconverged"
 	}
 }
 
@@ -181,6 +187,7 @@ func (c *Controller) Run(ctx context.Context) error {
 		go wait.UntilWithContext(ctx, c.worker, time.Second)
 	}
 	go wait.UntilWithContext(ctx, c.profileWorker, time.Second)
+	go c.collectCloneRequests(ctx, time.Minute)
 	<-ctx.Done()
 	return nil
 }

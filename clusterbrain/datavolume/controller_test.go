@@ -89,7 +89,10 @@ func setup(t *testing.T) env {
 		}
 		log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 		snaps := snapshotv1.NewClient(dynamic.NewForConfigOrDie(cp.RestConfig))
-		c, err := New(Config{Kube: kube, Virt: virt, Snapshots: snaps, Log: log})
+		if _, err := kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: brainNamespace}}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		c, err := New(Config{Kube: kube, Virt: virt, Snapshots: snaps, Log: log, Namespace: brainNamespace})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -103,6 +106,9 @@ func setup(t *testing.T) env {
 	e.ns = cp.Namespace(t)
 	return e
 }
+
+// brainNamespace is where the controller under test writes clone requests.
+const brainNamespace = "nodevirt-dv-brain"
 
 func storageDV(ns, name, size string, src *cdiv1.DataVolumeSource) *cdiv1.DataVolume {
 	return &cdiv1.DataVolume{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
@@ -243,6 +249,26 @@ func TestSourceRefWaitsForItsDataSource(t *testing.T) {
 	if pvc.Annotations[importstate.AnnCloneRequest] != e.ns+"/golden" || pvc.Annotations[importstate.AnnSource] != "pvc" {
 		t.Errorf("clone pvc annotations %v", pvc.Annotations)
 	}
+	// The node takes the source from the brain's clone request, in the
+	// brain's namespace, for this very claim.
+	var req importstate.CloneRequest
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		cm, err := e.kube.CoreV1().ConfigMaps(brainNamespace).Get(context.Background(), importstate.CloneRequestName(pvc.UID), metav1.GetOptions{})
+		if err == nil {
+			if req, err = importstate.ReadCloneRequest(cm, pvc); err != nil {
+				t.Fatal(err)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no clone request for pvc %s: %v", pvc.Name, err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if req.SourceNamespace != e.ns || req.SourceName != "golden" {
+		t.Errorf("clone request %+v", req)
+	}
 	e.wait(t, "fromref", "WaitForFirstConsumer", func(dv *cdiv1.DataVolume) bool { return dv.Status.Phase == cdiv1.WaitForFirstConsumer })
 }
 
@@ -250,8 +276,13 @@ func TestRefusedSourcesAndForeignClaims(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	e.create(t, storageDV(e.ns, "s3", "64Mi", &cdiv1.DataVolumeSource{S3: &cdiv1.DataVolumeSourceS3{URL: "s3://b/k"}}))
+	// A clone from another namespace that no webhook authorized (no
+	// stamp), and one whose source is not the one stamped.
 	e.create(t, storageDV(e.ns, "xns", "64Mi", &cdiv1.DataVolumeSource{PVC: &cdiv1.DataVolumeSourcePVC{Namespace: "default", Name: "x"}}))
-	for name, reason := range map[string]string{"s3": "UnsupportedSource", "xns": "CrossNamespaceClone"} {
+	moved := storageDV(e.ns, "moved", "64Mi", &cdiv1.DataVolumeSource{PVC: &cdiv1.DataVolumeSourcePVC{Name: "x"}})
+	moved.Annotations = map[string]string{AnnAuthorizedSource: "pvc/" + e.ns + "/y"}
+	e.create(t, moved)
+	for name, reason := range map[string]string{"s3": "UnsupportedSource", "xns": "CloneNotAuthorized", "moved": "CloneSourceChanged"} {
 		got := e.wait(t, name, "Failed", func(dv *cdiv1.DataVolume) bool { return dv.Status.Phase == cdiv1.Failed })
 		if c := dvimporttest.Condition(got, cdiv1.DataVolumeRunning); c.Reason != reason {
 			t.Errorf("%s: reason %q, want %s", name, c.Reason, reason)

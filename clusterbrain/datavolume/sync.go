@@ -47,14 +47,12 @@ func (c *Controller) sync(ctx context.Context, key string) (time.Duration, error
 		src = src.DeepCopy()
 		src.Snapshot.Namespace = dv.Namespace
 	}
+	if err := checkAuthorized(dv, src); err != nil {
+		return c.pending(ctx, dv, err)
+	}
 	if src != nil && src.Snapshot != nil && src.Snapshot.Namespace != dv.Namespace {
 		st := failedStatus(dv, "CrossNamespaceSnapshot",
-			"restoring a snapshot of another namespace needs an authorization check nodevirt does not make yet")
-		return 0, c.writeStatus(ctx, dv, st)
-	}
-	if src != nil && src.PVC != nil && src.PVC.Namespace != dv.Namespace {
-		st := failedStatus(dv, "CrossNamespaceClone",
-			"cloning from another namespace needs an authorization check nodevirt does not make yet")
+			"restoring a snapshot of another namespace is not implemented by the node's provisioner yet")
 		return 0, c.writeStatus(ctx, dv, st)
 	}
 	pvc, err := c.pvcs.PersistentVolumeClaims(dv.Namespace).Get(dv.Name)
@@ -97,7 +95,16 @@ func (c *Controller) sync(ctx context.Context, key string) (time.Duration, error
 		}
 	}
 	st := computeStatus(dv, pvc, kind, wffc && !immediate)
-	return after, c.writeStatus(ctx, dv, st)
+	if err := c.writeStatus(ctx, dv, st); err != nil {
+		return 0, err
+	}
+	if src != nil && src.PVC != nil {
+		if st.Phase == cdiv1.Succeeded || st.Phase == cdiv1.Failed {
+			return after, c.deleteCloneRequest(ctx, pvc)
+		}
+		return after, c.ensureCloneRequest(ctx, pvc, src.PVC)
+	}
+	return after, nil
 }
 
 // pending records why the PVC cannot be made yet and retries later.

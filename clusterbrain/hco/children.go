@@ -23,11 +23,14 @@ import (
 	hppv1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hostpathprovisioner/v1beta1"
 	cnaov1 "github.com/nodevirt/nodevirt/clusterbrain/apis/networkaddons/v1"
 	sspv1beta2 "github.com/nodevirt/nodevirt/clusterbrain/apis/ssp/v1beta2"
+	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
 )
 
 // managedAnnotations are the child annotations whose presence the HCO
-// decides (KubeVirt's emulator-thread parity, CDI's config authority).
-var managedAnnotations = []string{kubevirtv1.EmulatorThreadCompleteToEvenParity, cdiConfigAuthorityAnnotation}
+// decides (KubeVirt's emulator-thread parity, CDI's config authority, the
+// networks imports may reach).
+var managedAnnotations = []string{kubevirtv1.EmulatorThreadCompleteToEvenParity, cdiConfigAuthorityAnnotation,
+	importstate.AnnImportAllowedNetworks}
 
 // reconcileChildren makes every child match its rendering, then writes
 // each child's status; it returns the related objects and the components'

@@ -17,6 +17,7 @@ import (
 	hppv1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hostpathprovisioner/v1beta1"
 	cnaov1 "github.com/nodevirt/nodevirt/clusterbrain/apis/networkaddons/v1"
 	sspv1beta2 "github.com/nodevirt/nodevirt/clusterbrain/apis/ssp/v1beta2"
+	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
 	"github.com/nodevirt/nodevirt/clusterbrain/featuregate"
 )
 
@@ -352,6 +353,9 @@ func renderCDI(hc *hcov1beta1.HyperConverged, version string) (*cdiv1.CDI, error
 				Server: &cdiv1.CertConfig{Duration: cc.Server.Duration, RenewBefore: cc.Server.RenewBefore},
 			},
 		},
+	}
+	if v, ok := hc.Annotations[importstate.AnnImportAllowedNetworks]; ok {
+		cdi.Annotations[importstate.AnnImportAllowedNetworks] = v
 	}
 	if err := applyPatchAnnotation(hc, hcov1beta1.JSONPatchCDIAnnotation, cdi, []string{"spec", "config", "featureGates"}); err != nil {
 		return nil, err

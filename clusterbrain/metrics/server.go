@@ -58,14 +58,31 @@ func (s *Server) Run(ctx context.Context) error {
 	}
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", s.Registry.Handler())
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute}
 	go func() {
 		<-ctx.Done()
 		_ = srv.Close()
 	}()
 	s.Log.Info("metrics serving", "addr", ln.Addr().String())
+	WarnIfExposed(s.Log, ln.Addr())
 	if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
 		return err
 	}
 	return nil
+}
+
+// DefaultBrainAddr is where the brain serves /metrics: loopback only. The
+// endpoints carry no authentication (namespaces and names of every VM are
+// in them); an operator who wants them scraped from elsewhere sets the
+// address and puts an authenticating proxy or a network policy in front.
+const DefaultBrainAddr = "127.0.0.1:8484"
+
+// WarnIfExposed logs a warning when addr accepts connections from beyond
+// this host.
+func WarnIfExposed(log *slog.Logger, addr net.Addr) {
+	tcp, ok := addr.(*net.TCPAddr)
+	if ok && tcp.IP.IsLoopback() {
+		return
+	}
+	log.Warn("metrics are served without authentication beyond loopback", "addr", addr.String())
 }

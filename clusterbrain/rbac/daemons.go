@@ -115,7 +115,8 @@ func BrainRules() []rbacv1.PolicyRule {
 		rule("storage.k8s.io", []string{"storageclasses", "csidrivers"}, all...),
 		rule("apiextensions.k8s.io", []string{"customresourcedefinitions"}, all...),
 		rule("apiregistration.k8s.io", []string{"apiservices"}, all...),
-		rule("admissionregistration.k8s.io", []string{"mutatingwebhookconfigurations", "validatingwebhookconfigurations"}, all...),
+		rule("admissionregistration.k8s.io", []string{"mutatingwebhookconfigurations", "validatingwebhookconfigurations",
+			"validatingadmissionpolicies", "validatingadmissionpolicybindings"}, all...),
 		rule("authentication.k8s.io", []string{"tokenreviews"}, "create"),
 		rule("authorization.k8s.io", []string{"subjectaccessreviews"}, "create"),
 		// KubeVirt's roles and the nodes' per-namespace Secret bindings.
@@ -161,8 +162,8 @@ func DaemonClusterRoleBindings() []*rbacv1.ClusterRoleBinding {
 	return out
 }
 
-// EnsureDaemons installs the daemons' cluster roles and bindings and the
-// nodes' Lease binding. An administrator runs it once (the brain cannot
+// EnsureDaemons installs the daemons' cluster roles and bindings, the
+// node restriction policies and the nodes' Lease binding. An administrator runs it once (the brain cannot
 // grant itself its own role); the brain runs it again at start to repair
 // drift.
 func EnsureDaemons(ctx context.Context, kube kubernetes.Interface) error {
@@ -170,6 +171,9 @@ func EnsureDaemons(ctx context.Context, kube kubernetes.Interface) error {
 		return err
 	}
 	if err := ensureClusterRoleBindings(ctx, kube, DaemonClusterRoleBindings()); err != nil {
+		return err
+	}
+	if err := EnsureNodeRestriction(ctx, kube); err != nil {
 		return err
 	}
 	return ensureRoleBinding(ctx, kube, NodeLeaseNamespace, NodeAgentLeaseRole, NodeAgentLeaseRole, NodesGroup)

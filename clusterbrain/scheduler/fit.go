@@ -123,10 +123,15 @@ func alloc(n *corev1.Node, r corev1.ResourceName) (int64, bool) {
 
 // request is everything the placement of one VMI must satisfy.
 type request struct {
-	vmi       *kubevirtv1.VirtualMachineInstance
-	demand    demand
-	volumes   []*corev1.NodeSelector // each must match (bound PVs, allowed topologies)
-	pinned    string                 // a PVC already selected this node
+	vmi     *kubevirtv1.VirtualMachineInstance
+	demand  demand
+	volumes []*corev1.NodeSelector // each must match (bound PVs, allowed topologies)
+	// volumeOf names what holds each of volumes (a VMI volume and its
+	// claim, a storage class), for the Unschedulable message: a VM whose
+	// node-local volume sits on a lost node waits saying which volume.
+	volumeOf  []string
+	pinned    string // a PVC already selected this node
+	pinnedBy  string // the volume that pinned it
 	allowEmul bool
 	// placedAnti: some placed VMI has required anti-affinity (else the
 	// walk over placed VMIs is skipped for VMIs without affinity terms).
@@ -193,11 +198,15 @@ func filter(req *request, st *nodeState, all []*nodeState) []string {
 		return why
 	}
 	if req.pinned != "" && req.pinned != n.Name {
-		return []string{"volume node affinity conflict"}
+		return []string{volumeConflict(req.pinnedBy)}
 	}
-	for _, sel := range req.volumes {
+	for i, sel := range req.volumes {
 		if !matchNodeSelector(sel, n) {
-			return []string{"volume node affinity conflict"}
+			held := ""
+			if i < len(req.volumeOf) {
+				held = req.volumeOf[i]
+			}
+			return []string{volumeConflict(held)}
 		}
 	}
 	if reason := interVMI(req, st, all); reason != "" {
@@ -375,4 +384,13 @@ func fitMessage(nodes int, reasons map[string]int, prefix string) string {
 		msg += ": " + strings.Join(parts, ", ")
 	}
 	return msg + "."
+}
+
+// volumeConflict is the reason a node cannot take a VMI whose volume is
+// held elsewhere, naming the volume when known.
+func volumeConflict(volume string) string {
+	if volume == "" {
+		return "volume node affinity conflict"
+	}
+	return "volume node affinity conflict (" + volume + ")"
 }

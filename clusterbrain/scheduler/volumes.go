@@ -45,6 +45,7 @@ func (s *Scheduler) volumeConstraints(vmi *kubevirtv1.VirtualMachineInstance, re
 			}
 			if na := pv.Spec.NodeAffinity; na != nil && na.Required != nil {
 				req.volumes = append(req.volumes, na.Required)
+				req.volumeOf = append(req.volumeOf, fmt.Sprintf("volume %s: %s %s", v.Name, what, claim))
 			}
 			continue
 		}
@@ -56,7 +57,7 @@ func (s *Scheduler) volumeConstraints(vmi *kubevirtv1.VirtualMachineInstance, re
 			if req.pinned != "" && req.pinned != node {
 				return nil, fmt.Errorf("claims were given to different nodes (%s, %s)", req.pinned, node)
 			}
-			req.pinned = node
+			req.pinned, req.pinnedBy = node, fmt.Sprintf("volume %s: %s %s", v.Name, what, claim)
 		} else {
 			// A claim restored from a snapshot is provisioned where the
 			// snapshot is kept: the VMI goes there.
@@ -68,7 +69,7 @@ func (s *Scheduler) volumeConstraints(vmi *kubevirtv1.VirtualMachineInstance, re
 				if req.pinned != "" && req.pinned != node {
 					return nil, fmt.Errorf("claims are held by different nodes (%s, %s)", req.pinned, node)
 				}
-				req.pinned = node
+				req.pinned, req.pinnedBy = node, fmt.Sprintf("volume %s: %s %s", v.Name, what, claim)
 			}
 			wffc = append(wffc, pvc)
 		}
@@ -83,6 +84,7 @@ func (s *Scheduler) volumeConstraints(vmi *kubevirtv1.VirtualMachineInstance, re
 				sel.NodeSelectorTerms = append(sel.NodeSelectorTerms, term)
 			}
 			req.volumes = append(req.volumes, sel)
+			req.volumeOf = append(req.volumeOf, fmt.Sprintf("volume %s: storage class %s", v.Name, sc.Name))
 		}
 	}
 	return wffc, nil

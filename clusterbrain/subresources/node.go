@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"net/url"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/gorilla/websocket"
@@ -67,11 +68,17 @@ type NodeClient interface {
 	Stream(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance, action string, query url.Values) (io.ReadWriteCloser, error)
 }
 
-// HTTPSNodeClient is the NodeClient speaking the protocol above.
+// HTTPSNodeClient is the NodeClient speaking the protocol above. It talks
+// to a VMI's node only if the server's certificate names that very node
+// (status.nodeName): the names every node certificate shares
+// (NodeServerName) are not enough, so a node that redirects another node's
+// endpoint to itself gets no console stream and no call.
 type HTTPSNodeClient struct {
 	kube kubernetes.Interface
 	tls  *tls.Config
-	http *http.Client
+
+	mu      sync.Mutex
+	clients map[string]*http.Client // by node name
 }
 
 var _ NodeClient = (*HTTPSNodeClient)(nil)
@@ -79,15 +86,33 @@ var _ NodeClient = (*HTTPSNodeClient)(nil)
 // NewHTTPSNodeClient finds agents through their Node objects and talks to
 // them with tlsConfig (client certificate and the CA of the agents).
 func NewHTTPSNodeClient(kube kubernetes.Interface, tlsConfig *tls.Config) *HTTPSNodeClient {
-	return &HTTPSNodeClient{kube: kube, tls: tlsConfig, http: &http.Client{
-		Timeout:   30 * time.Second,
-		Transport: &http.Transport{TLSClientConfig: tlsConfig, ForceAttemptHTTP2: false, MaxIdleConnsPerHost: 4},
-	}}
+	return &HTTPSNodeClient{kube: kube, tls: tlsConfig, clients: map[string]*http.Client{}}
+}
+
+// tlsFor is the TLS configuration that accepts only node's certificate.
+func (c *HTTPSNodeClient) tlsFor(node string) *tls.Config {
+	cfg := c.tls.Clone()
+	cfg.ServerName = node
+	return cfg
+}
+
+// client is the HTTP client towards node.
+func (c *HTTPSNodeClient) client(node string) *http.Client {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	hc := c.clients[node]
+	if hc == nil {
+		hc = &http.Client{Timeout: 30 * time.Second,
+			Transport: &http.Transport{TLSClientConfig: c.tlsFor(node), ForceAttemptHTTP2: false, MaxIdleConnsPerHost: 4}}
+		c.clients[node] = hc
+	}
+	return hc
 }
 
 // NodeTLS builds the brain's mutual-TLS configuration towards nodeagents
 // from the CA the brain and the agents share (the upload CA): a client
-// certificate named ClientName, agents verified as NodeServerName.
+// certificate named ClientName; HTTPSNodeClient verifies each agent by its
+// node name.
 func NodeTLS(ca *uploadtls.CA) (*tls.Config, error) {
 	cert, err := ca.Issue(ClientName, nil, nil, true)
 	if err != nil {
@@ -132,7 +157,7 @@ func (c *HTTPSNodeClient) Call(ctx context.Context, vmi *kubevirtv1.VirtualMachi
 		return nil, err
 	}
 	req.Header.Set("Content-Type", "application/json")
-	resp, err := c.http.Do(req)
+	resp, err := c.client(vmi.Status.NodeName).Do(req)
 	if err != nil {
 		return nil, apierrors.NewInternalError(fmt.Errorf("nodeagent on %s: %w", vmi.Status.NodeName, err))
 	}
@@ -171,7 +196,7 @@ func (c *HTTPSNodeClient) Stream(ctx context.Context, vmi *kubevirtv1.VirtualMac
 		return nil, err
 	}
 	u := url.URL{Scheme: "wss", Host: addr, Path: actionPath(vmi, action), RawQuery: query.Encode()}
-	d := websocket.Dialer{TLSClientConfig: c.tls, Subprotocols: []string{PlainStreamProtocol},
+	d := websocket.Dialer{TLSClientConfig: c.tlsFor(vmi.Status.NodeName), Subprotocols: []string{PlainStreamProtocol},
 		ReadBufferSize: wsBufferSize, WriteBufferSize: wsBufferSize, HandshakeTimeout: 10 * time.Second}
 	conn, resp, err := d.DialContext(ctx, u.String(), nil)
 	if err != nil {

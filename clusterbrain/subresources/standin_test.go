@@ -15,6 +15,7 @@ import (
 	"github.com/gorilla/websocket"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/clusterbrain/subresources/plainstream"
 	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
 )
@@ -32,9 +33,11 @@ type standin struct {
 	peers    []string // client certificate names seen
 }
 
-func startStandin(t *testing.T, ca *uploadtls.CA) *standin {
+// startStandin serves as node with a certificate naming it (and the name
+// every node certificate shares).
+func startStandin(t *testing.T, ca *uploadtls.CA, node string) *standin {
 	t.Helper()
-	cert, err := ca.Issue(NodeServerName, []string{NodeServerName}, []net.IP{net.ParseIP("127.0.0.1")}, false)
+	cert, err := ca.Issue(rbac.NodeUser(node), []string{node, NodeServerName}, []net.IP{net.ParseIP("127.0.0.1")}, false)
 	if err != nil {
 		t.Fatal(err)
 	}

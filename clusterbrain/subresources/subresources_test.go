@@ -77,7 +77,7 @@ func start(t *testing.T, cp *controlplane.ControlPlane) error {
 	if err != nil {
 		return err
 	}
-	env.node = startStandin(t, ca)
+	env.node = startStandin(t, ca, nodeName)
 	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName, Annotations: map[string]string{NodeAddressAnnotation: env.node.addr}}}
 	if _, err := kube.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{}); err != nil {
 		return err

@@ -93,7 +93,7 @@ func (s *Server) proxyUpload(w http.ResponseWriter, r *http.Request, form bool) 
 		out.Header.Set("Content-Type", ct)
 	}
 	start := time.Now()
-	resp, err := s.toNodes.Do(out)
+	resp, err := s.toNode(node).Do(out)
 	if err != nil {
 		log.Warn("proxying upload failed", "node", node, "err", err)
 		http.Error(w, fmt.Sprintf("upload to node %s failed: %v", node, err), http.StatusBadGateway)

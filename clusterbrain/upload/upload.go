@@ -16,6 +16,7 @@ import (
 	"net"
 	"net/http"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -85,10 +86,14 @@ type Server struct {
 	log  *slog.Logger
 	kube kubernetes.Interface
 
-	signer   *Signer
-	ca       *uploadtls.CA
-	auth     atomic.Pointer[frontProxyAuth]
-	toNodes  *http.Client
+	signer *Signer
+	ca     *uploadtls.CA
+	auth   atomic.Pointer[frontProxyAuth]
+	// toNodes reaches a node's upload endpoint, verifying that the
+	// server's certificate names that node (see toNode).
+	toNodes  *http.Transport
+	nodesMu  sync.Mutex
+	perNode  map[string]*http.Client
 	apiLn    net.Listener
 	proxyLn  net.Listener
 	apiCert  tls.Certificate
@@ -137,9 +142,9 @@ func (s *Server) Run(ctx context.Context) error {
 	defer s.proxyLn.Close()
 	go s.refreshAuth(ctx)
 
-	api := &http.Server{Handler: s.apiHandler(), ReadHeaderTimeout: 30 * time.Second,
+	api := &http.Server{Handler: s.apiHandler(), ReadHeaderTimeout: 30 * time.Second, IdleTimeout: 2 * time.Minute,
 		TLSConfig: &tls.Config{MinVersion: tls.VersionTLS12, GetConfigForClient: s.apiTLSConfig}}
-	proxy := &http.Server{Handler: s.proxyHandler(), ReadHeaderTimeout: 30 * time.Second,
+	proxy := &http.Server{Handler: s.proxyHandler(), ReadHeaderTimeout: 30 * time.Second, IdleTimeout: 2 * time.Minute,
 		TLSConfig: &tls.Config{MinVersion: tls.VersionTLS12, Certificates: []tls.Certificate{s.proxyTLS}}}
 	errc := make(chan error, 2)
 	go func() { errc <- api.ServeTLS(s.apiLn, "", "") }()
@@ -211,15 +216,34 @@ func (s *Server) setup(ctx context.Context) error {
 	if err != nil {
 		return fail(err)
 	}
-	s.toNodes = &http.Client{Transport: &http.Transport{
+	s.toNodes = &http.Transport{
 		TLSClientConfig: &tls.Config{MinVersion: tls.VersionTLS12, Certificates: []tls.Certificate{clientCert},
-			RootCAs: s.ca.Pool(), ServerName: uploadtls.NodeServerName},
+			RootCAs: s.ca.Pool()},
 		DialContext:           (&net.Dialer{Timeout: 10 * time.Second}).DialContext,
 		TLSHandshakeTimeout:   10 * time.Second,
 		ResponseHeaderTimeout: 0, // a synchronous upload answers when the import ends
 		MaxIdleConnsPerHost:   4,
-	}}
+	}
+	s.perNode = map[string]*http.Client{}
 	return nil
+}
+
+// toNode is the client for node's upload endpoint: it accepts only a
+// certificate naming node, so a node that published (or hijacked) another
+// node's endpoint receives no upload meant for that node. (Every node
+// certificate also carries uploadtls.NodeServerName, which says only "a
+// node".)
+func (s *Server) toNode(node string) *http.Client {
+	s.nodesMu.Lock()
+	defer s.nodesMu.Unlock()
+	hc := s.perNode[node]
+	if hc == nil {
+		tr := s.toNodes.Clone()
+		tr.TLSClientConfig.ServerName = node
+		hc = &http.Client{Transport: tr}
+		s.perNode[node] = hc
+	}
+	return hc
 }
 
 func (s *Server) advertiseIP() (net.IP, error) {

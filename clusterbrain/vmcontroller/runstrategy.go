@@ -14,6 +14,7 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
+	"github.com/nodevirt/nodevirt/clusterbrain/fencing"
 )
 
 // runStrategy acts on the first pending state-change request, then makes
@@ -79,7 +80,9 @@ func (c *Controller) runStrategy(ctx context.Context, st *state, log *slog.Logge
 			c.failures.Delete(vm.UID)
 		}
 		if final && (st.rs == kubevirtv1.RunStrategyAlways || failed) && vmi.DeletionTimestamp == nil {
-			if failed {
+			// A lost node is not the VM's failure: it restarts elsewhere
+			// without the crash-loop back-off.
+			if failed && vmi.Status.Reason != fencing.ReasonNodeUnreachable {
 				c.recordFailure(st)
 			}
 			c.deleteVMI(ctx, vm, vmi, "restarting after the VMI ended")

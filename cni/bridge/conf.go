@@ -164,6 +164,9 @@ func ParseNetConf(config []byte) (*NetConf, error) {
 		if err := json.Unmarshal(list.Plugins[0], &m); err != nil {
 			return nil, types.NewError(types.ErrDecodingFailure, fmt.Sprintf("decode plugins[0]: %v", err), "")
 		}
+		if m == nil {
+			return nil, ConfigError("plugins[0]", "is null, not a plugin config")
+		}
 		if _, ok := m["cniVersion"]; !ok && list.CNIVersion != "" {
 			m["cniVersion"] = list.CNIVersion
 		}

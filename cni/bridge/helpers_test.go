@@ -4,10 +4,10 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -18,26 +18,39 @@ import (
 	"github.com/nodevirt/nodevirt/cni/cnitest"
 )
 
-var pluginDir string
+// pluginDir holds the plugin binary, built on first use (fuzz workers and
+// pure-logic tests never build it) and removed by TestMain.
+var (
+	pluginBinDir string
+	buildPlugin  = sync.OnceValues(func() (string, error) {
+		if os.Geteuid() != 0 {
+			return "", errors.New("bridge tests need root (network namespaces)")
+		}
+		dir, err := os.MkdirTemp("", "cnv-bridge-bin-")
+		if err != nil {
+			return "", err
+		}
+		pluginBinDir = dir
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+		defer cancel()
+		return cnitest.BuildPlugin(ctx, dir)
+	})
+)
+
+func pluginDir(t *testing.T) string {
+	t.Helper()
+	dir, err := buildPlugin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
 
 func TestMain(m *testing.M) {
-	if os.Geteuid() != 0 {
-		fmt.Println("bridge tests need root (network namespaces)")
-		os.Exit(1)
-	}
-	dir, err := os.MkdirTemp("", "cnv-bridge-bin-")
-	if err != nil {
-		panic(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	pluginDir, err = cnitest.BuildPlugin(ctx, dir)
-	cancel()
-	if err != nil {
-		fmt.Println(err)
-		os.Exit(1)
-	}
 	code := m.Run()
-	os.RemoveAll(dir)
+	if pluginBinDir != "" {
+		os.RemoveAll(pluginBinDir)
+	}
 	os.Exit(code)
 }
 
@@ -66,7 +79,7 @@ func newEnv(t *testing.T) *env {
 		ipamDir:  filepath.Join(base, "ipam"),
 		cacheDir: filepath.Join(base, "cache"),
 	}
-	e.rt = cnitest.NewRuntime(host, []string{pluginDir}, e.cacheDir)
+	e.rt = cnitest.NewRuntime(host, []string{pluginDir(t)}, e.cacheDir)
 	return e
 }
 

@@ -44,8 +44,17 @@ func linkByName(h *netlink.Handle, name string) (netlink.Link, error) {
 
 // ensureBridgeLocked is ensureBridge under the bridge's file lock, so that
 // concurrent attachments agree on creation, promiscuity and VLAN filtering.
-// Per-port work needs no lock: each attachment owns its own names.
+// A bridge that already is as the config needs is returned without the
+// lock (nothing would change). Per-port work needs no lock: each attachment
+// owns its own names.
 func ensureBridgeLocked(h *netlink.Handle, n *NetConf, st store) (*netlink.Bridge, error) {
+	l, err := linkByName(h, n.Bridge)
+	if err != nil {
+		return nil, err
+	}
+	if br, ok := l.(*netlink.Bridge); ok && bridgeReady(br, n) {
+		return br, nil
+	}
 	unlock, err := st.lockBridge(n.Bridge)
 	if err != nil {
 		return nil, err
@@ -92,6 +101,13 @@ func ensureBridge(h *netlink.Handle, n *NetConf) (*netlink.Bridge, error) {
 		br.VlanFiltering = &on
 	}
 	return br, nil
+}
+
+// bridgeReady reports whether ensureBridge would leave br as it is.
+func bridgeReady(br *netlink.Bridge, n *NetConf) bool {
+	return br.Attrs().Flags&netUp != 0 &&
+		(!n.PromiscMode || br.Attrs().Promisc != 0) &&
+		(!n.wantsVLANFiltering() || (br.VlanFiltering != nil && *br.VlanFiltering))
 }
 
 func createBridge(h *netlink.Handle, n *NetConf) error {

@@ -34,9 +34,13 @@ func doInNetNS(target netns.NsHandle, fn func() error) error {
 }
 
 // writeSysctl writes value to /proc/sys/<key> (key uses '/' separators) in
-// the calling thread's network namespace.
+// the calling thread's network namespace, unless it already has that value
+// (writing a forwarding switch walks every device under the RTNL lock).
 func writeSysctl(key, value string) error {
 	p := filepath.Join("/proc/sys", key)
+	if cur, err := os.ReadFile(p); err == nil && strings.TrimSpace(string(cur)) == value {
+		return nil
+	}
 	if err := os.WriteFile(p, []byte(value), 0o644); err != nil {
 		return fmt.Errorf("sysctl %s=%s: %w", strings.ReplaceAll(key, "/", "."), value, err)
 	}

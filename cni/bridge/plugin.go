@@ -1,6 +1,7 @@
 package bridge
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -95,6 +96,11 @@ func Add(ctx context.Context, n *NetConf, args *skel.CmdArgs) (_ *current.Result
 		Netns: args.Netns, Bridge: n.Bridge, Port: portName(n.Name, args.ContainerID, args.IfName),
 		VLAN: n.VLAN, Trunk: n.Trunk,
 	}
+	if n.IPAM.Type != "" {
+		// Recorded before the allocation, so that GC releases it whatever
+		// happens to this process.
+		rec.IPAMType, rec.IPAMConfig = n.IPAM.Type, args.StdinData
+	}
 	br, port, cont, err := attachVeth(ctx, hh, ch, cns, n, st, recPath, rec, &undo)
 	if err != nil {
 		return nil, err
@@ -109,7 +115,7 @@ func Add(ctx context.Context, n *NetConf, args *skel.CmdArgs) (_ *current.Result
 		},
 	}
 	if n.IPAM.Type == "" {
-		return result, st.write(recPath, rec)
+		return result, nil
 	}
 
 	im, err := newIPAM(n.IPAM.Type)
@@ -122,9 +128,12 @@ func Add(ctx context.Context, n *NetConf, args *skel.CmdArgs) (_ *current.Result
 		return nil, err
 	}
 	undo.add(func() { _ = im.run(ctx, "DEL", ipamStdin, nil, nil) })
-	rec.IPAMType, rec.IPAMConfig = n.IPAM.Type, ipamStdin
-	if err := st.write(recPath, rec); err != nil {
-		return nil, err
+	if !bytes.Equal(ipamStdin, rec.IPAMConfig) {
+		// The plugin took a downgraded config: GC must hand it the same.
+		rec.IPAMConfig = ipamStdin
+		if err := st.write(recPath, rec); err != nil {
+			return nil, err
+		}
 	}
 	result.IPs, result.Routes, result.DNS = ipres.IPs, ipres.Routes, ipres.DNS
 	gws := gateways(result, n)
@@ -147,10 +156,10 @@ func Add(ctx context.Context, n *NetConf, args *skel.CmdArgs) (_ *current.Result
 			rec.MasqIPs = append(rec.MasqIPs, a.IP.String())
 		}
 		rec.MasqChain = masqChainName(tag)
-		if err := runNFT(ctx, masqAddScript(tag, addrs)); err != nil {
+		if err := addMasqRules(tag, addrs); err != nil {
 			return nil, fmt.Errorf("ipMasq: %w", err)
 		}
-		undo.add(func() { _ = runNFT(ctx, masqDelScript(tag, ipsOf(rec.MasqIPs))) })
+		undo.add(func() { _ = delMasqRules(tag, ipsOf(rec.MasqIPs)) })
 		if err := st.write(recPath, rec); err != nil {
 			return nil, err
 		}
@@ -166,10 +175,6 @@ func attachVeth(ctx context.Context, hh, ch *netlink.Handle, cns netns.NsHandle,
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	// A port of an earlier ADD of this very attachment is stale: replace it.
-	if err := deleteLink(hh, rec.Port); err != nil {
-		return nil, nil, nil, err
-	}
 	veth := &netlink.Veth{
 		LinkAttrs: netlink.LinkAttrs{
 			Name: rec.Port, MTU: n.MTU, TxQLen: -1, MasterIndex: br.Attrs().Index, Flags: netUp,
@@ -179,10 +184,24 @@ func attachVeth(ctx context.Context, hh, ch *netlink.Handle, cns netns.NsHandle,
 		PeerNamespace:    netlink.NsFd(int(cns)),
 		PeerMTU:          uint32(n.MTU),
 	}
-	if err := hh.LinkAdd(veth); err != nil {
-		if errors.Is(err, syscall.EEXIST) {
+	err = hh.LinkAdd(veth)
+	if errors.Is(err, syscall.EEXIST) {
+		// A port of an earlier ADD of this very attachment is stale:
+		// replace it (its peer goes with it). Otherwise the name taken is
+		// the container's.
+		stale, lerr := linkByName(hh, rec.Port)
+		if lerr != nil {
+			return nil, nil, nil, lerr
+		}
+		if stale == nil {
 			return nil, nil, nil, fmt.Errorf("create veth: interface %q already exists in the container netns", rec.IfName)
 		}
+		if err := deleteLink(hh, rec.Port); err != nil {
+			return nil, nil, nil, err
+		}
+		err = hh.LinkAdd(veth)
+	}
+	if err != nil {
 		return nil, nil, nil, fmt.Errorf("create veth %s/%s: %w", rec.Port, rec.IfName, err)
 	}
 	undo.add(func() { _ = deleteLink(hh, rec.Port) })
@@ -200,13 +219,20 @@ func attachVeth(ctx context.Context, hh, ch *netlink.Handle, cns netns.NsHandle,
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("look up container interface %s: %w", rec.IfName, err)
 	}
+	// As the reference plugin: the container end is up after ADD, with or
+	// without IPAM, unless the config asks to leave it down.
+	if !n.DisableContainerInterface {
+		if err := ch.LinkSetUp(cont); err != nil {
+			return nil, nil, nil, fmt.Errorf("set %s up: %w", rec.IfName, err)
+		}
+	}
 	rec.MAC = cont.Attrs().HardwareAddr.String()
 	if n.MACSpoofCheck {
 		rec.SpoofChain = spoofChainName(rec.Port)
-		if err := runNFT(ctx, spoofAddScript(rec.Port, cont.Attrs().HardwareAddr, attachmentTag(rec.Network, rec.ContainerID, rec.IfName))); err != nil {
+		if err := addSpoofRules(rec.Port, cont.Attrs().HardwareAddr, attachmentTag(rec.Network, rec.ContainerID, rec.IfName)); err != nil {
 			return nil, nil, nil, fmt.Errorf("macspoofchk: %w", err)
 		}
-		undo.add(func() { _ = runNFT(ctx, spoofDelScript(rec.Port)) })
+		undo.add(func() { _ = delSpoofRules(rec.Port) })
 	}
 	if err := st.write(recPath, rec); err != nil {
 		return nil, nil, nil, err
@@ -258,12 +284,9 @@ func nextIP(ip net.IP) net.IP {
 	return out
 }
 
-// configureContainer sets the container interface up with the IPAM
+// configureContainer gives the (already up) container interface the IPAM
 // addresses and routes. IPv6 addresses skip DAD unless enabledad.
 func configureContainer(ch *netlink.Handle, cont netlink.Link, res *current.Result, n *NetConf) error {
-	if err := ch.LinkSetUp(cont); err != nil {
-		return fmt.Errorf("set %s up: %w", cont.Attrs().Name, err)
-	}
 	for _, ip := range res.IPs {
 		a := &netlink.Addr{IPNet: &net.IPNet{IP: ip.Address.IP, Mask: ip.Address.Mask}}
 		if ip.Address.IP.To4() == nil && !n.EnableDAD {

@@ -155,15 +155,30 @@ func (s store) lockBridge(bridge string) (func(), error) {
 	return unlock, nil
 }
 
+// tryLock takes the named exclusive flock in the lock directory if no one
+// holds it; ok is false when someone does (or the lock cannot be made).
+func (s store) tryLock(name string) (unlock func(), ok bool) {
+	dir := filepath.Join(s.dir, "lock")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, false
+	}
+	unlock, err := lockFile(filepath.Join(dir, name+".lock"), unix.LOCK_EX|unix.LOCK_NB)
+	return unlock, err == nil
+}
+
 // flock takes an exclusive flock on path (created if missing), waiting for
 // it; the returned func releases it.
 func flock(path string) (func(), error) {
+	return lockFile(path, unix.LOCK_EX)
+}
+
+func lockFile(path string, how int) (func(), error) {
 	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR|unix.O_CLOEXEC, 0o600)
 	if err != nil {
 		return nil, err
 	}
 	for {
-		err = unix.Flock(int(f.Fd()), unix.LOCK_EX)
+		err = unix.Flock(int(f.Fd()), how)
 		if !errors.Is(err, unix.EINTR) {
 			break
 		}

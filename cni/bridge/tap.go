@@ -128,10 +128,10 @@ func AttachTap(ctx context.Context, conf *NetConf, tap string, mac net.HardwareA
 	}
 	if conf.MACSpoofCheck {
 		rec.SpoofChain = spoofChainName(tap)
-		if err := runNFT(ctx, spoofAddScript(tap, mac, "tap/"+tap)); err != nil {
+		if err := addSpoofRules(tap, mac, "tap/"+tap); err != nil {
 			return nil, fmt.Errorf("macspoofchk on %s: %w", tap, err)
 		}
-		undo.add(func() { _ = runNFT(ctx, spoofDelScript(tap)) })
+		undo.add(func() { _ = delSpoofRules(tap) })
 	}
 	if err := st.write(recPath, rec); err != nil {
 		return nil, err
@@ -160,7 +160,7 @@ func DetachTap(ctx context.Context, conf *NetConf, tap string) error {
 			rec.SpoofChain = spoofChainName(tap)
 		}
 	}
-	if err := removeHostSide(ctx, rec, deleteLink); err != nil {
+	if err := removeHostSide(ctx, rec, removeInLine, nil); err != nil {
 		return fmt.Errorf("detach %s: %w", tap, err)
 	}
 	return st.remove(recPath)

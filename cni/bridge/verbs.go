@@ -28,13 +28,13 @@ func CmdDel(args *skel.CmdArgs) error {
 	if err != nil {
 		return err
 	}
-	return del(context.Background(), n, args, removeLinkViaHelper)
+	return del(context.Background(), n, args, helperUnlessBusy(store{n.StateDir}))
 }
 
 // Del is CmdDel on a parsed config, for callers that live on after it: the
 // port is deleted in line.
 func Del(ctx context.Context, n *NetConf, args *skel.CmdArgs) error {
-	return del(ctx, n, args, deleteLink)
+	return del(ctx, n, args, removeInLine)
 }
 
 func del(ctx context.Context, n *NetConf, args *skel.CmdArgs, remove linkRemover) error {
@@ -66,52 +66,57 @@ func del(ctx context.Context, n *NetConf, args *skel.CmdArgs, remove linkRemover
 			}
 		}
 	}
-	var errs []error
-	if n.IPAM.Type != "" {
+	// The IPAM release runs while the port is being removed.
+	releaseIPAM := func() error {
+		if n.IPAM.Type == "" {
+			return nil
+		}
 		im, err := newIPAM(n.IPAM.Type)
-		if err == nil {
-			stdin, conf := args.StdinData, n
-			if len(rec.IPAMConfig) > 0 {
-				stdin, conf = rec.IPAMConfig, nil
-			}
-			im.serveNative(stdin, args.Args, args.ContainerID, args.IfName)
-			err = im.run(ctx, "DEL", stdin, conf, nil)
-		}
 		if err != nil {
-			errs = append(errs, err)
+			return err
 		}
+		stdin, conf := args.StdinData, n
+		if len(rec.IPAMConfig) > 0 {
+			stdin, conf = rec.IPAMConfig, nil
+		}
+		im.serveNative(stdin, args.Args, args.ContainerID, args.IfName)
+		return im.run(ctx, "DEL", stdin, conf, nil)
 	}
-	if err := removeHostSide(ctx, rec, remove); err != nil {
-		errs = append(errs, err)
+	if err := removeHostSide(ctx, rec, remove, releaseIPAM); err != nil {
+		return err
 	}
-	if len(errs) == 0 {
-		return st.remove(recPath)
-	}
-	return errors.Join(errs...)
+	return st.remove(recPath)
 }
 
 // removeHostSide removes a record's port and nft chains before returning,
-// so that nothing of the attachment remains when DEL answers.
-func removeHostSide(ctx context.Context, rec *Record, remove linkRemover) error {
+// so that nothing of the attachment remains when DEL answers. meanwhile
+// (if set) runs while the port is being removed.
+func removeHostSide(ctx context.Context, rec *Record, remove linkRemover, meanwhile func() error) error {
 	hh, err := netlink.NewHandle(unix.NETLINK_ROUTE)
 	if err != nil {
 		return fmt.Errorf("netlink: %w", err)
 	}
 	defer hh.Close()
+	removed := remove(hh, rec.Port)
 	var errs []error
-	if err := remove(hh, rec.Port); err != nil {
-		errs = append(errs, err)
+	if meanwhile != nil {
+		if err := meanwhile(); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	if rec.SpoofChain != "" {
-		if err := runNFT(ctx, spoofDelScript(rec.Port)); err != nil {
+		if err := delSpoofRules(rec.Port); err != nil {
 			errs = append(errs, fmt.Errorf("remove macspoofchk rules: %w", err))
 		}
 	}
 	if rec.MasqChain != "" {
 		tag := attachmentTag(rec.Network, rec.ContainerID, rec.IfName)
-		if err := runNFT(ctx, masqDelScript(tag, ipsOf(rec.MasqIPs))); err != nil {
+		if err := delMasqRules(tag, ipsOf(rec.MasqIPs)); err != nil {
 			errs = append(errs, fmt.Errorf("remove ipMasq rules: %w", err))
 		}
+	}
+	if err := removed(); err != nil {
+		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
 }
@@ -191,7 +196,7 @@ func Check(ctx context.Context, n *NetConf, args *skel.CmdArgs) error {
 		return fmt.Errorf("check: %w", err)
 	}
 	if n.MACSpoofCheck {
-		if err := checkSpoofChain(ctx, rec.Port, mac); err != nil {
+		if err := checkSpoofRules(rec.Port, mac); err != nil {
 			return fmt.Errorf("check: %w", err)
 		}
 	}
@@ -231,6 +236,9 @@ func checkContainer(args *skel.CmdArgs, port netlink.Link, prev *current.Result,
 	if n.DisableContainerInterface {
 		return mac, nil
 	}
+	if cont.Attrs().Flags&netUp == 0 {
+		return nil, fmt.Errorf("container interface %s is down", args.IfName)
+	}
 	addrs, err := ch.AddrList(cont, netlink.FAMILY_ALL)
 	if err != nil {
 		return nil, fmt.Errorf("list addresses of %s: %w", args.IfName, err)
@@ -247,7 +255,8 @@ func checkContainer(args *skel.CmdArgs, port netlink.Link, prev *current.Result,
 }
 
 // CmdStatus reports whether ADD can be served: the state directory is
-// usable, nft exists when the config needs it, and the IPAM plugin is ready.
+// usable, nftables answers when the config needs it, and the IPAM plugin is
+// ready.
 func CmdStatus(args *skel.CmdArgs) error {
 	n, err := LoadNetConf(args.StdinData, args.Args)
 	if err != nil {
@@ -257,7 +266,7 @@ func CmdStatus(args *skel.CmdArgs) error {
 		return types.NewError(ErrPluginNotAvailable, fmt.Sprintf("state dir %s: %v", n.StateDir, err), "")
 	}
 	if n.MACSpoofCheck || n.IPMasq {
-		if _, err := nftPath(); err != nil {
+		if err := nftablesUsable(); err != nil {
 			return types.NewError(ErrPluginNotAvailable, err.Error(), "")
 		}
 	}
@@ -319,7 +328,7 @@ func GC(ctx context.Context, n *NetConf, stdin []byte) error {
 				recErrs = append(recErrs, err)
 			}
 		}
-		if err := removeHostSide(ctx, rec, deleteLink); err != nil {
+		if err := removeHostSide(ctx, rec, removeInLine, nil); err != nil {
 			recErrs = append(recErrs, err)
 		}
 		if len(recErrs) == 0 {

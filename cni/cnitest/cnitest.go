@@ -223,3 +223,33 @@ func BuildPlugin(ctx context.Context, dir string) (string, error) {
 
 // ReferenceDir holds Debian's containernetworking-plugins binaries.
 const ReferenceDir = "/usr/lib/cni"
+
+// BuildCNITool builds upstream cnitool (the containernetworking/cni module
+// this repository already depends on) into dir and returns its path.
+func BuildCNITool(ctx context.Context, dir string) (string, error) {
+	out := filepath.Join(dir, "cnitool")
+	cmd := exec.CommandContext(ctx, "go", "build", "-o", out, "github.com/containernetworking/cni/cnitool")
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if b, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("build cnitool: %w: %s", err, b)
+	}
+	return out, nil
+}
+
+// CNITool runs cnitool VERB NETWORK NETNS inside host, with the networks of
+// confDir (NETCONFPATH) and the plugins of pluginDir (CNI_PATH), and returns
+// its output.
+func CNITool(ctx context.Context, host *NS, tool, confDir, pluginDir, verb, network string, netns *NS) (string, error) {
+	var out []byte
+	err := host.Do(func() error {
+		cmd := exec.CommandContext(ctx, tool, verb, network, netns.Path)
+		cmd.Env = append(os.Environ(), "NETCONFPATH="+confDir, "CNI_PATH="+pluginDir)
+		var err error
+		out, err = cmd.CombinedOutput()
+		return err
+	})
+	if err != nil {
+		return string(out), fmt.Errorf("cnitool %s %s %s: %w: %s", verb, network, netns.Path, err, out)
+	}
+	return string(out), nil
+}

@@ -143,6 +143,10 @@ func buildCloudInitISO(ctx context.Context, vmi *v1.VirtualMachineInstance, d cl
 	return buildISO(ctx, iso, volid, files)
 }
 
+// ISOMode is the mode of cloud-init, configMap and Secret images: they
+// carry user data, passwords and keys, so no other host user reads them.
+const ISOMode = 0o600
+
 // buildISO writes an ISO9660 image (Joliet and Rock Ridge names) with volume
 // id volid holding files (path in the image -> content). It is built beside
 // iso and renamed into place.
@@ -157,23 +161,26 @@ func buildISO(ctx context.Context, iso, volid string, files map[string][]byte) e
 		if !strings.HasPrefix(p, root+string(filepath.Separator)) {
 			return fmt.Errorf("build iso: file name %q leaves the image", name)
 		}
-		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+		if err := os.MkdirAll(filepath.Dir(p), 0o700); err != nil {
 			return fmt.Errorf("build iso: %w", err)
 		}
-		if err := os.WriteFile(p, content, 0o644); err != nil {
+		if err := os.WriteFile(p, content, 0o600); err != nil {
 			return fmt.Errorf("build iso: %w", err)
 		}
 	}
 	tmp := iso + ".tmp"
 	out, err := exec.CommandContext(ctx, "genisoimage", "-quiet", "-output", tmp,
-		"-volid", volid, "-joliet", "-rock", root).CombinedOutput()
+		// Rational Rock Ridge: the guest sees the files readable (the
+		// host's staging copies are root's alone).
+		"-volid", volid, "-joliet", "-rational-rock", root).CombinedOutput()
 	if err != nil {
 		os.Remove(tmp)
 		return fmt.Errorf("genisoimage: %w: %s", err, out)
 	}
-	// QEMU runs as its own user: the seed must be readable whatever the
-	// agent's umask.
-	if err := os.Chmod(tmp, 0o644); err != nil {
+	// The seed holds user data and Secret values: root alone reads it.
+	// libvirt's DAC driver (dynamic_ownership, on by default) hands the
+	// image to QEMU's user while the domain runs and gives it back after.
+	if err := os.Chmod(tmp, ISOMode); err != nil {
 		os.Remove(tmp)
 		return fmt.Errorf("build iso: %w", err)
 	}

@@ -138,6 +138,18 @@ func TestPrepareMakesDisksAndSeeds(t *testing.T) {
 		t.Errorf("secret disk userdata %q", got)
 	}
 
+	// Seeds and config disks hold user data and Secret values: no host
+	// user but root reads them (libvirt hands them to QEMU while it runs).
+	for _, iso := range []string{seed, drive, cm, sec} {
+		fi, err := os.Stat(iso)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if fi.Mode().Perm() != ISOMode {
+			t.Errorf("%s: mode %v, want %v", filepath.Base(iso), fi.Mode().Perm(), os.FileMode(ISOMode))
+		}
+	}
+
 	// Idempotent: a second run keeps the images (guest data) as they are.
 	before, _ := os.Stat(env.EmptyDiskPath("empty"))
 	if err := Prepare(ctx, vmi, env); err != nil {

@@ -20,7 +20,9 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/daemon"
+	"github.com/nodevirt/nodevirt/clusterbrain/fencing"
 	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
+	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
 	"github.com/nodevirt/nodevirt/csi"
 	"github.com/nodevirt/nodevirt/nodeagent/console"
 	"github.com/nodevirt/nodevirt/nodeagent/handler"
@@ -44,6 +46,10 @@ type Config struct {
 	Kubeconfig string
 	// NodeName is this node's name (default: host name).
 	NodeName string
+	// NodeIP is the node's InternalIP, where the brain and other nodes
+	// reach its endpoints; New fills it from the node's interfaces when
+	// empty (node.InternalIP), never with loopback.
+	NodeIP string
 	// StateDir holds per-VM state, volumes' default pool and sockets.
 	StateDir string
 	// HealthAddr serves /healthz and /readyz.
@@ -83,7 +89,12 @@ type Config struct {
 	// PodBridge is the pod network's bridge, podnet.DefaultBridge when
 	// empty. Its state lives in <StateDir>/podnet.
 	PodBridge string
-	Log       *slog.Logger
+	// SelfFence is what the agent does when it cannot renew its Lease for
+	// longer than FencingWindow and reaches no peer: fencing.ModeStop
+	// (default) stops its guests, fencing.ModeNone nothing.
+	SelfFence     string
+	FencingWindow time.Duration
+	Log           *slog.Logger
 }
 
 func (c *Config) defaults() {
@@ -126,6 +137,12 @@ func (c *Config) defaults() {
 	if c.PodBridge == "" {
 		c.PodBridge = podnet.DefaultBridge
 	}
+	if c.SelfFence == "" {
+		c.SelfFence = fencing.ModeStop
+	}
+	if c.FencingWindow == 0 {
+		c.FencingWindow = fencing.DefaultWindow
+	}
 	if c.CertDir == "" {
 		c.CertDir = filepath.Join(c.StateDir, "pki")
 	}
@@ -151,6 +168,12 @@ func (c *Config) validate() error {
 	}
 	if c.NodeName == "" {
 		return errors.New("node name is required")
+	}
+	if c.SelfFence != fencing.ModeStop && c.SelfFence != fencing.ModeNone {
+		return fmt.Errorf("self-fence must be %s or %s, not %q", fencing.ModeStop, fencing.ModeNone, c.SelfFence)
+	}
+	if c.FencingWindow < 5*time.Second {
+		return fmt.Errorf("fencing window %s: at least 5s", c.FencingWindow)
 	}
 	return nil
 }
@@ -219,15 +242,21 @@ func New(cfg Config) (*Agent, error) {
 	if err != nil {
 		return nil, err
 	}
+	nodeIP, err := node.InternalIP(cfg.NodeIP)
+	if err != nil {
+		return nil, err
+	}
+	cfg.NodeIP = nodeIP.String()
 	emulation, reason := decideEmulation(cfg.Emulation)
-	cfg.Log.Info("virtualization", "node", cfg.NodeName, "emulation", emulation, "reason", reason)
+	cfg.Log.Info("virtualization", "node", cfg.NodeName, "ip", cfg.NodeIP, "emulation", emulation, "reason", reason)
 	if cfg.Emulation == EmulationOff && emulation {
 		return nil, fmt.Errorf("kvm required but unusable: %s", reason)
 	}
-	reg, err := node.New(node.Config{Name: cfg.NodeName, Emulation: emulation, Reason: reason, Log: cfg.Log,
+	reg, err := node.New(node.Config{Name: cfg.NodeName, InternalIP: cfg.NodeIP, Emulation: emulation, Reason: reason, Log: cfg.Log,
 		// Volumes' node affinity uses the CSI topology key, which kubelet
 		// would publish from NodeGetInfo; without a kubelet the agent does.
-		Labels: map[string]string{csi.TopologyKey: cfg.NodeName}}, kc)
+		Labels:         map[string]string{csi.TopologyKey: cfg.NodeName},
+		PeerAnnotation: subresources.NodeAddressAnnotation}, kc)
 	if err != nil {
 		return nil, err
 	}
@@ -259,6 +288,15 @@ func New(cfg Config) (*Agent, error) {
 			return nil, err
 		}
 		a.roles = append(a.roles, r)
+	}
+	if cfg.SelfFence == fencing.ModeStop {
+		for _, r := range a.roles {
+			if g, ok := r.(GuestStopper); ok {
+				a.roles = append(a.roles, &fencer{window: cfg.FencingWindow, renewed: reg.LastRenewal, peers: reg.Peers, guests: g,
+					log: func(msg string, args ...any) { cfg.Log.Warn(msg, append(args, "node", cfg.NodeName)...) }})
+				break
+			}
+		}
 	}
 	return a, nil
 }

@@ -11,7 +11,6 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
-	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
 	"github.com/nodevirt/nodevirt/nodeagent/kube"
 	"github.com/nodevirt/nodevirt/nodeagent/nodecert"
 )
@@ -49,11 +48,7 @@ func advertiseConsole(ctx context.Context, cfg Config, kc kube.Interface, addr s
 		return err
 	}
 	if ip := net.ParseIP(host); host == "" || ip == nil || ip.IsUnspecified() {
-		hostIP, err := uploadtls.HostIP()
-		if err != nil {
-			return err
-		}
-		host = hostIP.String()
+		host = cfg.NodeIP
 	}
 	if _, err := strconv.Atoi(port); err != nil {
 		return fmt.Errorf("console address %s: %w", addr, err)

@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"fmt"
+	"net"
 
 	"k8s.io/client-go/dynamic"
 
@@ -54,7 +55,7 @@ func newProvisionerRole(d *Deps) (Role, error) {
 func newImportRole(d *Deps) (Role, error) {
 	cfg := dvimport.Config{NodeName: d.Config.NodeName, Kube: d.Kube, Virt: d.Virt, Informers: d.Informers,
 		Resolver: dvimport.CSIResolver(d.Volumes), BrainNamespace: d.Config.BrainNamespace,
-		UploadAddr: d.Config.UploadAddr, Log: d.Log.With("role", "importer")}
+		UploadAddr: d.Config.UploadAddr, UploadAdvertiseIP: advertisedIP(d.Config.UploadAddr, d.Config.NodeIP), Log: d.Log.With("role", "importer")}
 	if d.Cert != nil {
 		cfg.UploadTLS, cfg.PeerTLS = d.Cert.ServerTLS(), d.Cert.PeerTLS
 	}
@@ -78,4 +79,15 @@ func newSnapshotterRole(d *Deps) (Role, error) {
 		return nil, err
 	}
 	return namedRole{"snapshotter", s.Run}, nil
+}
+
+// advertisedIP is the address to publish for a listener on addr: the node's
+// IP when addr binds every address (":8447"), "" (the listener's own) when
+// it binds one.
+func advertisedIP(addr, nodeIP string) string {
+	host, _, err := net.SplitHostPort(addr)
+	if ip := net.ParseIP(host); err == nil && (host == "" || ip.IsUnspecified()) {
+		return nodeIP
+	}
+	return ""
 }

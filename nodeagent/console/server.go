@@ -114,7 +114,7 @@ type Config struct {
 	// ClientCAFile is the PEM bundle client certificates must chain to.
 	ClientCAFile string
 	// AllowedClients, when not empty, are the only client certificate
-	// names (subject CN or DNS SAN) let in.
+	// subject common names let in.
 	AllowedClients []string
 	// TLS, when set, replaces the files; it must require and verify client
 	// certificates.
@@ -194,9 +194,9 @@ func New(cfg Config, backend Backend) (*Server, error) {
 	mux.HandleFunc("GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/{info}", s.guestAgent)
 	s.srv = &http.Server{
 		Handler:           s.authorize(mux),
-		ReadHeaderTimeout: 10 * time.Second,
-		TLSNextProto:      map[string]func(*http.Server, *tls.Conn, http.Handler){},
-		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelDebug),
+		ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute,
+		TLSNextProto: map[string]func(*http.Server, *tls.Conn, http.Handler){},
+		ErrorLog:     slog.NewLogLogger(s.log.Handler(), slog.LevelDebug),
 	}
 	return s, nil
 }
@@ -231,10 +231,12 @@ func (s *Server) authorize(next http.Handler) http.Handler {
 			return
 		}
 		if len(s.cfg.AllowedClients) > 0 {
-			leaf := r.TLS.PeerCertificates[0]
-			names := append([]string{leaf.Subject.CommonName}, leaf.DNSNames...)
-			if !slices.ContainsFunc(names, func(n string) bool { return slices.Contains(s.cfg.AllowedClients, n) }) {
-				s.log.Warn("client not allowed", "names", names, "remote", r.RemoteAddr)
+			// The subject names a client; its DNS names are server
+			// identities (every node certificate carries the shared ones)
+			// and grant nothing here.
+			cn := r.TLS.PeerCertificates[0].Subject.CommonName
+			if !slices.Contains(s.cfg.AllowedClients, cn) {
+				s.log.Warn("client not allowed", "client", cn, "remote", r.RemoteAddr)
 				http.Error(w, "client not allowed", http.StatusForbidden)
 				return
 			}

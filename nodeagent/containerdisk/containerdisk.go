@@ -30,6 +30,7 @@ import (
 	"fmt"
 	"io/fs"
 	"log/slog"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
@@ -155,6 +156,9 @@ type Request struct {
 	// InsecureRegistries lists host[:port] registries reached without TLS
 	// verification or over plain HTTP (the CDI configuration's list).
 	InsecureRegistries []string
+	// AllowedNetworks are addresses the pull may reach although imports
+	// may not by default (loopback, link-local, this node's addresses).
+	AllowedNetworks []netip.Prefix
 }
 
 // Image is a cached containerDisk.
@@ -352,7 +356,8 @@ func (p *Puller) backoff(n int) time.Duration {
 // pull resolves the image's digest and downloads it unless the cache has
 // that digest already.
 func (p *Puller) pull(ctx context.Context, ref Reference, req Request) (Image, error) {
-	src := importer.RegistrySource{URL: ref.url(""), InsecureRegistries: req.InsecureRegistries, File: req.Path}
+	src := importer.RegistrySource{URL: ref.url(""), InsecureRegistries: req.InsecureRegistries, File: req.Path,
+		AllowedNetworks: req.AllowedNetworks}
 	if req.PullSecret != nil {
 		user, pass, ok, err := Credentials(req.PullSecret, ref.Host)
 		if err != nil {

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
@@ -59,6 +60,9 @@ func TestPuller(t *testing.T) {
 	host, stop := reg.Serve()
 	defer stop()
 	insecure := []string{host}
+	// The test registry listens on loopback, which pulls may not reach
+	// unless the CDI CR allows it.
+	loopback := []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8")}
 	publish := func(repo, tag string, files map[string][]byte) (manifest, layer string) {
 		t.Helper()
 		m, l, err := reg.Publish(repo, tag, files)
@@ -94,7 +98,7 @@ func TestPuller(t *testing.T) {
 	t.Run("pull in the background", func(t *testing.T) {
 		done := make(chan struct{})
 		t0 := time.Now()
-		_, err := p.Acquire(ctx, Request{Image: image, InsecureRegistries: insecure}, "vmi-a", func() { close(done) })
+		_, err := p.Acquire(ctx, Request{Image: image, InsecureRegistries: insecure, AllowedNetworks: loopback}, "vmi-a", func() { close(done) })
 		if !errors.Is(err, ErrPulling) {
 			t.Fatalf("first acquire: %v, want ErrPulling", err)
 		}
@@ -103,7 +107,7 @@ func TestPuller(t *testing.T) {
 		case <-time.After(2 * time.Minute):
 			t.Fatal("pull did not finish")
 		}
-		if first, err = p.Acquire(ctx, Request{Image: image, InsecureRegistries: insecure}, "vmi-a", nil); err != nil {
+		if first, err = p.Acquire(ctx, Request{Image: image, InsecureRegistries: insecure, AllowedNetworks: loopback}, "vmi-a", nil); err != nil {
 			t.Fatal(err)
 		}
 		t.Logf("pulled %d bytes of qcow2 (gz layer %d bytes) into a %d-byte raw disk in %s",
@@ -126,7 +130,7 @@ func TestPuller(t *testing.T) {
 	t.Run("cache hit without the network", func(t *testing.T) {
 		before := reg.BlobGets(v1Layer)
 		t0 := time.Now()
-		img, err := p.Pull(ctx, Request{Image: image, InsecureRegistries: insecure}, "vmi-b")
+		img, err := p.Pull(ctx, Request{Image: image, InsecureRegistries: insecure, AllowedNetworks: loopback}, "vmi-b")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -151,7 +155,7 @@ func TestPuller(t *testing.T) {
 		paths := make([]string, 3)
 		for i := range paths {
 			wg.Go(func() {
-				img, err := p.Pull(ctx, Request{Image: host + "/kubevirt/guest:v2", InsecureRegistries: insecure}, fmt.Sprint("vmi-c", i))
+				img, err := p.Pull(ctx, Request{Image: host + "/kubevirt/guest:v2", InsecureRegistries: insecure, AllowedNetworks: loopback}, fmt.Sprint("vmi-c", i))
 				if err != nil {
 					t.Error(err)
 				}
@@ -172,7 +176,7 @@ func TestPuller(t *testing.T) {
 
 	t.Run("policy Always follows a moved tag", func(t *testing.T) {
 		latest := host + "/kubevirt/guest" // no tag: latest, policy Always
-		img, err := p.Pull(ctx, Request{Image: latest, InsecureRegistries: insecure}, "vmi-d")
+		img, err := p.Pull(ctx, Request{Image: latest, InsecureRegistries: insecure, AllowedNetworks: loopback}, "vmi-d")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -181,7 +185,7 @@ func TestPuller(t *testing.T) {
 		}
 		other := bytes.Repeat([]byte("nodevirt second image\n"), 1<<16)
 		moved, _ := publish("kubevirt/guest", "latest", map[string][]byte{"disk/disk.img": other})
-		img, err = p.Pull(ctx, Request{Image: latest, InsecureRegistries: insecure}, "vmi-d")
+		img, err = p.Pull(ctx, Request{Image: latest, InsecureRegistries: insecure, AllowedNetworks: loopback}, "vmi-d")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -192,7 +196,7 @@ func TestPuller(t *testing.T) {
 			t.Errorf("new image content differs (%v)", err)
 		}
 		// IfNotPresent keeps what the node has for that name.
-		img, err = p.Pull(ctx, Request{Image: latest, PullPolicy: k8sv1.PullIfNotPresent, InsecureRegistries: insecure}, "vmi-e")
+		img, err = p.Pull(ctx, Request{Image: latest, PullPolicy: k8sv1.PullIfNotPresent, InsecureRegistries: insecure, AllowedNetworks: loopback}, "vmi-e")
 		if err != nil || img.Digest != moved {
 			t.Errorf("IfNotPresent after the Always pull: %s %v, want %s", img.Digest, err, moved)
 		}
@@ -202,19 +206,19 @@ func TestPuller(t *testing.T) {
 	})
 
 	t.Run("path inside the image", func(t *testing.T) {
-		img, err := p.Pull(ctx, Request{Image: host + "/kubevirt/custom:v1", Path: "/custom/boot.qcow2", InsecureRegistries: insecure}, "vmi-f")
+		img, err := p.Pull(ctx, Request{Image: host + "/kubevirt/custom:v1", Path: "/custom/boot.qcow2", InsecureRegistries: insecure, AllowedNetworks: loopback}, "vmi-f")
 		if err != nil {
 			t.Fatal(err)
 		}
 		if got := dvimporttest.SHA256(t, img.Path); got != rawSHA {
 			t.Errorf("disk at the path is not the guest's boot disk")
 		}
-		_, err = p.Pull(ctx, Request{Image: host + "/kubevirt/custom:v1", Path: "/custom/none.img", InsecureRegistries: insecure}, "vmi-f")
+		_, err = p.Pull(ctx, Request{Image: host + "/kubevirt/custom:v1", Path: "/custom/none.img", InsecureRegistries: insecure, AllowedNetworks: loopback}, "vmi-f")
 		wantPullError(t, err, ReasonErrImagePull, importer.ReasonInvalidImage)
 	})
 
 	t.Run("no disk in the image", func(t *testing.T) {
-		_, err := p.Pull(ctx, Request{Image: host + "/kubevirt/nodisk:v1", InsecureRegistries: insecure}, "vmi-g")
+		_, err := p.Pull(ctx, Request{Image: host + "/kubevirt/nodisk:v1", InsecureRegistries: insecure, AllowedNetworks: loopback}, "vmi-g")
 		pe := wantPullError(t, err, ReasonErrImagePull, importer.ReasonInvalidImage)
 		if !strings.Contains(pe.Error(), "no file under /disk/") || !strings.Contains(pe.Error(), "kubevirt/nodisk:v1") {
 			t.Errorf("message %q does not say what is missing where", pe.Error())
@@ -222,7 +226,7 @@ func TestPuller(t *testing.T) {
 	})
 
 	t.Run("missing image, then back-off, then retry", func(t *testing.T) {
-		req := Request{Image: host + "/kubevirt/later:v1", InsecureRegistries: insecure}
+		req := Request{Image: host + "/kubevirt/later:v1", InsecureRegistries: insecure, AllowedNetworks: loopback}
 		_, err := p.Pull(ctx, req, "vmi-h")
 		wantPullError(t, err, ReasonErrImagePull, importer.ReasonSourceNotFound)
 		_, err = p.Pull(ctx, req, "vmi-h")
@@ -246,7 +250,7 @@ func TestPuller(t *testing.T) {
 		reg.SetAuth("puller", "s3cret")
 		defer reg.SetAuth("", "")
 		d, _ := publish("private/guest", "v1", map[string][]byte{"disk/disk.qcow2": qcow2})
-		req := Request{Image: host + "/private/guest:v1", InsecureRegistries: insecure}
+		req := Request{Image: host + "/private/guest:v1", InsecureRegistries: insecure, AllowedNetworks: loopback}
 		_, err := p.Pull(ctx, req, "vmi-j")
 		wantPullError(t, err, ReasonErrImagePull, importer.ReasonUnauthorized)
 
@@ -292,7 +296,7 @@ func TestPuller(t *testing.T) {
 		}
 		// The next pull of that name fetches it again.
 		before := reg.BlobGets(v1Layer)
-		if _, err := p.Pull(ctx, Request{Image: image, InsecureRegistries: insecure}, "vmi-k"); err != nil {
+		if _, err := p.Pull(ctx, Request{Image: image, InsecureRegistries: insecure, AllowedNetworks: loopback}, "vmi-k"); err != nil {
 			t.Fatal(err)
 		}
 		if reg.BlobGets(v1Layer) != before+1 {
@@ -301,7 +305,7 @@ func TestPuller(t *testing.T) {
 	})
 
 	t.Run("retain forgets users that are gone", func(t *testing.T) {
-		img, err := p.Pull(ctx, Request{Image: image, InsecureRegistries: insecure}, "vmi-l")
+		img, err := p.Pull(ctx, Request{Image: image, InsecureRegistries: insecure, AllowedNetworks: loopback}, "vmi-l")
 		if err != nil {
 			t.Fatal(err)
 		}

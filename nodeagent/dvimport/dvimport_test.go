@@ -18,6 +18,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -69,6 +70,18 @@ func setup(t *testing.T) env {
 			t.Fatal(err)
 		}
 		dvimporttest.CreateNode(t, kube, node)
+		// The test image servers listen on loopback, which imports may
+		// reach only when the CDI CR allows it.
+		cdi := &cdiv1.CDI{ObjectMeta: metav1.ObjectMeta{Name: "cdi",
+			Annotations: map[string]string{importstate.AnnImportAllowedNetworks: "127.0.0.0/8,::1"}}}
+		if _, err := virt.CDIs.Create(ctx, cdi); err != nil {
+			t.Fatal(err)
+		}
+		// The brain's namespace, where it writes clone requests.
+		brainNS := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "kubevirt-hyperconverged"}}
+		if _, err := kube.CoreV1().Namespaces().Create(ctx, brainNS, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+			t.Fatal(err)
+		}
 		log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 		ctrl, err := datavolume.New(datavolume.Config{Kube: kube, Virt: virt, Log: log})
 		if err != nil {
@@ -264,9 +277,21 @@ func TestBadSourcesFailWithReasons(t *testing.T) {
 	if err := os.WriteFile(garbage, data[:len(data)/2], 0o644); err != nil {
 		t.Fatal(err)
 	}
+	// Hostile images naming a host file: a VMDK descriptor whose FLAT
+	// extent is /etc/passwd, a qcow2 whose backing file is.
+	if err := os.WriteFile(filepath.Join(im.dir, "flat.vmdk"), []byte("# Disk DescriptorFile\nversion=1\nCID=fffffffe\n"+
+		"parentCID=ffffffff\ncreateType=\"monolithicFlat\"\nRW 4 FLAT \"/etc/passwd\" 0\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("qemu-img", "create", "-q", "-f", "qcow2", "-u", "-F", "raw", "-b", "/etc/passwd",
+		filepath.Join(im.dir, "backing.qcow2"), "16M").CombinedOutput(); err != nil {
+		t.Fatalf("qemu-img: %v\n%s", err, out)
+	}
 	cases := []struct {
 		name, url, checksum, size, reason string
 	}{
+		{"hostile-vmdk", "/flat.vmdk", "", "64Mi", "UnsupportedImage"},
+		{"hostile-qcow2", "/backing.qcow2", "", "64Mi", "UnsupportedImage"},
 		{"notfound", "/missing.img", "", "64Mi", "SourceNotFound"},
 		{"checksum", "/disk.raw", "sha256:" + fmt.Sprintf("%064x", 1), "64Mi", "ChecksumMismatch"},
 		{"toolarge", "/big.raw", "", "32Mi", "ImageTooLarge"},
@@ -284,6 +309,9 @@ func TestBadSourcesFailWithReasons(t *testing.T) {
 		}
 		if dv.Status.RestartCount != 0 {
 			t.Errorf("%s: a permanent failure was retried %d times", c.name, dv.Status.RestartCount)
+		}
+		if strings.HasPrefix(c.name, "hostile") && !strings.Contains(running.Message, "/etc/passwd") {
+			t.Errorf("%s: message %q does not name the host file", c.name, running.Message)
 		}
 		disk := e.resolver.Disk(e.pvc(t, c.name))
 		if _, err := os.Stat(disk); !os.IsNotExist(err) {
@@ -535,10 +563,23 @@ func TestAgentRestartResumesImport(t *testing.T) {
 	if requests.Load() != 1 {
 		t.Fatalf("%d requests before the restart", requests.Load())
 	}
+	// What an agent killed mid-import (not stopped) leaves behind.
+	disk := resolver.Disk(e.pvc(t, "resume"))
+	crashed := []string{"." + filepath.Base(disk) + ".importing-crashed", "." + filepath.Base(disk) + ".spill-crashed", ".clone-crashed"}
+	for _, n := range crashed {
+		if err := os.WriteFile(filepath.Join(filepath.Dir(disk), n), []byte("partial"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
 	startAgent(ctx)
 	dv := e.waitPhase(t, "resume", cdiv1.Succeeded, 60*time.Second)
 	if dv.Status.RestartCount != 1 {
 		t.Errorf("restartCount %d after one agent restart, want 1", dv.Status.RestartCount)
 	}
 	dvimporttest.SameDisk(t, resolver.Disk(e.pvc(t, "resume")), im.raw)
+	for _, n := range crashed {
+		if _, err := os.Stat(filepath.Join(filepath.Dir(disk), n)); err == nil {
+			t.Errorf("leftover %s of the interrupted import is still there", n)
+		}
+	}
 }

@@ -9,6 +9,7 @@ import (
 	"strings"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 
@@ -31,7 +32,7 @@ func (s *uploadServer) export(w http.ResponseWriter, r *http.Request, requester,
 		http.Error(w, "method not allowed", http.StatusMethodNotAllowed)
 		return
 	}
-	if !a.cloneWanted(ns, name, requester) {
+	if !a.cloneWanted(r.Context(), ns, name, requester) {
 		http.Error(w, fmt.Sprintf("no claim on node %s clones pvc %s/%s", requester, ns, name), http.StatusForbidden)
 		return
 	}
@@ -56,19 +57,44 @@ func (s *uploadServer) export(w http.ResponseWriter, r *http.Request, requester,
 	http.ServeContent(w, r, "disk.img", fi.ModTime(), f)
 }
 
-// cloneWanted says whether a claim whose volume is on node asks to clone
-// the claim ns/name.
-func (a *Agent) cloneWanted(ns, name, node string) bool {
+// cloneWanted says whether the brain asked a claim whose volume is on node
+// to be cloned from the claim ns/name (its clone request, not the claim's
+// annotations, which the claim's owner writes).
+func (a *Agent) cloneWanted(ctx context.Context, ns, name, node string) bool {
 	claims, err := a.pvcs.List(labels.Everything())
 	if err != nil {
 		return false
 	}
 	for _, c := range claims {
-		if c.Annotations[importstate.AnnCloneRequest] == ns+"/"+name && c.DeletionTimestamp == nil && a.claimNode(c) == node {
+		if c.Annotations[importstate.AnnSource] != importstate.SourcePVC || c.DeletionTimestamp != nil || a.claimNode(c) != node {
+			continue
+		}
+		req, err := a.cloneRequest(ctx, c)
+		if err == nil && req.SourceNamespace == ns && req.SourceName == name {
 			return true
 		}
 	}
 	return false
+}
+
+// cloneRequest is the brain's clone request for the claim pvc, read from
+// the brain's namespace.
+func (a *Agent) cloneRequest(ctx context.Context, pvc *corev1.PersistentVolumeClaim) (importstate.CloneRequest, error) {
+	name := importstate.CloneRequestName(pvc.UID)
+	cm, err := a.kube.CoreV1().ConfigMaps(a.cfg.BrainNamespace).Get(ctx, name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		// The brain writes it just after the claim: retried.
+		return importstate.CloneRequest{}, &importer.Error{Reason: importer.ReasonSourceUnreachable,
+			Err: fmt.Errorf("pvc %s/%s: the brain has made no clone request (%s/%s)", pvc.Namespace, pvc.Name, a.cfg.BrainNamespace, name)}
+	}
+	if err != nil {
+		return importstate.CloneRequest{}, &importer.Error{Reason: importer.ReasonSourceUnreachable, Err: fmt.Errorf("clone request of pvc %s/%s: %w", pvc.Namespace, pvc.Name, err)}
+	}
+	req, err := importstate.ReadCloneRequest(cm, pvc)
+	if err != nil {
+		return importstate.CloneRequest{}, &importer.Error{Reason: importer.ReasonInvalidRequest, Err: err}
+	}
+	return req, nil
 }
 
 // claimNode is the node of a claim's volume: its PV's, else its selected
@@ -143,6 +169,7 @@ func (a *Agent) cloneFromPeer(ctx context.Context, t *target, node, ns, name str
 	}
 	t.log(a.log).Info("cloning across nodes", "from", node, "source", ns+"/"+name, "bytes", resp.ContentLength)
 	r := baseRequest(t)
+	r.Raw = true // the guest's bytes, never interpreted as an image
 	r.Progress = onProgress
 	return importer.ImportFromReader(ctx, resp.Body, resp.ContentLength, r)
 }

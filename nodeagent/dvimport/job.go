@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
@@ -85,6 +86,7 @@ var permanent = map[importer.Reason]bool{
 	importer.ReasonInvalidRequest: true, importer.ReasonSourceNotFound: true, importer.ReasonUnauthorized: true,
 	importer.ReasonChecksumMismatch: true, importer.ReasonTruncated: true, importer.ReasonInvalidImage: true,
 	importer.ReasonUnsupportedImage: true, importer.ReasonTooLarge: true, importer.ReasonScratchRequired: true,
+	importer.ReasonNetworkNotAllowed: true,
 }
 
 // startJob runs the import of t in the background unless one runs.
@@ -174,6 +176,12 @@ func (a *Agent) attempt(ctx context.Context, t *target, j *job) (importer.Result
 		j.progress.Store(p.String())
 		t.observe(p)
 	}
+	if !t.isBlock {
+		// An attempt cut short (agent restart) left its temporary files.
+		if err := removeLeftovers(t.disk); err != nil {
+			t.log(a.log).Warn("removing leftovers of an interrupted import", "err", err)
+		}
+	}
 	if t.kind == importstate.SourcePVC {
 		return a.clone(ctx, t, onProgress)
 	}
@@ -261,6 +269,9 @@ func (a *Agent) request(ctx context.Context, t *target) (importer.Request, error
 		if hs.Proxy, err = a.proxy(ctx, cfg); err != nil {
 			return req, err
 		}
+		if hs.AllowedNetworks, err = a.allowedNetworks(ctx); err != nil {
+			return req, err
+		}
 		req.HTTP = hs
 	case src != nil && src.Registry != nil:
 		r := src.Registry
@@ -290,6 +301,9 @@ func (a *Agent) request(ctx context.Context, t *target) (importer.Request, error
 			rs.InsecureRegistries = cfg.InsecureRegistries
 		}
 		if rs.Proxy, err = a.proxy(ctx, cfg); err != nil {
+			return req, err
+		}
+		if rs.AllowedNetworks, err = a.allowedNetworks(ctx); err != nil {
 			return req, err
 		}
 		req.Registry = rs
@@ -345,6 +359,22 @@ func (a *Agent) cdiConfig(ctx context.Context) *cdiv1.CDIConfigSpec {
 	return cfg
 }
 
+// allowedNetworks are the addresses imports may reach although the
+// importer forbids them by default: the CDI CR's
+// importstate.AnnImportAllowedNetworks annotation.
+func (a *Agent) allowedNetworks(ctx context.Context) ([]netip.Prefix, error) {
+	cdi, err := a.virt.CDI(ctx)
+	if err != nil || cdi == nil {
+		return nil, nil
+	}
+	nets, err := importer.ParseNetworks(cdi.Annotations[importstate.AnnImportAllowedNetworks])
+	if err != nil {
+		return nil, &importer.Error{Reason: importer.ReasonInvalidRequest,
+			Err: fmt.Errorf("cdi %s annotation %s: %w", cdi.Name, importstate.AnnImportAllowedNetworks, err)}
+	}
+	return nets, nil
+}
+
 // proxy is the import proxy of the CDI configuration, or nil.
 func (a *Agent) proxy(ctx context.Context, cfg *cdiv1.CDIConfigSpec) (*importer.Proxy, error) {
 	if cfg == nil || cfg.ImportProxy == nil {
@@ -377,7 +407,11 @@ func deref(p *string) string {
 // only the non-zero blocks; from another node streamed from its endpoint
 // (mutual TLS, see ExportPath).
 func (a *Agent) clone(ctx context.Context, t *target, onProgress func(importer.Progress)) (importer.Result, error) {
-	ns, name, _ := strings.Cut(t.pvc.Annotations[importstate.AnnCloneRequest], "/")
+	creq, err := a.cloneRequest(ctx, t.pvc)
+	if err != nil {
+		return importer.Result{}, err
+	}
+	ns, name := creq.SourceNamespace, creq.SourceName
 	src, err := a.pvcs.PersistentVolumeClaims(ns).Get(name)
 	if err != nil {
 		return importer.Result{}, &importer.Error{Reason: importer.ReasonSourceNotFound, Err: fmt.Errorf("clone source pvc %s/%s: %w", ns, name, err)}
@@ -415,8 +449,22 @@ func (a *Agent) clone(ctx context.Context, t *target, onProgress func(importer.P
 		}
 	}
 	req := baseRequest(t)
+	req.Raw = true // the guest's bytes, never interpreted as an image
 	req.Progress = onProgress
 	return importer.ImportFromReader(ctx, f, size, req)
+}
+
+// removeLeftovers removes the temporary files an interrupted import or
+// clone into disk left in its directory.
+func removeLeftovers(disk string) error {
+	err := importer.RemoveLeftovers(disk)
+	clones, _ := filepath.Glob(filepath.Join(filepath.Dir(disk), ".clone-*"))
+	for _, c := range clones {
+		if rerr := os.Remove(c); rerr != nil && !errors.Is(rerr, os.ErrNotExist) {
+			err = errors.Join(err, rerr)
+		}
+	}
+	return err
 }
 
 // reflink clones src into t's disk file when the filesystem can share

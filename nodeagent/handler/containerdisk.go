@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/netip"
 	"path/filepath"
 
 	k8sv1 "k8s.io/api/core/v1"
@@ -12,8 +13,10 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	v1 "kubevirt.io/api/core/v1"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
 	"github.com/nodevirt/nodevirt/launcher/domain"
 	"github.com/nodevirt/nodevirt/nodeagent/containerdisk"
+	"github.com/nodevirt/nodevirt/nodeagent/importer"
 )
 
 // ContainerDiskDir is where, inside Config.StateDir, pulled containerDisk
@@ -55,6 +58,7 @@ func (h *Handler) containerDisks() (*containerdisk.Puller, error) {
 // *containerdisk.PullError, retried after the cache's back-off.
 func (h *Handler) resolveContainerDisks(ctx context.Context, vmi *v1.VirtualMachineInstance, disks map[string]domain.DiskSource) error {
 	var insecure []string
+	var allowed []netip.Prefix
 	var cache *containerdisk.Puller
 	key := vmi.Namespace + "/" + vmi.Name
 	for i, vol := range vmi.Spec.Volumes {
@@ -67,9 +71,10 @@ func (h *Handler) resolveContainerDisks(ctx context.Context, vmi *v1.VirtualMach
 			if cache, err = h.containerDisks(); err != nil {
 				return err
 			}
-			insecure = h.insecureRegistries(ctx)
+			insecure, allowed = h.importNetworks(ctx)
 		}
-		req := containerdisk.Request{Image: cd.Image, PullPolicy: cd.ImagePullPolicy, Path: cd.Path, InsecureRegistries: insecure}
+		req := containerdisk.Request{Image: cd.Image, PullPolicy: cd.ImagePullPolicy, Path: cd.Path,
+			InsecureRegistries: insecure, AllowedNetworks: allowed}
 		if cd.ImagePullSecret != "" {
 			sec, err := h.pullSecret(ctx, vmi.Namespace, cd.ImagePullSecret)
 			if err != nil {
@@ -113,17 +118,29 @@ func (h *Handler) pullSecret(ctx context.Context, namespace, name string) ([]byt
 		k8sv1.DockerConfigJsonKey, k8sv1.DockerConfigKey)
 }
 
-// insecureRegistries is the CDI configuration's list, as the DataVolume
-// importer uses it; none when there is no CDI CR or it cannot be read.
-func (h *Handler) insecureRegistries(ctx context.Context) []string {
-	cfg, err := h.cfg.Virt.CDIConfig(ctx)
+// importNetworks reads what the CDI CR says about registries: the
+// configuration's insecure registries, as the DataVolume importer uses
+// them, and the networks pulls may reach although they are forbidden by
+// default (importstate.AnnImportAllowedNetworks). Both are empty when
+// there is no CDI CR or it cannot be read; an unparsable annotation
+// allows nothing.
+func (h *Handler) importNetworks(ctx context.Context) ([]string, []netip.Prefix) {
+	cdi, err := h.cfg.Virt.CDI(ctx)
 	if err != nil {
 		h.log.Debug("cdi configuration unreadable, no insecure registries", "err", err)
 	}
-	if cfg == nil {
-		return nil
+	if cdi == nil {
+		return nil, nil
 	}
-	return cfg.InsecureRegistries
+	var insecure []string
+	if cdi.Spec.Config != nil {
+		insecure = cdi.Spec.Config.InsecureRegistries
+	}
+	allowed, err := importer.ParseNetworks(cdi.Annotations[importstate.AnnImportAllowedNetworks])
+	if err != nil {
+		h.log.Warn("cdi annotation unparsable, pulls reach no forbidden network", "annotation", importstate.AnnImportAllowedNetworks, "err", err)
+	}
+	return insecure, allowed
 }
 
 // releaseContainerDisks forgets the VMI uid as a user of cached images;

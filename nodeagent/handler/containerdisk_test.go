@@ -14,6 +14,7 @@ import (
 	v1 "kubevirt.io/api/core/v1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
 	"github.com/nodevirt/nodevirt/nodeagent/containerdisk/registrytest"
 	"github.com/nodevirt/nodevirt/test/guest"
 )
@@ -69,7 +70,8 @@ func TestContainerDiskPullDoesNotBlock(t *testing.T) {
 	release := reg.Hold("slow/guest")
 	defer release()
 
-	cdi := &cdiv1.CDI{ObjectMeta: metav1.ObjectMeta{Name: "cdi"},
+	cdi := &cdiv1.CDI{ObjectMeta: metav1.ObjectMeta{Name: "cdi",
+		Annotations: map[string]string{importstate.AnnImportAllowedNetworks: "127.0.0.0/8"}},
 		Spec: cdiv1.CDISpec{Config: &cdiv1.CDIConfigSpec{InsecureRegistries: []string{host}}}}
 	if _, err := n.virt.CDIs.Create(ctx, cdi); err != nil {
 		t.Fatal(err)

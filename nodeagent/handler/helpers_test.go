@@ -102,7 +102,7 @@ func newNode(t *testing.T) *node {
 	n.stateDir = reachableDir(t, "nodevirt-handler-")
 	n.netState = t.TempDir()
 	t.Cleanup(func() { exec.Command("ip", "link", "del", n.bridge).Run() })
-	if n.pki, err = console.MintPKI(t.TempDir(), "127.0.0.1"); err != nil {
+	if n.pki, err = console.MintPKI(t.TempDir(), "127.0.0.1", n.name); err != nil {
 		t.Fatal(err)
 	}
 	n.csiRoot = reachableDir(t, "nodevirt-handler-csi-")

@@ -1,11 +1,9 @@
 package handler
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -89,19 +87,28 @@ func (h *Handler) claimDisk(ctx context.Context, namespace, claim string) (domai
 	if err != nil {
 		return domain.DiskSource{}, fmt.Errorf("persistentvolume %s: %w", pv.Name, err)
 	}
-	ds := domain.DiskSource{Path: path, Block: block, Format: domain.FormatRaw}
+	// The format is the one the volume was filled with, never read from
+	// its bytes: a guest writes what it likes into its own disk, and a
+	// qcow2 header it wrote (naming a backing file on the host) must not
+	// change how the node opens the disk at the next start.
+	ds := domain.DiskSource{Path: path, Block: block, Format: VolumeFormat}
 	if !block {
-		f, err := imageFormat(path)
-		if errors.Is(err, fs.ErrNotExist) {
+		if _, err := os.Stat(path); errors.Is(err, fs.ErrNotExist) {
 			return domain.DiskSource{}, fmt.Errorf("%w: persistentvolume %s has no %s yet (import not finished?)", errWaiting, pv.Name, DiskImageName)
-		}
-		if err != nil {
+		} else if err != nil {
 			return domain.DiskSource{}, fmt.Errorf("persistentvolume %s: %w", pv.Name, err)
 		}
-		ds.Format = f
 	}
 	return ds, nil
 }
+
+// VolumeFormat is the format of every volume's disk. It is recorded by
+// what fills volumes, not stored per volume: the importer, uploads,
+// clones (byte copies), snapshot restores (byte copies) and blank disks
+// all write raw. A per-volume record could not live on the claim (its
+// annotations are the tenant's to edit); should a filler ever write
+// another format, the record belongs with the node's volume state.
+const VolumeFormat = domain.FormatRaw
 
 // hostDisk maps a hostPath/local PV path to the VM disk: the block device
 // itself, a file as is, or disk.img inside a directory.
@@ -118,25 +125,6 @@ func hostDisk(path string) (string, bool, error) {
 	default:
 		return path, false, nil
 	}
-}
-
-var qcow2Magic = []byte{'Q', 'F', 'I', 0xfb}
-
-// imageFormat tells raw from qcow2 by the image's first bytes.
-func imageFormat(path string) (domain.Format, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return "", err
-	}
-	defer f.Close()
-	head := make([]byte, 4)
-	if _, err := io.ReadFull(f, head); err != nil && !errors.Is(err, io.ErrUnexpectedEOF) && !errors.Is(err, io.EOF) {
-		return "", fmt.Errorf("read %s: %w", path, err)
-	}
-	if bytes.Equal(head, qcow2Magic) {
-		return domain.FormatQcow2, nil
-	}
-	return domain.FormatRaw, nil
 }
 
 // resolveSecrets reads the Secrets the cloud-init volumes refer to.

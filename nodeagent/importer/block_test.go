@@ -68,7 +68,7 @@ func TestBlockDestination(t *testing.T) {
 	work := t.TempDir()
 	imp := func(name, workDir string) (Result, error) {
 		return Import(context.Background(), Request{
-			Source: Source{HTTP: &HTTPSource{URL: srv.URL + "/" + name}}, Dest: dev, DestIsBlock: true, WorkDir: workDir,
+			Source: Source{HTTP: &HTTPSource{AllowedNetworks: testNetworks, URL: srv.URL + "/" + name}}, Dest: dev, DestIsBlock: true, WorkDir: workDir,
 		})
 	}
 	for _, c := range []struct{ name, workDir string }{
@@ -90,7 +90,7 @@ func TestBlockDestination(t *testing.T) {
 	}
 
 	t.Run("needs work dir", func(t *testing.T) {
-		for _, name := range []string{"disk.vdi", "disk-late.qcow2"} {
+		for _, name := range []string{"disk.vhdx", "disk-late.qcow2"} {
 			_, err := imp(name, "")
 			wantReason(t, err, ReasonScratchRequired)
 		}
@@ -109,7 +109,7 @@ func TestBlockDestination(t *testing.T) {
 
 	t.Run("too large for the device", func(t *testing.T) {
 		_, err := Import(context.Background(), Request{
-			Source: Source{HTTP: &HTTPSource{URL: srv.URL + "/disk.qcow2"}}, Dest: dev, DestIsBlock: true, Capacity: 32 << 20,
+			Source: Source{HTTP: &HTTPSource{AllowedNetworks: testNetworks, URL: srv.URL + "/disk.qcow2"}}, Dest: dev, DestIsBlock: true, Capacity: 32 << 20,
 		})
 		wantReason(t, err, ReasonTooLarge)
 		_, err = Import(context.Background(), Request{Source: Source{Blank: true}, Dest: dev, DestIsBlock: true, Capacity: 2 * devSize})

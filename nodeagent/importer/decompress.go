@@ -2,6 +2,7 @@ package importer
 
 import (
 	"bytes"
+	"compress/bzip2"
 	"compress/gzip"
 	"context"
 	"errors"
@@ -11,12 +12,14 @@ import (
 	"sync"
 
 	"github.com/klauspost/compress/zstd"
+
+	"github.com/nodevirt/nodevirt/nodeagent/importer/confine"
 )
 
 // decompress wraps r in a streaming decompressor. xz goes through the xz
 // binary (faster than any Go decoder, and one dependency less). close
 // releases the decoder and must be called.
-func decompress(c Compression, r io.Reader) (io.Reader, func(), error) {
+func decompress(ctx context.Context, c Compression, r io.Reader) (io.Reader, func(), error) {
 	switch c {
 	case CompressionGzip:
 		zr, err := gzip.NewReader(r)
@@ -25,13 +28,15 @@ func decompress(c Compression, r io.Reader) (io.Reader, func(), error) {
 		}
 		return &decodeErrors{c: c, r: zr}, func() { zr.Close() }, nil
 	case CompressionZstd:
-		zr, err := zstd.NewReader(r, zstd.WithDecoderConcurrency(1), zstd.WithDecoderMaxWindow(1<<27), zstd.WithDecoderLowmem(true))
+		zr, err := zstd.NewReader(r, zstd.WithDecoderConcurrency(1), zstd.WithDecoderMaxWindow(ZstdMaxWindow), zstd.WithDecoderLowmem(true))
 		if err != nil {
 			return nil, nil, corruptCompression(c, err)
 		}
 		return &decodeErrors{c: c, r: zr}, zr.Close, nil
+	case CompressionBzip2:
+		return &decodeErrors{c: c, r: bzip2.NewReader(r)}, func() {}, nil
 	case CompressionXz:
-		return xzReader(r)
+		return xzReader(ctx, r)
 	}
 	return nil, nil, fmt.Errorf("unknown compression %q", c)
 }
@@ -62,30 +67,47 @@ func (d *decodeErrors) Read(p []byte) (int, error) {
 	return n, err
 }
 
-// xzProc is a running `xz -dc` fed from the source.
+// ZstdMaxWindow is the largest zstd window a compressed image may use:
+// the decoder's history, held in the node agent, grows to it. zstd's
+// levels up to 19 use at most 8 MiB; --ultra and --long streams with
+// larger windows are refused (InvalidImage).
+const ZstdMaxWindow = 32 << 20
+
+// XzAddressSpace bounds the confined xz decoder's address space; xz
+// streams made with the largest presets need about 65 MiB to decode.
+const XzAddressSpace = 512 << 20
+
+// xzProc is a running, confined `xz -dc` fed from the source.
 type xzProc struct {
-	cmd    *exec.Cmd
-	out    io.ReadCloser
-	stderr bytes.Buffer
-	mu     sync.Mutex
-	srcErr error
-	fed    chan struct{}
+	out      io.ReadCloser
+	stderr   bytes.Buffer
+	mu       sync.Mutex
+	srcErr   error
+	fed      chan struct{}
+	waitOnce sync.Once
+	wait     func() error
+	waitErr  error
 }
 
-func xzReader(r io.Reader) (io.Reader, func(), error) {
+func xzReader(ctx context.Context, r io.Reader) (io.Reader, func(), error) {
 	x := &xzProc{fed: make(chan struct{})}
-	x.cmd = exec.Command("xz", "-dc", "-T1")
-	x.cmd.Stderr = &x.stderr
-	in, err := x.cmd.StdinPipe()
+	ctx, cancel := context.WithCancel(ctx)
+	var in io.WriteCloser
+	spec := confine.Spec{Limits: confine.Limits{AddressSpace: XzAddressSpace}}
+	wait, err := confine.Start(ctx, spec, func(cmd *exec.Cmd) error {
+		cmd.Stderr = &x.stderr
+		var err error
+		if in, err = cmd.StdinPipe(); err != nil {
+			return err
+		}
+		x.out, err = cmd.StdoutPipe()
+		return err
+	}, "xz", "-dc", "-T1", "--memlimit-decompress=256MiB")
 	if err != nil {
-		return nil, nil, err
+		cancel()
+		return nil, nil, failf(ReasonFailed, "start xz: %w", err)
 	}
-	if x.out, err = x.cmd.StdoutPipe(); err != nil {
-		return nil, nil, err
-	}
-	if err := x.cmd.Start(); err != nil {
-		return nil, nil, fmt.Errorf("start xz: %w", err)
-	}
+	x.wait = wait
 	go func() {
 		defer close(x.fed)
 		_, err := io.Copy(in, r)
@@ -97,10 +119,16 @@ func xzReader(r io.Reader) (io.Reader, func(), error) {
 		}
 	}()
 	stop := func() {
-		_ = x.cmd.Process.Kill()
-		_ = x.cmd.Wait()
+		cancel()
+		_ = x.waitDone()
 	}
 	return x, stop, nil
+}
+
+// waitDone waits for xz once and returns how it ended.
+func (x *xzProc) waitDone() error {
+	x.waitOnce.Do(func() { x.waitErr = x.wait() })
+	return x.waitErr
 }
 
 func (x *xzProc) Read(p []byte) (int, error) {
@@ -119,7 +147,7 @@ func (x *xzProc) Read(p []byte) (int, error) {
 			return n, srcErr
 		}
 	}
-	if werr := x.cmd.Wait(); werr != nil {
+	if werr := x.waitDone(); werr != nil {
 		msg := bytes.TrimSpace(x.stderr.Bytes())
 		if bytes.Contains(msg, []byte("Unexpected end of input")) {
 			return n, failf(ReasonTruncated, "xz stream ended early: %s", msg)

@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -250,4 +251,43 @@ func (w *sequentialWriter) Write(p []byte) (int, error) {
 		copy(w.tail[len(w.tail)-len(p):], p)
 	}
 	return n, err
+}
+
+// RemoveLeftovers removes what an import into the file dest that was
+// interrupted (the node agent killed or restarted mid-way) left next to
+// it: the temporary destination, a download awaiting qemu-img, a qcow2
+// spill file. The final dest itself is kept. Call it before importing
+// into dest again; nothing may be importing into dest meanwhile.
+func RemoveLeftovers(dest string) error {
+	dir, base := filepath.Dir(dest), filepath.Base(dest)
+	var errs []error
+	for _, pattern := range []string{"." + base + ".importing-*", "." + base + ".download.importing-*", "." + base + ".spill-*"} {
+		matches, err := filepath.Glob(filepath.Join(dir, globEscape(pattern)))
+		if err != nil {
+			return err
+		}
+		for _, m := range matches {
+			if err := os.Remove(m); err != nil && !errors.Is(err, os.ErrNotExist) {
+				errs = append(errs, err)
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// globEscape escapes the glob metacharacters of a file name, keeping the
+// trailing "*" of a pattern.
+func globEscape(pattern string) string {
+	stem, star := strings.CutSuffix(pattern, "*")
+	var b strings.Builder
+	for _, r := range stem {
+		if strings.ContainsRune(`*?[]\`, r) {
+			b.WriteByte('\\')
+		}
+		b.WriteRune(r)
+	}
+	if star {
+		b.WriteByte('*')
+	}
+	return b.String()
 }

@@ -17,6 +17,9 @@ const (
 	// ReasonSourceUnreachable: the source could not be reached or answered
 	// with a server error, after the retries.
 	ReasonSourceUnreachable Reason = "SourceUnreachable"
+	// ReasonNetworkNotAllowed: the source (or a redirect) resolves to an
+	// address imports may not reach (loopback, link-local, this node).
+	ReasonNetworkNotAllowed Reason = "ImportNetworkNotAllowed"
 	// ReasonSourceNotFound: the server answered 404 (or the registry has no
 	// such repository, tag or blob).
 	ReasonSourceNotFound Reason = "SourceNotFound"

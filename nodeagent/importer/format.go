@@ -22,10 +22,11 @@ const (
 type Compression string
 
 const (
-	CompressionNone Compression = ""
-	CompressionGzip Compression = "gz"
-	CompressionXz   Compression = "xz"
-	CompressionZstd Compression = "zstd"
+	CompressionNone  Compression = ""
+	CompressionGzip  Compression = "gz"
+	CompressionXz    Compression = "xz"
+	CompressionZstd  Compression = "zstd"
+	CompressionBzip2 Compression = "bz2"
 )
 
 // sniffLen is how many leading bytes detection looks at: the ISO 9660
@@ -33,9 +34,11 @@ const (
 const sniffLen = 0x8800
 
 var (
-	magicGzip  = []byte{0x1f, 0x8b}
-	magicXz    = []byte{0xfd, '7', 'z', 'X', 'Z', 0x00}
-	magicZstd  = []byte{0x28, 0xb5, 0x2f, 0xfd}
+	magicGzip = []byte{0x1f, 0x8b}
+	magicXz   = []byte{0xfd, '7', 'z', 'X', 'Z', 0x00}
+	magicZstd = []byte{0x28, 0xb5, 0x2f, 0xfd}
+	// magicBzip2 is "BZh" then the block size digit 1-9.
+	magicBzip2 = []byte("BZh")
 	magicQcow2 = []byte{'Q', 'F', 'I', 0xfb}
 	magicVMDK  = []byte("KDMV")
 	magicVHDX  = []byte("vhdxfile")
@@ -57,6 +60,8 @@ func detectCompression(head []byte) Compression {
 		return CompressionXz
 	case bytes.HasPrefix(head, magicZstd):
 		return CompressionZstd
+	case len(head) >= 4 && bytes.HasPrefix(head, magicBzip2) && head[3] >= '1' && head[3] <= '9':
+		return CompressionBzip2
 	}
 	return CompressionNone
 }

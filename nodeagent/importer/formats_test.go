@@ -45,7 +45,6 @@ var imageCases = []imageCase{
 	{"disk-extl2.qcow2", FormatQcow2, CompressionNone, false, "qcow2"},
 	{"disk.vmdk", FormatVMDK, CompressionNone, false, "vmdk"},
 	{"disk-so.vmdk", FormatVMDK, CompressionNone, false, "vmdk"},
-	{"disk.vdi", FormatVDI, CompressionNone, false, "vdi"},
 	{"disk.vhd", FormatVHD, CompressionNone, false, "vpc"},
 	{"disk-fixed.vhd", FormatRaw, CompressionNone, true, "vpc"},
 	{"disk.vhdx", FormatVHDX, CompressionNone, false, "vhdx"},
@@ -57,6 +56,7 @@ var imageCases = []imageCase{
 	{"disk.qcow2.xz", FormatQcow2, CompressionXz, true, ""},
 	{"disk-c.qcow2.zst", FormatQcow2, CompressionZstd, true, ""},
 	{"disk.vmdk.gz", FormatVMDK, CompressionGzip, false, ""},
+	{"disk.qcow2.bz2", FormatQcow2, CompressionBzip2, true, ""},
 	{"disk.iso.xz", FormatISO, CompressionXz, true, ""},
 }
 
@@ -120,7 +120,7 @@ func buildFixture(t *testing.T, fx *fixture) {
 	sh := func(cmd string) { run(t, "sh", "-c", "cd "+d+" && "+cmd) }
 	sh("gzip -1 -k disk.raw && xz -0 -T1 -k disk.raw && zstd -q -1 -k disk.raw")
 	sh("gzip -1 -k disk.qcow2 && xz -0 -T1 -k disk.qcow2 && zstd -q -1 -k disk-c.qcow2")
-	sh("gzip -1 -k disk.vmdk && xz -0 -T1 -k disk.iso")
+	sh("gzip -1 -k disk.vmdk && xz -0 -T1 -k disk.iso && bzip2 -1 -k disk.qcow2")
 
 	// Prove the fixture itself: every qemu-readable image holds the raw disk.
 	for _, c := range imageCases {
@@ -183,7 +183,7 @@ func TestFormatsOverHTTP(t *testing.T) {
 			dest := filepath.Join(dir, "disk.img")
 			var last Progress
 			res, err := Import(context.Background(), Request{
-				Source:   Source{HTTP: &HTTPSource{URL: srv.URL + "/" + c.name}},
+				Source:   Source{HTTP: &HTTPSource{AllowedNetworks: testNetworks, URL: srv.URL + "/" + c.name}},
 				Dest:     dest,
 				Capacity: 2 * testImageSize,
 				Progress: func(p Progress) { last = p },

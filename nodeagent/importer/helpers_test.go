@@ -8,6 +8,7 @@ import (
 	"math/rand"
 	"net/http"
 	"net/http/httptest"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -16,6 +17,10 @@ import (
 )
 
 const testImageSize = 64 << 20
+
+// testNetworks lets imports reach the test servers, which listen on
+// loopback (forbidden by default).
+var testNetworks = []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8"), netip.MustParsePrefix("::1/128")}
 
 // makeRawImage writes a sparse raw disk of size bytes with random data in a
 // few places (start, middle, unaligned, end) and returns its path.

@@ -15,6 +15,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/netip"
 	"net/url"
 	"strconv"
 	"strings"
@@ -51,6 +52,10 @@ type HTTPSource struct {
 	// IdleTimeout drops a connection that delivers nothing for this long
 	// (it is then resumed like a dropped one). 0 means 60s.
 	IdleTimeout time.Duration
+	// AllowedNetworks are addresses the import may reach although the
+	// default policy forbids them (loopback, link-local, this node's own
+	// addresses); see reach.go.
+	AllowedNetworks []netip.Prefix
 }
 
 // Proxy is the import proxy of the CDI configuration.
@@ -74,7 +79,7 @@ func importHTTP(ctx context.Context, req Request) (Result, error) {
 	if err != nil {
 		return Result{}, err
 	}
-	client, err := newHTTPClient(hs.CACertPEM, hs.Proxy, false)
+	client, err := newHTTPClient(hs.CACertPEM, hs.Proxy, false, hs.AllowedNetworks)
 	if err != nil {
 		return Result{}, err
 	}
@@ -154,6 +159,9 @@ func parseHeaders(lines []string) (http.Header, error) {
 		if !ok || name == "" {
 			return nil, failf(ReasonInvalidRequest, "header %q: want \"Name: value\"", strings.SplitN(l, ":", 2)[0])
 		}
+		if forbiddenHeaders[http.CanonicalHeaderKey(name)] || strings.HasPrefix(http.CanonicalHeaderKey(name), "Proxy-") {
+			return nil, failf(ReasonInvalidRequest, "header %q may not be set by an import", name)
+		}
 		h.Add(name, strings.TrimSpace(value))
 	}
 	return h, nil
@@ -162,7 +170,7 @@ func parseHeaders(lines []string) (http.Header, error) {
 // newHTTPClient builds a client trusting the system CAs plus caPEM (and the
 // proxy's CA). It never decompresses transparently: checksums and ranges
 // are over the bytes as served.
-func newHTTPClient(caPEM []byte, proxy *Proxy, insecure bool) (*http.Client, error) {
+func newHTTPClient(caPEM []byte, proxy *Proxy, insecure bool, allowed []netip.Prefix) (*http.Client, error) {
 	pool, err := x509.SystemCertPool()
 	if err != nil || pool == nil {
 		pool = x509.NewCertPool()
@@ -173,10 +181,10 @@ func newHTTPClient(caPEM []byte, proxy *Proxy, insecure bool) (*http.Client, err
 	if proxy != nil && len(proxy.TrustedCAPEM) > 0 && !pool.AppendCertsFromPEM(proxy.TrustedCAPEM) {
 		return nil, failf(ReasonInvalidRequest, "no certificate found in the proxy CA bundle")
 	}
-	dialer := &net.Dialer{Timeout: 30 * time.Second, KeepAlive: 30 * time.Second}
+	reach := &reachPolicy{allowed: allowed}
 	tr := &http.Transport{
-		Proxy:                 proxyFunc(proxy),
-		DialContext:           dialer.DialContext,
+		Proxy:                 proxyFunc(proxy, reach),
+		DialContext:           reach.dialer(proxy),
 		TLSClientConfig:       &tls.Config{RootCAs: pool, InsecureSkipVerify: insecure},
 		TLSHandshakeTimeout:   30 * time.Second,
 		ResponseHeaderTimeout: 60 * time.Second,
@@ -184,10 +192,10 @@ func newHTTPClient(caPEM []byte, proxy *Proxy, insecure bool) (*http.Client, err
 		ForceAttemptHTTP2:     true,
 		ReadBufferSize:        256 << 10,
 	}
-	return &http.Client{Transport: tr}, nil
+	return &http.Client{Transport: tr, CheckRedirect: reach.checkRedirect}, nil
 }
 
-func proxyFunc(p *Proxy) func(*http.Request) (*url.URL, error) {
+func proxyFunc(p *Proxy, reach *reachPolicy) func(*http.Request) (*url.URL, error) {
 	if p == nil {
 		return nil
 	}
@@ -198,6 +206,10 @@ func proxyFunc(p *Proxy) func(*http.Request) (*url.URL, error) {
 		}
 		if raw == "" || noProxy(p.NoProxy, r.URL.Hostname()) {
 			return nil, nil
+		}
+		// The proxy, not this node, dials the target: check it here.
+		if err := reach.checkHost(r.Context(), r.URL.Hostname()); err != nil {
+			return nil, err
 		}
 		if !strings.Contains(raw, "://") {
 			raw = "http://" + raw
@@ -323,6 +335,10 @@ func (h *httpReader) request() (retry bool, err error) {
 		var uerr *url.Error
 		if errors.As(err, &uerr) {
 			err = uerr.Err
+		}
+		// An address imports may not reach stays so.
+		if unreachableReason(err) == ReasonNetworkNotAllowed {
+			return false, failf(ReasonNetworkNotAllowed, "get %s: %w", redactURL(h.src.URL), err)
 		}
 		// A certificate that does not verify will not verify next time.
 		var cve *tls.CertificateVerificationError

@@ -48,7 +48,7 @@ func serveBytes(t *testing.T, b []byte) *httptest.Server {
 func importURL(t *testing.T, url string, capacity int64, mod func(*HTTPSource)) (string, Result, error) {
 	t.Helper()
 	dir := t.TempDir()
-	src := &HTTPSource{URL: url, Retries: 2, RetryDelay: 10 * time.Millisecond}
+	src := &HTTPSource{AllowedNetworks: testNetworks, URL: url, Retries: 2, RetryDelay: 10 * time.Millisecond}
 	if mod != nil {
 		mod(src)
 	}
@@ -220,7 +220,7 @@ func TestChecksum(t *testing.T) {
 // body is read.
 func TestTooLarge(t *testing.T) {
 	fx := getFixture(t)
-	for _, name := range []string{"disk.raw", "disk.qcow2", "disk.vmdk", "disk.vdi", "disk.vhd", "disk.raw.gz", "disk.vhdx"} {
+	for _, name := range []string{"disk.raw", "disk.qcow2", "disk.vmdk", "disk.vhd", "disk.raw.gz", "disk.vhdx"} {
 		t.Run(name, func(t *testing.T) {
 			var sent atomic.Int64
 			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -337,7 +337,7 @@ func TestCancel(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	time.AfterFunc(300*time.Millisecond, cancel)
 	_, err := Import(ctx, Request{
-		Source: Source{HTTP: &HTTPSource{URL: srv.URL}}, Dest: filepath.Join(dir, "disk.img"), Capacity: testImageSize,
+		Source: Source{HTTP: &HTTPSource{AllowedNetworks: testNetworks, URL: srv.URL}}, Dest: filepath.Join(dir, "disk.img"), Capacity: testImageSize,
 	})
 	wantReason(t, err, ReasonCanceled)
 	if left := leftovers(t, dir); len(left) != 0 {
@@ -434,10 +434,10 @@ func TestProgress(t *testing.T) {
 		}
 	}))
 	defer srv.Close()
-	for _, name := range []string{"disk.qcow2", "disk.vdi"} {
+	for _, name := range []string{"disk.qcow2", "disk.vhdx"} {
 		var got []Progress
 		_, err := Import(context.Background(), Request{
-			Source: Source{HTTP: &HTTPSource{URL: srv.URL + "/" + name}}, Dest: filepath.Join(t.TempDir(), "d"),
+			Source: Source{HTTP: &HTTPSource{AllowedNetworks: testNetworks, URL: srv.URL + "/" + name}}, Dest: filepath.Join(t.TempDir(), "d"),
 			Capacity: testImageSize, Progress: func(p Progress) { got = append(got, p) },
 		})
 		if err != nil {

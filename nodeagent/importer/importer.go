@@ -4,24 +4,41 @@
 // scratch copy.
 //
 // Sources are an HTTP(S) URL, a container registry image laid out like a
-// KubeVirt containerDisk, a blank disk, or any reader (upload bodies,
-// clones). Formats are recognised by their magic bytes: raw, iso, qcow2,
-// vmdk, vdi, vhd (vpc), vhdx, each possibly wrapped in gz, xz or zstd.
+// KubeVirt containerDisk, a blank disk, or any reader (upload bodies).
+// Formats are recognised by their magic bytes, and only an allowlist is
+// written (vet.go): raw and iso; qcow2 without backing file, external data
+// file or encryption; VMDK monolithicSparse/streamOptimized whose one
+// extent is the image itself; VHD (fixed, dynamic) and VHDX without
+// parent; each possibly wrapped in gz, xz, zstd or bz2. Anything else with
+// a recognised header (VMDK descriptors, multi-extent VMDKs, VDI,
+// differencing images) fails with ReasonUnsupportedImage naming what it
+// references, before a byte reaches the destination or qemu-img.
 //
 // What streams (one pass over the source, written once, zero blocks left as
 // holes): raw and iso, compressed or not; qcow2 (v2/v3, uncompressed or
-// deflate/zstd-compressed clusters, no backing file, no encryption, no
-// external data file, no extended L2) is converted in Go as it arrives.
-// Clusters that arrive before the table that places them are parked in a
-// spill file in the work directory; images made by qemu-img never need it.
+// deflate/zstd-compressed clusters, no extended L2) is converted in Go as
+// it arrives. Clusters that arrive before the table that places them are
+// parked in a spill file in the work directory; images made by qemu-img
+// never need it.
 //
-// What does not stream: vmdk, vdi, vhd, vhdx and qcow2 images using the
-// features above need random access. They are downloaded (sparse) into the
-// work directory, checked with `qemu-img info` and converted with
-// `qemu-img convert`, whose progress is reported.
+// What does not stream: vmdk, vhd, vhdx and qcow2 images with extended L2
+// entries need random access. They are downloaded (sparse) into the work
+// directory, vetted again (the VMDK embedded descriptor, the VHDX
+// metadata, then `qemu-img info` whose backing file, data file, children
+// and extents are checked) and converted with `qemu-img convert`, whose
+// progress is reported. qemu-img always gets an explicit format (never
+// probes) and runs confined (package confine): a private mount namespace
+// showing only the download and the destination, no network, uid nobody,
+// CPU and address-space limits, killed with its process group on cancel.
 //
 // Binaries used: qemu-img (Debian qemu-utils) for the non-streaming
-// formats, xz (xz-utils) for xz streams; gzip and zstd are decoded in Go.
+// formats, xz (xz-utils, confined like qemu-img) for xz streams,
+// util-linux's unshare/prlimit/mount for the confinement; gzip, zstd and
+// bzip2 are decoded in Go.
+//
+// Network reach (reach.go): an HTTP or registry import may not connect to
+// loopback, link-local (cloud metadata) or this node's own addresses
+// unless the request allows them; the check runs on every dialed address.
 //
 // Safety: the virtual size is checked against the capacity before the
 // destination is written (content length for raw, header for the others);
@@ -69,6 +86,10 @@ type Request struct {
 	// block destination without WorkDir fails such images with
 	// ReasonScratchRequired.
 	WorkDir string
+	// Raw copies the source byte for byte as a raw disk: no decompression,
+	// no format detection, no footer handling. Clones set it: the bytes of
+	// a volume are what its guest wrote, and a guest may write any header.
+	Raw bool
 	// Progress, when set, is called from the importing goroutine at most
 	// every 200ms and once at 100%.
 	Progress func(Progress)
@@ -227,6 +248,13 @@ func importStream(ctx context.Context, req Request, src io.Reader, total int64, 
 
 // writeImage detects compression and format and dispatches.
 func writeImage(ctx context.Context, req Request, d *destination, src io.Reader, total int64, t *tracker) (Result, error) {
+	if req.Raw {
+		size, err := writeRaw(d, src, total, false)
+		if err != nil {
+			return Result{}, err
+		}
+		return Result{Format: FormatRaw, VirtualSize: size, Streamed: true}, nil
+	}
 	br := bufio.NewReaderSize(src, 1<<20)
 	head, err := peek(br)
 	if err != nil {
@@ -234,7 +262,7 @@ func writeImage(ctx context.Context, req Request, d *destination, src io.Reader,
 	}
 	var res Result
 	if res.Compression = detectCompression(head); res.Compression != CompressionNone {
-		dr, closeFn, err := decompress(res.Compression, br)
+		dr, closeFn, err := decompress(ctx, res.Compression, br)
 		if err != nil {
 			return Result{}, err
 		}
@@ -246,10 +274,14 @@ func writeImage(ctx context.Context, req Request, d *destination, src io.Reader,
 		total = -1
 	}
 	res.Format = detectFormat(head)
+	// The allowlist, before any byte is written or handed to qemu-img.
+	if err := vetHead(res.Format, head); err != nil {
+		return Result{}, err
+	}
 	switch res.Format {
 	case FormatRaw, FormatISO:
 		res.Streamed = true
-		res.VirtualSize, err = writeRaw(d, br, total)
+		res.VirtualSize, err = writeRaw(d, br, total, true)
 	case FormatQcow2:
 		var h *qcow2Header
 		if h, err = parseQcow2Header(head); err != nil {
@@ -287,8 +319,9 @@ func peek(br *bufio.Reader) ([]byte, error) {
 	return head, nil
 }
 
-// writeRaw streams a raw image; total is its length or -1.
-func writeRaw(d *destination, r io.Reader, total int64) (int64, error) {
+// writeRaw streams a raw image; total is its length or -1. vhdFooter
+// drops the footer of a fixed VHD (which otherwise reads as raw).
+func writeRaw(d *destination, r io.Reader, total int64, vhdFooter bool) (int64, error) {
 	if total >= 0 {
 		if err := d.setSize(total); err != nil {
 			return 0, err
@@ -303,7 +336,7 @@ func writeRaw(d *destination, r io.Reader, total int64) (int64, error) {
 		return 0, failf(ReasonTruncated, "raw image ended at %d of %d bytes", n, total)
 	}
 	size := n
-	if vs, ok := vhdFixedFooterSize(w.tail[:]); ok && vs == n-512 {
+	if vs, ok := vhdFixedFooterSize(w.tail[:]); vhdFooter && ok && vs == n-512 {
 		// A fixed VHD is raw data plus a footer; drop the footer.
 		size = vs
 		if d.block {

@@ -9,6 +9,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 
 	"github.com/klauspost/compress/zstd"
@@ -41,7 +42,6 @@ const (
 	qcow2OffsetMask     = 0x00fffffffffffe00 // host offset bits of L1/L2 entries
 	qcow2CompressedFlag = 1 << 62
 	qcow2ZeroFlag       = 1 << 0
-	qcow2MaxL1Bytes     = 32 << 20
 )
 
 func parseQcow2Header(b []byte) (*qcow2Header, error) {
@@ -82,16 +82,20 @@ func parseQcow2Header(b []byte) (*qcow2Header, error) {
 		return nil, failf(ReasonInvalidImage, "qcow2 image is marked corrupt")
 	case h.incompatible&^qcow2IncompatKnown != 0:
 		return nil, failf(ReasonUnsupportedImage, "qcow2 incompatible features %#x", h.incompatible)
-	case h.incompatible&qcow2IncompatDataFile != 0:
-		return nil, failf(ReasonUnsupportedImage, "qcow2 image with an external data file")
 	case h.backingOffset != 0:
-		return nil, failf(ReasonUnsupportedImage, "qcow2 image has a backing file")
+		return nil, failf(ReasonUnsupportedImage, "qcow2 image has a backing file %q", qcow2BackingName(b))
+	case h.incompatible&qcow2IncompatDataFile != 0:
+		name, _ := qcow2Extension(b, h, qcow2ExtDataFile)
+		return nil, failf(ReasonUnsupportedImage, "qcow2 image with an external data file %q", name)
 	case h.cryptMethod != 0:
 		return nil, failf(ReasonUnsupportedImage, "qcow2 image is encrypted")
 	case h.l1Offset%cs != 0:
 		return nil, failf(ReasonInvalidImage, "qcow2 L1 table offset %d not cluster aligned", h.l1Offset)
 	case uint64(h.l1Size)*8 > qcow2MaxL1Bytes:
 		return nil, failf(ReasonInvalidImage, "qcow2 L1 table of %d entries is too large", h.l1Size)
+	}
+	if err := qcow2VetExtensions(b, h); err != nil {
+		return nil, err
 	}
 	l2Entries := cs / 8
 	if h.incompatible&qcow2IncompatExtL2 != 0 {
@@ -101,6 +105,85 @@ func parseQcow2Header(b []byte) (*qcow2Header, error) {
 		return nil, failf(ReasonInvalidImage, "qcow2 L1 table of %d entries cannot map %d bytes", h.l1Size, h.size)
 	}
 	return h, nil
+}
+
+// qcow2 header extension types (docs/interop/qcow2.txt).
+const (
+	qcow2ExtEnd      = 0
+	qcow2ExtCrypto   = 0x0537be77
+	qcow2ExtDataFile = 0x44415441
+)
+
+// qcow2BackingName is the backing file name the header points at, or "?"
+// when it lies beyond b.
+func qcow2BackingName(b []byte) string {
+	be := binary.BigEndian
+	off, n := be.Uint64(b[8:]), uint64(be.Uint32(b[16:]))
+	if n > 1023 || off > uint64(len(b)) || uint64(len(b))-off < n {
+		return "?"
+	}
+	return string(b[off : off+n])
+}
+
+// qcow2Extensions walks the header extensions, calling f with each type
+// and its data. The walk must end (with the end marker) within b and the
+// first cluster; an image whose extensions do not is refused.
+func qcow2Extensions(b []byte, h *qcow2Header, f func(typ uint32, data []byte)) error {
+	be := binary.BigEndian
+	at := uint64(72)
+	if h.version >= 3 {
+		at = uint64(be.Uint32(b[100:]))
+		if at < 104 {
+			return failf(ReasonInvalidImage, "qcow2 header length %d", at)
+		}
+	}
+	limit := min(uint64(len(b)), uint64(1)<<h.clusterBits)
+	for {
+		if at+8 > limit {
+			return failf(ReasonUnsupportedImage, "qcow2 header extensions run past the first %d bytes", limit)
+		}
+		typ, n := be.Uint32(b[at:]), uint64(be.Uint32(b[at+4:]))
+		if typ == qcow2ExtEnd {
+			return nil
+		}
+		if n > limit-at-8 {
+			return failf(ReasonUnsupportedImage, "qcow2 header extension %#x runs past the first %d bytes", typ, limit)
+		}
+		f(typ, b[at+8:at+8+n])
+		at += 8 + (n+7)&^7
+	}
+}
+
+// qcow2Extension returns the data of the first extension of type typ.
+func qcow2Extension(b []byte, h *qcow2Header, typ uint32) (string, bool) {
+	var out string
+	found := false
+	_ = qcow2Extensions(b, h, func(t uint32, data []byte) {
+		if t == typ && !found {
+			out, found = string(data), true
+		}
+	})
+	return out, found
+}
+
+// qcow2VetExtensions refuses the header extensions that reference
+// something outside the image (an external data file) or make it
+// unreadable without a key (encryption).
+func qcow2VetExtensions(b []byte, h *qcow2Header) error {
+	var refused error
+	err := qcow2Extensions(b, h, func(typ uint32, data []byte) {
+		switch {
+		case refused != nil:
+		case typ == qcow2ExtDataFile:
+			refused = failf(ReasonUnsupportedImage, "qcow2 image with an external data file %q", string(data))
+		case typ == qcow2ExtCrypto:
+			refused = failf(ReasonUnsupportedImage, "qcow2 image is encrypted")
+		}
+	})
+	if refused != nil {
+		return refused
+	}
+	return err
 }
 
 // notStreamable says why the Go converter cannot take this image, or "".
@@ -137,14 +220,19 @@ type qcow2Stream struct {
 
 	rt        []byte // refcount table, to recognise refcount blocks
 	rtGot     int64
-	refBlocks map[int64]bool
+	refBlocks offsetSet
 
-	l2Pending map[int64]int64            // L2 host offset -> guest offset it starts at
-	data      map[int64][]int64          // data host cluster -> guest offsets
+	// Clusters announced ahead of pos, by host cluster index: L2 tables
+	// (value: the L1 index that points at them) and data clusters (value:
+	// the guest cluster index). See qcow2budget.go for the limits.
+	l2Pending clusterQueue
+	data      clusterQueue
 	comp      map[int64][]*compressedRun // host cluster -> compressed runs touching it
+	compRuns  int                        // compressed runs not yet complete
+	popped    []uint32
 
 	spill   *os.File
-	spilled map[int64]bool // host clusters parked whole
+	spilled clusterSet // host clusters parked whole
 
 	out     []byte
 	inflate io.ReadCloser
@@ -163,13 +251,13 @@ func streamQcow2(ctx context.Context, req Request, d *destination, r io.Reader, 
 	s := &qcow2Stream{
 		h: h, d: d, cs: 1 << h.clusterBits, size: int64(h.size),
 		workDir: req.workDir(), name: filepath.Base(req.Dest),
-		l1:        make([]byte, int64(h.l1Size)*8),
-		rt:        make([]byte, refcountTableBytes(h)),
-		refBlocks: map[int64]bool{},
-		l2Pending: map[int64]int64{},
-		data:      map[int64][]int64{},
-		comp:      map[int64][]*compressedRun{},
-		spilled:   map[int64]bool{},
+		l1:   make([]byte, int64(h.l1Size)*8),
+		rt:   make([]byte, refcountTableBytes(h)),
+		comp: map[int64][]*compressedRun{},
+	}
+	// Cluster indexes are kept in 32 bits.
+	if (s.size+s.size/8+64<<20)>>h.clusterBits >= 1<<32 {
+		return failf(ReasonUnsupportedImage, "qcow2 image of %d bytes in %d-byte clusters has too many clusters to stream", s.size, s.cs)
 	}
 	s.out = make([]byte, s.cs)
 	defer s.close()
@@ -209,7 +297,7 @@ func streamQcow2(ctx context.Context, req Request, d *destination, r io.Reader, 
 // when it is too large to keep (its blocks are then simply parked).
 func refcountTableBytes(h *qcow2Header) int64 {
 	n := int64(h.refcountTableClusters) << h.clusterBits
-	if n > 8<<20 {
+	if n > qcow2MaxRefcountTableBytes {
 		return 0
 	}
 	return n
@@ -226,6 +314,17 @@ func (s *qcow2Stream) close() {
 }
 
 func (s *qcow2Stream) mappingComplete() bool { return s.l1Done && len(s.l2Pending) == 0 }
+
+// idx is the cluster index of a host offset.
+func (s *qcow2Stream) idx(off int64) uint32 { return uint32(off >> s.h.clusterBits) }
+
+// track checks the budget of clusters remembered ahead or parked.
+func (s *qcow2Stream) track() error {
+	if n := len(s.l2Pending) + len(s.data) + s.spilled.n; n > qcow2MaxTracked {
+		return failf(ReasonUnsupportedImage, "qcow2 image maps more than %d clusters ahead of their data: its layout needs too much memory to stream", qcow2MaxTracked)
+	}
+	return nil
+}
 
 // cluster handles the host cluster c at s.pos.
 func (s *qcow2Stream) cluster(c []byte) error {
@@ -248,29 +347,31 @@ func (s *qcow2Stream) cluster(c []byte) error {
 		if s.rtGot += int64(len(c)); s.rtGot >= int64(len(s.rt)) {
 			for i := 0; i+8 <= len(s.rt); i += 8 {
 				if off := int64(binary.BigEndian.Uint64(s.rt[i:]) & qcow2OffsetMask); off != 0 {
-					s.refBlocks[off] = true
+					s.refBlocks = append(s.refBlocks, off)
 				}
 			}
+			slices.Sort(s.refBlocks)
 		}
 		meta = true
 	}
-	if s.refBlocks[pos] {
+	if s.refBlocks.has(pos) {
 		meta = true
 	}
-	if guest, ok := s.l2Pending[pos]; ok {
-		delete(s.l2Pending, pos)
-		if err := s.parseL2(c, guest); err != nil {
+	if s.popped = s.l2Pending.popAt(s.idx(pos), s.popped[:0]); len(s.popped) > 0 {
+		if len(s.popped) > 1 {
+			return failf(ReasonUnsupportedImage, "qcow2 L2 table at %d is shared", pos)
+		}
+		if err := s.parseL2(c, int64(s.popped[0])*s.cs*(s.cs/8)); err != nil {
 			return err
 		}
 		meta = true
 	}
-	if guests, ok := s.data[pos]; ok {
-		delete(s.data, pos)
+	if s.popped = s.data.popAt(s.idx(pos), s.popped[:0]); len(s.popped) > 0 {
 		if meta {
 			return failf(ReasonInvalidImage, "qcow2 data cluster at %d overlaps metadata", pos)
 		}
-		for _, g := range guests {
-			if err := s.writeGuest(c, g); err != nil {
+		for _, g := range s.popped {
+			if err := s.writeGuest(c, int64(g)*s.cs); err != nil {
 				return err
 			}
 		}
@@ -282,6 +383,7 @@ func (s *qcow2Stream) cluster(c []byte) error {
 		from, to := max(run.start, pos), min(run.end, end)
 		run.buf = append(run.buf, c[from-pos:to-pos]...)
 		if run.end <= end {
+			s.compRuns--
 			if err := s.decompress(run); err != nil {
 				return err
 			}
@@ -307,7 +409,10 @@ func (s *qcow2Stream) park(c []byte, runs []*compressedRun) error {
 		}
 	}
 	if len(owned) == 0 {
-		s.spilled[pos] = true
+		s.spilled.add(s.idx(pos))
+		if err := s.track(); err != nil {
+			return err
+		}
 		return s.spillAt(c, pos)
 	}
 	sort.Slice(owned, func(i, j int) bool { return owned[i].from < owned[j].from })
@@ -371,11 +476,11 @@ func (s *qcow2Stream) parseL1() error {
 		}
 		switch {
 		case off > s.pos:
-			if _, dup := s.l2Pending[off]; dup {
-				return failf(ReasonUnsupportedImage, "qcow2 L2 table at %d is shared", off)
+			s.l2Pending.push(s.idx(off), uint32(i))
+			if err := s.track(); err != nil {
+				return err
 			}
-			s.l2Pending[off] = guest
-		case s.spilled[off]:
+		case s.spilled.has(s.idx(off)):
 			b, err := s.unspill(off, s.cs)
 			if err != nil {
 				return err
@@ -426,9 +531,9 @@ func (s *qcow2Stream) parseL2(table []byte, guest int64) error {
 func (s *qcow2Stream) addData(guest, host int64) error {
 	switch {
 	case host > s.pos:
-		s.data[host] = append(s.data[host], guest)
-		return nil
-	case s.spilled[host]:
+		s.data.push(s.idx(host), uint32(guest/s.cs))
+		return s.track()
+	case s.spilled.has(s.idx(host)):
 		b, err := s.unspill(host, s.cs)
 		if err != nil {
 			return err
@@ -451,6 +556,9 @@ func (s *qcow2Stream) addCompressed(guest, start, end int64) error {
 			return s.decompress(run)
 		}
 	}
+	if s.compRuns++; s.compRuns > qcow2MaxCompressedRuns {
+		return failf(ReasonUnsupportedImage, "qcow2 image maps more than %d compressed clusters ahead of their data: its layout needs too much memory to stream", qcow2MaxCompressedRuns)
+	}
 	for k := max(start, s.pos) / s.cs * s.cs; k < end; k += s.cs {
 		s.comp[k] = append(s.comp[k], run)
 	}
@@ -469,7 +577,10 @@ func (s *qcow2Stream) decompress(run *compressedRun) error {
 		dec = s.inflate
 	default:
 		if s.zstd == nil {
-			z, err := zstd.NewReader(nil, zstd.WithDecoderConcurrency(1))
+			// A compressed cluster decodes to one cluster: a frame asking
+			// for a larger window is not one qemu wrote.
+			z, err := zstd.NewReader(nil, zstd.WithDecoderConcurrency(1), zstd.WithDecoderLowmem(true),
+				zstd.WithDecoderMaxWindow(uint64(max(s.cs, 1<<20))), zstd.WithDecoderMaxMemory(uint64(4*max(s.cs, 1<<20))))
 			if err != nil {
 				return err
 			}

@@ -15,6 +15,7 @@ import (
 	"io"
 	"mime"
 	"net/http"
+	"net/netip"
 	"net/url"
 	"path"
 	"slices"
@@ -43,6 +44,9 @@ type RegistrySource struct {
 	// File is the disk's path inside the image (a containerDisk's path);
 	// empty means the first regular file under /disk/.
 	File string
+	// AllowedNetworks are addresses the pull may reach although the
+	// default policy forbids them (see HTTPSource.AllowedNetworks).
+	AllowedNetworks []netip.Prefix
 }
 
 const (
@@ -154,7 +158,7 @@ func newRegistryClient(ctx context.Context, src *RegistrySource) (*registryClien
 		return nil, err
 	}
 	insecure := slices.Contains(src.InsecureRegistries, host)
-	client, err := newHTTPClient(src.CACertPEM, src.Proxy, insecure)
+	client, err := newHTTPClient(src.CACertPEM, src.Proxy, insecure, src.AllowedNetworks)
 	if err != nil {
 		return nil, err
 	}
@@ -208,7 +212,7 @@ func (c *registryClient) get(p string, accept ...string) (*http.Response, error)
 		}
 		resp, err := c.client.Do(req)
 		if err != nil {
-			return nil, failf(ReasonSourceUnreachable, "registry %s: %w", c.host, err)
+			return nil, failf(unreachableReason(err), "registry %s: %w", c.host, err)
 		}
 		switch {
 		case resp.StatusCode == http.StatusOK:
@@ -273,7 +277,7 @@ func (c *registryClient) answer(challenge string) error {
 	}
 	resp, err := c.client.Do(req)
 	if err != nil {
-		return failf(ReasonSourceUnreachable, "token request: %w", err)
+		return failf(unreachableReason(err), "token request: %w", err)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
@@ -442,7 +446,7 @@ func (c *registryClient) importFromLayer(req Request, l ociDescriptor, t *tracke
 	}
 	var layer io.Reader = br
 	if comp := detectCompression(head); comp != CompressionNone {
-		dr, closeFn, err := decompress(comp, br)
+		dr, closeFn, err := decompress(c.ctx, comp, br)
 		if err != nil {
 			return Result{}, false, err
 		}

@@ -209,6 +209,9 @@ func TestRegistry(t *testing.T) {
 		if src.Username == "" {
 			src.Username, src.Password = "puller", "pw"
 		}
+		if src.AllowedNetworks == nil {
+			src.AllowedNetworks = testNetworks
+		}
 		res, err := Import(context.Background(), Request{Source: Source{Registry: &src}, Dest: dest, Capacity: testImageSize})
 		if err != nil {
 			if left := leftovers(t, dir); len(left) != 0 {

@@ -33,8 +33,9 @@ import (
 	prom "github.com/nodevirt/nodevirt/clusterbrain/metrics"
 )
 
-// DefaultAddr is where the node agent serves /metrics.
-const DefaultAddr = ":8485"
+// DefaultAddr is where the node agent serves /metrics: loopback only (no
+// authentication; see clusterbrain/metrics.DefaultBrainAddr).
+const DefaultAddr = "127.0.0.1:8485"
 
 // Config configures a Server.
 type Config struct {
@@ -141,10 +142,11 @@ func (s *Server) Run(ctx context.Context) error {
 	s.mu.Unlock()
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", s.Handler())
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute}
 	stop := context.AfterFunc(ctx, func() { _ = srv.Close() })
 	defer stop()
 	s.log.Info("metrics serving", "addr", s.addr)
+	prom.WarnIfExposed(s.log, ln.Addr())
 	if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
 		return fmt.Errorf("metrics server: %w", err)
 	}

@@ -11,6 +11,7 @@ import (
 	"log/slog"
 	"os"
 	"runtime"
+	"sync/atomic"
 	"time"
 
 	coordinationv1 "k8s.io/api/coordination/v1"
@@ -35,6 +36,9 @@ const (
 // Config describes the node.
 type Config struct {
 	Name string
+	// InternalIP is the address published as the Node's InternalIP
+	// (see InternalIP); required.
+	InternalIP string
 	// Emulation reports that guests run under TCG, not KVM.
 	Emulation bool
 	// Reason explains the KVM/emulation decision.
@@ -44,7 +48,10 @@ type Config struct {
 	Labels map[string]string
 	// Heartbeat is how often the Lease and Ready condition are renewed.
 	Heartbeat time.Duration
-	Log       *slog.Logger
+	// PeerAnnotation is the Node annotation holding a node agent's
+	// address (host:port); Peers lists the other nodes' (none when empty).
+	PeerAnnotation string
+	Log            *slog.Logger
 }
 
 // Registrar keeps the Node object current.
@@ -52,12 +59,53 @@ type Registrar struct {
 	cfg        Config
 	kube       kube.Interface
 	standalone bool
+	// renewed is when the Lease was last renewed (unix nanoseconds).
+	renewed atomic.Int64
+	peers   atomic.Pointer[[]string]
+}
+
+// LastRenewal is when this agent last renewed its Lease (zero before the
+// first renewal, or when a kubelet owns the Node).
+func (r *Registrar) LastRenewal() time.Time {
+	if ns := r.renewed.Load(); ns != 0 {
+		return time.Unix(0, ns)
+	}
+	return time.Time{}
+}
+
+// Peers are the other node agents' addresses as last listed.
+func (r *Registrar) Peers() []string {
+	if p := r.peers.Load(); p != nil {
+		return *p
+	}
+	return nil
+}
+
+// refreshPeers lists the other node agents' addresses.
+func (r *Registrar) refreshPeers(ctx context.Context) {
+	if r.cfg.PeerAnnotation == "" {
+		return
+	}
+	list, err := r.kube.CoreV1().Nodes().List(ctx, metav1.ListOptions{LabelSelector: LabelManagedBy})
+	if err != nil {
+		return
+	}
+	var peers []string
+	for _, n := range list.Items {
+		if a := n.Annotations[r.cfg.PeerAnnotation]; a != "" && n.Name != r.cfg.Name {
+			peers = append(peers, a)
+		}
+	}
+	r.peers.Store(&peers)
 }
 
 // New returns a Registrar for cfg.
 func New(cfg Config, kube kube.Interface) (*Registrar, error) {
 	if cfg.Name == "" {
 		return nil, fmt.Errorf("node name is required")
+	}
+	if cfg.InternalIP == "" {
+		return nil, fmt.Errorf("node %s: internal ip is required", cfg.Name)
 	}
 	if cfg.Heartbeat == 0 {
 		cfg.Heartbeat = 10 * time.Second
@@ -155,7 +203,7 @@ func (r *Registrar) heartbeat(ctx context.Context) error {
 			Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "NodeAgentReady",
 			Message: "nodevirt nodeagent is running", LastHeartbeatTime: now, LastTransitionTime: now,
 		}},
-		"addresses": []corev1.NodeAddress{{Type: corev1.NodeHostName, Address: r.cfg.Name}, {Type: corev1.NodeInternalIP, Address: "127.0.0.1"}},
+		"addresses": []corev1.NodeAddress{{Type: corev1.NodeHostName, Address: r.cfg.Name}, {Type: corev1.NodeInternalIP, Address: r.cfg.InternalIP}},
 		"nodeInfo":  corev1.NodeSystemInfo{Architecture: runtime.GOARCH, OperatingSystem: "linux", KubeletVersion: "nodevirt"},
 	}
 	patch, _ := json.Marshal(map[string]any{"status": status})
@@ -163,7 +211,12 @@ func (r *Registrar) heartbeat(ctx context.Context) error {
 		metav1.PatchOptions{FieldManager: FieldManager}, "status"); err != nil {
 		return fmt.Errorf("node %s status: %w", r.cfg.Name, err)
 	}
-	return r.renewLease(ctx)
+	if err := r.renewLease(ctx); err != nil {
+		return err
+	}
+	r.renewed.Store(time.Now().UnixNano())
+	r.refreshPeers(ctx)
+	return nil
 }
 
 func (r *Registrar) renewLease(ctx context.Context) error {

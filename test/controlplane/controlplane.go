@@ -36,6 +36,11 @@ type Config struct {
 	CacheDir string
 	// APIServerPort is the secure port; 0 picks a free one.
 	APIServerPort int
+	// BindAddress is where kube-apiserver listens (127.0.0.1 when empty);
+	// a multi-node lab binds every address so that nodes in their own
+	// network namespaces reach it. Clients still verify the certificate
+	// for 127.0.0.1 (their kubeconfig's tls-server-name).
+	BindAddress string
 	// ControllerManager also runs kube-controller-manager (PV binding,
 	// garbage collection, namespace deletion).
 	ControllerManager bool
@@ -63,6 +68,9 @@ func (c *Config) defaults() error {
 	}
 	if c.Log == nil {
 		c.Log = slog.Default()
+	}
+	if c.BindAddress == "" {
+		c.BindAddress = "127.0.0.1"
 	}
 	abs, err := filepath.Abs(c.Dir)
 	if err != nil {
@@ -178,7 +186,7 @@ func (c *ControlPlane) apiserverArgs(p portSet) []string {
 	f := c.pki.path
 	return []string{
 		fmt.Sprintf("--etcd-servers=http://127.0.0.1:%d", p.etcdClient),
-		"--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+		"--bind-address=" + c.cfg.BindAddress, "--advertise-address=127.0.0.1",
 		fmt.Sprintf("--secure-port=%d", p.apiserver),
 		"--tls-cert-file=" + f("apiserver.crt"), "--tls-private-key-file=" + f("apiserver.key"),
 		"--client-ca-file=" + f("ca.crt"),

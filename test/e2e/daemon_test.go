@@ -149,7 +149,7 @@ func (e *env) dumpLogs(w io.Writer, lines int) {
 	if e.root == "" {
 		return
 	}
-	for _, d := range []*daemon{e.brain, e.agent} {
+	for _, d := range []*daemon{e.brain, e.agent, e.agent2} {
 		if d != nil {
 			fmt.Fprintf(w, "\n===== last %d lines of %s =====\n%s\n", lines, d.logPath, d.tail(lines))
 		}

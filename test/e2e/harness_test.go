@@ -27,10 +27,12 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/cni/bridge"
 	"github.com/nodevirt/nodevirt/nodeagent/agent"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/lab"
 )
 
 // suite is the product under test, shared by every test of the binary.
@@ -52,6 +54,11 @@ type env struct {
 
 	brain *daemon
 	agent *daemon
+	// agent2 is the second node's agent (multinode_test.go); node2Err is
+	// why the second node could not start (the cross-node tests fail
+	// with it, the others run).
+	agent2   *daemon
+	node2Err error
 
 	// setupErr is why the product could not be started at all: every test
 	// fails with it.
@@ -156,7 +163,10 @@ func (e *env) setup(ctx context.Context) error {
 		return err
 	}
 	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
-	e.cp, err = controlplane.Start(ctx, controlplane.Config{Dir: e.path("controlplane"), ControllerManager: true, Log: quiet})
+	// The second node reaches the API server from its own network
+	// namespace, at its fabric's gateway.
+	e.cp, err = controlplane.Start(ctx, controlplane.Config{Dir: e.path("controlplane"), ControllerManager: true, Log: quiet,
+		BindAddress: "0.0.0.0"})
 	if err != nil {
 		return fmt.Errorf("control plane: %w", err)
 	}
@@ -173,6 +183,9 @@ func (e *env) setup(ctx context.Context) error {
 	}
 	if err := e.startDaemons(); err != nil {
 		return err
+	}
+	if e.node2Err = e.startSecondNode(); e.node2Err != nil {
+		fmt.Fprintf(os.Stderr, "e2e: second node: %v\n", e.node2Err)
 	}
 	if err := e.createHCO(ctx); err != nil {
 		return err
@@ -207,7 +220,7 @@ func (e *env) startDaemons() error {
 	if err := e.cp.WriteKubeconfig(agentKC, rbac.NodeUser(e.nodeName), rbac.NodesGroup); err != nil {
 		return err
 	}
-	brainArgs := []string{"--kubeconfig=" + brainKC, "--health-addr=" + freeAddr(),
+	brainArgs := []string{"--kubeconfig=" + brainKC, "--health-addr=" + freeAddr(), "--fencing-window=" + fencingWindow.String(),
 		// Every listener of the brain takes a port the kernel picks (the
 		// brain registers what it bound), so the suite never races another
 		// process for a port nor collides with a lab on the same host.
@@ -217,7 +230,7 @@ func (e *env) startDaemons() error {
 		"--metrics-addr=127.0.0.1:0", "--cli-download-addr=127.0.0.1:0"}
 	e.brain = newDaemon(e, "clusterbrain", brainArgs...)
 	agentDir := e.path("nodeagent")
-	agentArgs := []string{"--kubeconfig=" + agentKC, "--node-name=" + e.nodeName,
+	agentArgs := []string{"--kubeconfig=" + agentKC, "--node-name=" + e.nodeName, "--fencing-window=" + fencingWindow.String(),
 		"--state-dir=" + agentDir, "--emulation=on", "--health-addr=" + freeAddr(),
 		"--csi-socket=" + filepath.Join(agentDir, "csi", "csi.sock"),
 		"--pools=" + poolName() + "=" + e.path("pools", poolName()), "--host-disk-root=" + e.path("disks")}
@@ -304,7 +317,11 @@ func (e *env) createHCO(ctx context.Context) error {
 	// --host-disk-root: the suite turns KubeVirt's HostDisk gate on as an
 	// administrator does, with HCO's JSON-patch annotation.
 	hco := &hcov1beta1.HyperConverged{ObjectMeta: metav1.ObjectMeta{Name: hcov1beta1.Name, Namespace: hcov1beta1.DefaultNamespace,
-		Annotations: map[string]string{"nodevirt.io/use-emulation": "true", hcov1beta1.JSONPatchKubeVirtAnnotation: hostDiskGatePatch}}}
+		Annotations: map[string]string{"nodevirt.io/use-emulation": "true",
+			hcov1beta1.JSONPatchKubeVirtAnnotation: hostDiskGatePatch,
+			// The test image servers and registries listen on loopback,
+			// which imports may not reach by default.
+			importstate.AnnImportAllowedNetworks: lab.TestServerNetworks}}}
 	deadline := time.Now().Add(90 * time.Second)
 	for {
 		_, err := e.virt.HyperConvergeds.Create(ctx, hco)
@@ -399,7 +416,7 @@ func (e *env) teardown() error {
 			d.stop()
 		}
 	}
-	errs = append(errs, e.removeDomains(), e.removePodNetwork(), e.removeMounts(), e.removeBridges(),
+	errs = append(errs, e.removeSecondNode(), e.removeDomains(), e.removePodNetwork(), e.removeMounts(), e.removeBridges(),
 		bridge.RemoveUnusedTables(context.Background()))
 	if e.cp != nil {
 		e.cp.Stop()
@@ -448,12 +465,12 @@ func sweepStale() {
 			continue
 		}
 		fmt.Fprintf(os.Stderr, "e2e: removing what the dead run %s left\n", run)
-		stale := &env{run: run, root: dir}
+		stale := &env{run: run, root: dir, nodeName: "e2e-" + run}
 		stale.bridges, _ = filepath.Glob("/sys/class/net/nve2e" + run + "*")
 		for i, b := range stale.bridges {
 			stale.bridges[i] = filepath.Base(b)
 		}
-		if errors.Join(stale.removeDomains(), stale.removePodNetwork(), stale.removeMounts(), stale.removeBridges()) == nil {
+		if errors.Join(stale.removeSecondNode(), stale.removeDomains(), stale.removePodNetwork(), stale.removeMounts(), stale.removeBridges()) == nil {
 			os.RemoveAll(dir)
 		}
 	}

@@ -33,7 +33,7 @@ import (
 // The demo's names.
 const (
 	demoNamespace = "nodevirt-demo"
-	demoBridge    = "br-demo"
+	hostBridge    = "br-demo"
 	demoNAD       = "demo-bridge"
 	demoVM        = "demo"
 	demoVLAN      = 100
@@ -71,13 +71,20 @@ func Demo(ctx context.Context, cfg Config) error {
 	if err != nil {
 		return fmt.Errorf("step guest image: %w", err)
 	}
-	url, stopServer, err := serveFile(image)
+	// Nodes in namespaces of their own reach the host at the underlay
+	// gateway; the one-node lab's agent runs on the host.
+	serveAddr := "127.0.0.1:0"
+	if cfg.NodeCount > 1 {
+		serveAddr = UnderlayGateway + ":0"
+	}
+	url, stopServer, err := serveFile(image, serveAddr)
 	if err != nil {
 		return fmt.Errorf("step image server: %w", err)
 	}
 	defer stopServer()
 	fmt.Fprintf(cfg.Out, "    serving %s at %s\n", filepath.Base(image), url)
 
+	demoBridge := cfg.demoBridge()
 	step(cfg.Out, "bridge "+demoBridge+" and NetworkAttachmentDefinition "+demoNamespace+"/"+demoNAD)
 	vlan, err := ensureBridge(cfg)
 	if err != nil {
@@ -86,7 +93,7 @@ func Demo(ctx context.Context, cfg Config) error {
 	if err := ensureNamespace(ctx, kube, demoNamespace); err != nil {
 		return fmt.Errorf("step namespace: %w", err)
 	}
-	if err := applyNAD(ctx, virt, vlan); err != nil {
+	if err := applyNAD(ctx, virt, demoBridge, vlan); err != nil {
 		return fmt.Errorf("step network attachment: %w", err)
 	}
 	if vlan == 0 {
@@ -124,30 +131,48 @@ func Demo(ctx context.Context, cfg Config) error {
 		"  %s/virtctl console %s -n %s       # Ctrl+] to leave\n"+
 		"  %s/virtctl guestosinfo %s -n %s   # from the guest agent\n"+
 		"  %s/virtctl stop %s -n %s; %s/virtctl start %s -n %s\n"+
-		"  virsh -c qemu:///system list         # the domain as an administrator sees it\n"+
+		"  %s         # the domain as an administrator sees it\n"+
 		"Tear down: make lab-down\n",
 		cfg.Kubeconfig(), demoNamespace, cfg.BinDir, demoVM, demoNamespace, cfg.BinDir, demoVM, demoNamespace,
-		cfg.BinDir, demoVM, demoNamespace, cfg.BinDir, demoVM, demoNamespace)
+		cfg.BinDir, demoVM, demoNamespace, cfg.BinDir, demoVM, demoNamespace, virshHint(cfg, vmi.Status.NodeName))
 	return nil
 }
 
-// serveFile serves one file over HTTP on loopback.
-func serveFile(path string) (string, func(), error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+// serveFile serves one file over HTTP on addr.
+func serveFile(path, addr string) (string, func(), error) {
+	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return "", nil, err
 	}
 	name := filepath.Base(path)
 	mux := http.NewServeMux()
 	mux.HandleFunc("/"+name, func(w http.ResponseWriter, r *http.Request) { http.ServeFile(w, r, path) })
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute}
 	go srv.Serve(ln)
 	return fmt.Sprintf("http://%s/%s", ln.Addr(), name), func() { srv.Close() }, nil
+}
+
+// demoBridge is the bridge of the demo network: one the demo creates on the
+// host for a one-node lab, the lab's br-lab (on every node, joined across
+// them) otherwise.
+func (c Config) demoBridge() string {
+	if c.NodeCount > 1 {
+		return LabBridge
+	}
+	return hostBridge
 }
 
 // ensureBridge creates the demo bridge (recorded for lab-down) and tells
 // which VLAN the demo network can use: 0 when the kernel cannot filter VLANs.
 func ensureBridge(cfg Config) (int, error) {
+	if cfg.NodeCount > 1 {
+		// br-lab exists on every node; the kernel is the host's.
+		if _, err := os.Stat("/sys/class/net/" + SwitchBridge + "/bridge/vlan_filtering"); err != nil {
+			return 0, nil
+		}
+		return demoVLAN, nil
+	}
+	demoBridge := hostBridge
 	if _, err := os.Stat("/sys/class/net/" + demoBridge); err != nil {
 		if out, err := exec.Command("ip", "link", "add", demoBridge, "type", "bridge").CombinedOutput(); err != nil {
 			return 0, fmt.Errorf("create bridge %s: %s", demoBridge, out)
@@ -173,7 +198,7 @@ func ensureNamespace(ctx context.Context, kube kubernetes.Interface, name string
 	return nil
 }
 
-func applyNAD(ctx context.Context, virt *client.Set, vlan int) error {
+func applyNAD(ctx context.Context, virt *client.Set, demoBridge string, vlan int) error {
 	conf := map[string]any{"cniVersion": "0.3.1", "name": demoNAD, "type": "cnv-bridge", "bridge": demoBridge, "macspoofchk": true}
 	if vlan != 0 {
 		conf["vlan"] = vlan
@@ -494,4 +519,12 @@ func (c *consoleReader) waitFor(ctx context.Context, text string, d time.Duratio
 		time.Sleep(50 * time.Millisecond)
 	}
 	return false
+}
+
+// virshHint is how an administrator lists the domains of node.
+func virshHint(cfg Config, node string) string {
+	if cfg.NodeCount > 1 {
+		return fmt.Sprintf("%s/nodevirt-lab exec %s -- virsh -c qemu:///system list", cfg.BinDir, node)
+	}
+	return "virsh -c qemu:///system list"
 }

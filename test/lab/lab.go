@@ -11,9 +11,11 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -26,6 +28,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/launcher/libvirttest"
 	"github.com/nodevirt/nodevirt/test/controlplane"
@@ -39,10 +42,14 @@ type Config struct {
 	BinDir string
 	// Emulation is passed to the node agent: on, off or auto.
 	Emulation string
-	// NodeName is the lab node's name.
+	// NodeName is the lab node's name (one-node lab).
 	NodeName string
-	Out      io.Writer
-	Log      *slog.Logger
+	// NodeCount is how many nodes the lab runs: 1 (default) runs the node
+	// on the host as before; 2 or more run each node in namespaces of its
+	// own (see nodes.go), named node1, node2, …
+	NodeCount int
+	Out       io.Writer
+	Log       *slog.Logger
 }
 
 func (c *Config) defaults() error {
@@ -61,6 +68,12 @@ func (c *Config) defaults() error {
 	}
 	if c.Emulation == "" {
 		c.Emulation = "on"
+	}
+	if c.NodeCount == 0 {
+		c.NodeCount = max(recordedNodeCount(c.Dir), 1)
+	}
+	if c.NodeCount < 1 || c.NodeCount > 200 {
+		return fmt.Errorf("lab nodes %d: want 1 to 200", c.NodeCount)
 	}
 	if c.NodeName == "" {
 		c.NodeName, _ = os.Hostname()
@@ -89,19 +102,35 @@ func Up(ctx context.Context, cfg Config) error {
 	if err := os.MkdirAll(cfg.Dir, 0o755); err != nil {
 		return err
 	}
+	if had := recordedNodeCount(cfg.Dir); had != 0 && had != cfg.NodeCount {
+		return fmt.Errorf("the lab in %s has %d node(s), not %d: make lab-down first", cfg.Dir, had, cfg.NodeCount)
+	}
+	if err := os.WriteFile(cfg.path(nodeCountFile), []byte(strconv.Itoa(cfg.NodeCount)), 0o644); err != nil {
+		return err
+	}
 	step(cfg.Out, "control plane (etcd, kube-apiserver, kube-controller-manager)")
-	cp, err := controlplane.Start(ctx, controlplane.Config{Dir: cfg.path("controlplane"), ControllerManager: true, Detach: true, Log: cfg.Log})
+	cpCfg := controlplane.Config{Dir: cfg.path("controlplane"), ControllerManager: true, Detach: true, Log: cfg.Log}
+	if cfg.NodeCount > 1 {
+		// Nodes reach the API server from their namespaces at the
+		// underlay gateway.
+		cpCfg.BindAddress = "0.0.0.0"
+	}
+	cp, err := controlplane.Start(ctx, cpCfg)
 	if err != nil {
 		return fmt.Errorf("control plane: %w", err)
 	}
 	if err := copyFile(cp.Kubeconfig, cfg.Kubeconfig()); err != nil {
 		return err
 	}
-	step(cfg.Out, "libvirtd and virtlogd")
 	if err := libvirttest.KVMDeviceAccess(); err != nil {
 		return err
 	}
-	if err := startLibvirt(cfg); err != nil {
+	if cfg.NodeCount == 1 {
+		step(cfg.Out, "libvirtd and virtlogd")
+		if err := startLibvirt(cfg); err != nil {
+			return err
+		}
+	} else if err := upNodes(cfg); err != nil {
 		return err
 	}
 	kube, err := kubernetes.NewForConfig(cp.RestConfig)
@@ -130,16 +159,11 @@ func Up(ctx context.Context, cfg Config) error {
 		"--metrics-addr=:8494", "--cli-download-addr=:8492", "--virtctl-dir="+filepath.Join(cfg.BinDir, "dist")); err != nil {
 		return err
 	}
-	step(cfg.Out, "nodeagent")
-	agentKC := cfg.path("nodeagent.kubeconfig")
-	if err := cp.WriteKubeconfig(agentKC, rbac.NodeUser(cfg.NodeName), rbac.NodesGroup); err != nil {
-		return err
-	}
-	agentDir := cfg.path("nodeagent")
-	if err := startDaemon(cfg, "nodeagent", "--kubeconfig="+agentKC, "--node-name="+cfg.NodeName,
-		"--state-dir="+agentDir, "--emulation="+cfg.Emulation, "--health-addr=127.0.0.1:8481",
-		"--csi-socket="+filepath.Join(agentDir, "csi", "csi.sock"),
-		"--pools=default="+cfg.path("pools", "default")); err != nil {
+	if cfg.NodeCount > 1 {
+		if err := startNodeAgents(cfg, cp); err != nil {
+			return err
+		}
+	} else if err := startHostAgent(cfg, cp); err != nil {
 		return err
 	}
 	step(cfg.Out, "HyperConverged "+hcov1beta1.DefaultNamespace+"/"+hcov1beta1.Name)
@@ -153,17 +177,36 @@ func Up(ctx context.Context, cfg Config) error {
 	if err := waitReady(ctx, cfg, kube, virt); err != nil {
 		return err
 	}
-	fmt.Fprintf(cfg.Out, "\nnodevirt lab is up. Next:\n"+
+	fmt.Fprintf(cfg.Out, "\nnodevirt lab is up (%d node(s)). Next:\n"+
 		"  export KUBECONFIG=%s\n"+
-		"  kubectl get nodes,hco -A\n"+
+		"  kubectl get nodes -o wide; kubectl get hco -A\n"+
 		"  kubectl api-resources | grep kubevirt\n"+
 		"  make demo        # a VM from an imported disk on a bridge\n"+
 		"  make lab-down    # remove everything the lab made\n"+
-		"Logs: %s/*.log\n", cfg.Kubeconfig(), cfg.Dir)
+		"Logs: %s/*.log%s\n", cfg.NodeCount, cfg.Kubeconfig(), cfg.Dir, nodesHint(cfg))
 	return nil
 }
 
+// startHostAgent starts the one-node lab's node agent on the host.
+func startHostAgent(cfg Config, cp *controlplane.ControlPlane) error {
+	step(cfg.Out, "nodeagent")
+	agentKC := cfg.path("nodeagent.kubeconfig")
+	if err := cp.WriteKubeconfig(agentKC, rbac.NodeUser(cfg.NodeName), rbac.NodesGroup); err != nil {
+		return err
+	}
+	agentDir := cfg.path("nodeagent")
+	return startDaemon(cfg, "nodeagent", "--kubeconfig="+agentKC, "--node-name="+cfg.NodeName,
+		"--state-dir="+agentDir, "--emulation="+cfg.Emulation, "--health-addr=127.0.0.1:8481",
+		"--csi-socket="+filepath.Join(agentDir, "csi", "csi.sock"),
+		"--pools=default="+cfg.path("pools", "default"))
+}
+
 func step(w io.Writer, what string) { fmt.Fprintf(w, "==> %s\n", what) }
+
+// TestServerNetworks is what the lab lets imports reach although nodes
+// forbid it by default: loopback, where the demo's image server and the
+// tests' servers and registries listen.
+const TestServerNetworks = "127.0.0.0/8,::1"
 
 // EnsureHCO creates the namespace and the HyperConverged (asking for
 // emulation when told), retrying while a brain that just started
@@ -173,9 +216,10 @@ func EnsureHCO(ctx context.Context, kube kubernetes.Interface, virt *client.Set,
 	if _, err := kube.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return err
 	}
-	hco := &hcov1beta1.HyperConverged{ObjectMeta: metav1.ObjectMeta{Name: hcov1beta1.Name, Namespace: hcov1beta1.DefaultNamespace}}
+	hco := &hcov1beta1.HyperConverged{ObjectMeta: metav1.ObjectMeta{Name: hcov1beta1.Name, Namespace: hcov1beta1.DefaultNamespace,
+		Annotations: map[string]string{importstate.AnnImportAllowedNetworks: TestServerNetworks}}}
 	if emulation {
-		hco.Annotations = map[string]string{"nodevirt.io/use-emulation": "true"}
+		hco.Annotations["nodevirt.io/use-emulation"] = "true"
 	}
 	// The CRD may still be getting established by a brain that just started.
 	deadline := time.Now().Add(2 * time.Minute)
@@ -220,12 +264,28 @@ func waitReady(ctx context.Context, cfg Config, kube kubernetes.Interface, virt 
 }
 
 func readiness(ctx context.Context, cfg Config, kube kubernetes.Interface, virt *client.Set) string {
-	for _, d := range []string{"clusterbrain", standbyBrain, "nodeagent"} {
-		if _, ok := controlplane.AlivePid(cfg.path(d + ".pid")); !ok {
-			return d + " is not running (see " + cfg.path(d+".log") + ")"
+	pids := map[string]string{"clusterbrain": cfg.path("clusterbrain"), standbyBrain: cfg.path(standbyBrain)}
+	names := []string{cfg.NodeName}
+	if nodes := cfg.Nodes(); nodes != nil {
+		names = nil
+		for _, n := range nodes {
+			pids["nodeagent of "+n.Name] = n.path("nodeagent")
+			names = append(names, n.Name)
+		}
+	} else {
+		pids["nodeagent"] = cfg.path("nodeagent")
+	}
+	for _, d := range slices.Sorted(maps.Keys(pids)) {
+		if _, ok := controlplane.AlivePid(pids[d] + ".pid"); !ok {
+			return d + " is not running (see " + pids[d] + ".log)"
 		}
 	}
-	return ClusterReady(ctx, kube, virt, cfg.NodeName)
+	for _, name := range names {
+		if status := ClusterReady(ctx, kube, virt, name); status != "" {
+			return status
+		}
+	}
+	return ""
 }
 
 // ClusterReady says what is missing before node is Ready and the
@@ -270,22 +330,28 @@ func startDaemon(cfg Config, name string, args ...string) error {
 
 // startDaemonAs starts the binary bin under name (its pid and log files).
 func startDaemonAs(cfg Config, name, bin string, args ...string) error {
-	pidFile := cfg.path(name + ".pid")
+	return startProcess(cfg, cfg.path(name), append([]string{filepath.Join(cfg.BinDir, bin)}, args...))
+}
+
+// startProcess starts argv detached, with pid and log files at base.pid
+// and base.log, unless the pid file names a live process.
+func startProcess(cfg Config, base string, argv []string) error {
+	pidFile := base + ".pid"
 	if pid, ok := controlplane.AlivePid(pidFile); ok {
 		fmt.Fprintf(cfg.Out, "    already running (pid %d)\n", pid)
 		return nil
 	}
-	logf, err := os.OpenFile(cfg.path(name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	logf, err := os.OpenFile(base+".log", os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return err
 	}
 	defer logf.Close()
-	cmd := exec.Command(filepath.Join(cfg.BinDir, bin), args...)
+	cmd := exec.Command(argv[0], argv[1:]...)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.Env = append(os.Environ(), "NODEVIRT_ROOT="+filepath.Dir(cfg.Dir))
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	if err := cmd.Start(); err != nil {
-		return fmt.Errorf("start %s: %w", name, err)
+		return fmt.Errorf("start %s: %w", filepath.Base(base), err)
 	}
 	go cmd.Wait()
 	return os.WriteFile(pidFile, []byte(strconv.Itoa(cmd.Process.Pid)), 0o644)
@@ -359,6 +425,7 @@ func Down(ctx context.Context, cfg Config) error {
 			errs = append(errs, controlplane.TerminatePid(pid, 15*time.Second))
 		}
 	}
+	errs = append(errs, downNodes(cfg))
 	step(cfg.Out, "guests, bridges, mounts")
 	errs = append(errs, removeGuests(cfg), removeNetwork(ctx, cfg), RemoveMounts(cfg.Dir), removeBridges(cfg))
 	step(cfg.Out, "libvirtd, virtlogd (if the lab started them)")

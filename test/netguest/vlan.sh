@@ -79,8 +79,28 @@ cnidrv gc /run/a.json a || fail "GC v100"
 [ "$(nports)" = 5 ] || fail "GC left d's port: $(nports) ports"
 ls /run/nvstate/net/v100 | grep -q "^d_" && fail "GC left d's record"
 
+step "attachments without IPAM are up after ADD and talk on their VLAN"
+confl2() {
+	cat >"/run/$1.json" <<EOF
+{"cniVersion":"1.1.0","name":"$2","type":"cnv-bridge","bridge":"$3","vlan":$4,"macspoofchk":true,"stateDir":"/run/nvstate"}
+EOF
+}
+for n in h i j; do $IP netns add $n || fail "netns add $n"; done
+confl2 h l2v400 br0 400
+confl2 i l2v400 br0 400
+confl2 j l2v500 br0 500
+for n in h i j; do add $n; done
+for n in h i j; do
+	$IP -n $n -o link show eth0 | grep -q "[<,]UP[,>]" || fail "eth0 of $n is down after ADD: $($IP -n $n -o link show eth0)"
+done
+$IP -n h addr add 10.4.0.1/24 dev eth0
+$IP -n i addr add 10.4.0.2/24 dev eth0
+$IP -n j addr add 10.4.0.3/24 dev eth0
+pings h 10.4.0.2 || fail "h -> i on VLAN 400 without IPAM does not talk"
+pings h 10.4.0.3 && fail "h (VLAN 400) reached j (VLAN 500)"
+
 step "DEL of everything leaves nothing"
-for n in a c e f g; do del $n; done
+for n in a c e f g h i j; do del $n; done
 [ "$(nports)" = 0 ] || fail "ports left: $(nports)"
 [ "$(njumps)" = 0 ] || fail "spoof rules left"
 $NFT list ruleset | grep -q "spoof_" && fail "spoof chains left"

@@ -98,9 +98,18 @@ func newOf[P any]() P {
 // (there is one, rendered from the HyperConverged). It is nil when there is
 // no CR or it has no config; err is the API's.
 func (s *Set) CDIConfig(ctx context.Context) (*cdiv1.CDIConfigSpec, error) {
+	cdi, err := s.CDI(ctx)
+	if err != nil || cdi == nil {
+		return nil, err
+	}
+	return cdi.Spec.Config, nil
+}
+
+// CDI is the cluster's CDI CR, nil when there is none.
+func (s *Set) CDI(ctx context.Context) (*cdiv1.CDI, error) {
 	cdis, err := s.CDIs.List(ctx, "", metav1.ListOptions{})
 	if err != nil || len(cdis) == 0 {
 		return nil, err
 	}
-	return cdis[0].Spec.Config, nil
+	return cdis[0], nil
 }

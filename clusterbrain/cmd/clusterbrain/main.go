@@ -12,6 +12,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/brain"
 	"github.com/nodevirt/nodevirt/clusterbrain/daemon"
+	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 )
 
@@ -25,10 +26,11 @@ func main() {
 	flag.StringVar(&cfg.SubresourcesAddr, "subresources-addr", ":8444", "address of the subresources.kubevirt.io aggregated API (not loopback)")
 	flag.StringVar(&cfg.UploadAPIAddr, "upload-api-addr", ":8445", "address of the upload.cdi.kubevirt.io aggregated API (not loopback)")
 	flag.StringVar(&cfg.UploadProxyAddr, "uploadproxy-addr", ":8446", "address of the upload proxy")
-	flag.StringVar(&cfg.MetricsAddr, "metrics-addr", ":8484", "address of /metrics")
+	flag.StringVar(&cfg.MetricsAddr, "metrics-addr", metrics.DefaultBrainAddr, "address of /metrics (unauthenticated: loopback unless you put a proxy in front)")
 	flag.StringVar(&cfg.CLIDownloadAddr, "cli-download-addr", ":8482", "address of the virtctl download service")
 	flag.StringVar(&cfg.VirtctlDir, "virtctl-dir", "/usr/local/share/nodevirt/virtctl", "directory of the virtctl builds served for download")
 	flag.DurationVar(&cfg.LeaseDuration, "lease-duration", 0, "leader lease duration (default 10s)")
+	flag.DurationVar(&cfg.FencingWindow, "fencing-window", 0, "how long a node may miss its lease renewals before its agent stops its guests; its VMIs fail over after this plus a 10s margin (default 30s)")
 	installRoles := flag.Bool("install-roles", false, "install the daemons' cluster roles and bindings (run once with an administrator's kubeconfig), then exit")
 	flag.Parse()
 	cfg.Log = slog.New(slog.NewTextHandler(os.Stderr, nil))

@@ -68,6 +68,14 @@ func IsBareUploadClaim(pvc *corev1.PersistentVolumeClaim) bool {
 	return target
 }
 
+// AnnImportAllowedNetworks is the annotation of the CDI CR that lists the
+// addresses imports (http, registry, containerDisk pulls) may reach
+// although the nodes forbid them by default: loopback, link-local (cloud
+// metadata) and the node's own addresses. Comma-separated CIDR prefixes or
+// addresses, e.g. "127.0.0.0/8,192.168.122.1". The HyperConverged CR's
+// annotation of the same name is copied onto the CDI CR by the brain.
+const AnnImportAllowedNetworks = "nodevirt.io/import-allowed-networks"
+
 // NodeUploadEndpoint is the Node annotation where a nodeagent publishes the
 // https URL of its upload endpoint (mutual TLS).
 const NodeUploadEndpoint = "nodevirt.io/upload-endpoint"

@@ -4,6 +4,7 @@ package main
 
 import (
 	"os"
+	"runtime"
 	"runtime/debug"
 
 	"github.com/containernetworking/cni/pkg/skel"
@@ -15,8 +16,11 @@ func main() {
 	if bridge.IsUnregisterHelper() {
 		os.Exit(bridge.RunUnregisterHelper())
 	}
-	// A run lives for milliseconds and allocates little: collecting
-	// garbage would only cost CPU that concurrent runs compete for.
+	// A run lives for milliseconds, allocates little and does one thing
+	// at a time: collecting garbage, or a second P whose idle thread spins
+	// looking for work, would only cost CPU that concurrent runs (and DEL's
+	// unregistration helper) compete for.
 	debug.SetGCPercent(-1)
+	runtime.GOMAXPROCS(1)
 	skel.PluginMainFuncs(bridge.Funcs, bridge.VersionInfo, bridge.About)
 }

@@ -8,12 +8,14 @@ import (
 	"os"
 	"runtime/debug"
 	"strings"
+	"time"
 
 	"k8s.io/apimachinery/pkg/api/resource"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/daemon"
 	"github.com/nodevirt/nodevirt/nodeagent/agent"
 	"github.com/nodevirt/nodevirt/nodeagent/hostdisk"
+	nodemetrics "github.com/nodevirt/nodevirt/nodeagent/metrics"
 )
 
 func main() {
@@ -24,6 +26,7 @@ func main() {
 	var memoryLimit string
 	flag.StringVar(&cfg.Kubeconfig, "kubeconfig", os.Getenv("KUBECONFIG"), "kubeconfig path")
 	flag.StringVar(&cfg.NodeName, "node-name", "", "node name (default: host name)")
+	flag.StringVar(&cfg.NodeIP, "node-ip", "", "the node's InternalIP (default: the address of the default route's interface)")
 	flag.StringVar(&cfg.StateDir, "state-dir", "/var/lib/nodevirt", "state directory")
 	flag.StringVar(&cfg.HealthAddr, "health-addr", "127.0.0.1:8481", "address of /healthz and /readyz")
 	flag.StringVar(&cfg.Emulation, "emulation", "auto", "auto (probe KVM), on (TCG) or off (require KVM)")
@@ -38,8 +41,10 @@ func main() {
 	flag.StringVar(&cfg.Console.KeyFile, "console-key", "", "console server key (PEM)")
 	flag.StringVar(&cfg.Console.ClientCAFile, "console-client-ca", "", "CA bundle that client (brain) certificates must chain to")
 	flag.StringVar(&consoleClients, "console-allowed-clients", "", "comma-separated client certificate names allowed (empty: any the CA signed)")
-	flag.StringVar(&cfg.MetricsAddr, "metrics-addr", ":8485", "listen address of /metrics (- for none)")
+	flag.StringVar(&cfg.MetricsAddr, "metrics-addr", nodemetrics.DefaultAddr, "listen address of /metrics (- for none; unauthenticated: loopback unless you put a proxy in front)")
 	flag.StringVar(&cfg.PodCIDR, "pod-cidr", "10.244.0.0/24", "IPv4 subnet of the node's pod network for masquerade interfaces (- for none)")
+	flag.StringVar(&cfg.SelfFence, "self-fence", "stop", "when the lease cannot be renewed for longer than the fencing window and no peer answers: stop (the guests) or none")
+	flag.DurationVar(&cfg.FencingWindow, "fencing-window", 30*time.Second, "how long without a lease renewal before self-fencing (the brain's --fencing-window must not be shorter)")
 	flag.StringVar(&cfg.PodBridge, "pod-bridge", "nodevirt0", "bridge of the node's pod network")
 	flag.IntVar(&gcPercent, "gc-percent", 50, "Go GC target: heap growth in percent of the live heap before a collection (GOGC, which wins when set)")
 	flag.StringVar(&memoryLimit, "memory-limit", "0", "soft limit of the Go runtime's memory, e.g. 64Mi (GOMEMLIMIT, which wins when set); 0 for none")

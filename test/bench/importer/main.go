@@ -17,6 +17,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -81,7 +82,7 @@ func run(ctx context.Context, cfg config) error {
 	if err != nil {
 		return err
 	}
-	srv := &http.Server{Handler: http.FileServer(http.Dir(src))}
+	srv := &http.Server{Handler: http.FileServer(http.Dir(src)), ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute}
 	go srv.Serve(ln)
 	defer srv.Close()
 	base := "http://" + ln.Addr().String() + "/"
@@ -156,7 +157,9 @@ func timeImporter(ctx context.Context, url, dest string, capacity int64) (time.D
 	defer os.Remove(dest)
 	start := time.Now()
 	_, err := importer.Import(ctx, importer.Request{
-		Source:   importer.Source{HTTP: &importer.HTTPSource{URL: url}},
+		// The image server listens on loopback, which imports may reach
+		// only when allowed.
+		Source:   importer.Source{HTTP: &importer.HTTPSource{URL: url, AllowedNetworks: []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8")}}},
 		Dest:     dest,
 		Capacity: capacity,
 	})

@@ -4,10 +4,12 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"log/slog"
 	"os"
+	"os/exec"
 	"os/signal"
 	"syscall"
 
@@ -18,7 +20,9 @@ import (
 
 func main() {
 	if len(os.Args) < 2 {
-		fmt.Fprintln(os.Stderr, "usage: nodevirt-lab up|down|demo|build-controlplane|build-upstream-virtctl [flags]")
+		fmt.Fprintln(os.Stderr, "usage: nodevirt-lab up|down|demo|exec|build-controlplane|build-upstream-virtctl [flags]\n"+
+			"       nodevirt-lab exec [--dir DIR] NODE -- CMD ARGS...   (runs a command inside a lab node)\n"+
+			"       nodevirt-lab power-off [--dir DIR] NODE             (kills every process of a node at once)")
 		os.Exit(2)
 	}
 	verb := os.Args[1]
@@ -27,7 +31,8 @@ func main() {
 	fs.StringVar(&cfg.Dir, "dir", ".lab", "lab state directory")
 	fs.StringVar(&cfg.BinDir, "bin", "bin", "directory of the built nodevirt binaries")
 	fs.StringVar(&cfg.Emulation, "emulation", "on", "guests under TCG: on, off or auto")
-	fs.StringVar(&cfg.NodeName, "node-name", "", "lab node name (default: host name)")
+	fs.StringVar(&cfg.NodeName, "node-name", "", "lab node name of a one-node lab (default: host name)")
+	fs.IntVar(&cfg.NodeCount, "nodes", 0, "number of nodes; 2 or more run each in namespaces of its own (default: the running lab's, else 1)")
 	fs.Parse(os.Args[2:])
 	cfg.Log = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 
@@ -41,6 +46,16 @@ func main() {
 		err = lab.Down(ctx, cfg)
 	case "demo":
 		err = lab.Demo(ctx, cfg)
+	case "exec":
+		err = execInNode(cfg, fs.Args())
+	case "power-off":
+		// Every process of the node killed at once: a host's power loss.
+		// `nodevirt-lab up` (make lab) powers it on again.
+		if fs.NArg() != 1 {
+			err = fmt.Errorf("power-off: want NODE")
+			break
+		}
+		err = lab.PowerOffNode(cfg, fs.Arg(0))
 	case "build-controlplane":
 		_, err = controlplane.EnsureBinaries(ctx, "")
 	case "build-upstream-virtctl":
@@ -55,4 +70,34 @@ func main() {
 		fmt.Fprintln(os.Stderr, "nodevirt-lab:", err)
 		os.Exit(1)
 	}
+}
+
+// execInNode runs argv[1:] inside lab node argv[0], with this terminal,
+// and exits with its status.
+func execInNode(cfg lab.Config, argv []string) error {
+	if len(argv) == 0 {
+		return fmt.Errorf("exec: want NODE -- CMD [ARGS...]")
+	}
+	node, argv := argv[0], argv[1:]
+	if len(argv) > 0 && argv[0] == "--" {
+		argv = argv[1:]
+	}
+	if len(argv) == 0 {
+		return fmt.Errorf("exec: want NODE -- CMD [ARGS...]")
+	}
+	cmdline, err := lab.NodeCommand(cfg, node, argv...)
+	if err != nil {
+		return err
+	}
+	cmd := exec.Command(cmdline[0], cmdline[1:]...)
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
+	signal.Ignore(syscall.SIGINT)
+	if err := cmd.Run(); err != nil {
+		var exit *exec.ExitError
+		if errors.As(err, &exit) {
+			os.Exit(exit.ExitCode())
+		}
+		return err
+	}
+	return nil
 }

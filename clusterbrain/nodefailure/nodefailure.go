@@ -1,0 +1,393 @@
+// Package nodefailure is the brain's side of package fencing: it keeps the
+// Ready condition and the unreachable / not-ready taints of nodevirt's
+// nodes from their Leases, and fails the VMIs of lost nodes over so their
+// VMs' runStrategy can start them elsewhere.
+package nodefailure
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"time"
+
+	coordinationv1 "k8s.io/api/coordination/v1"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/fencing"
+)
+
+// LabelManagedBy marks the Nodes a node agent owns (no kubelet): those are
+// the ones whose condition and taints this controller keeps.
+const LabelManagedBy = "nodevirt.io/nodeagent"
+
+// Config configures the controller.
+type Config struct {
+	Kube kubernetes.Interface
+	Virt *client.Set
+	// Grace, Window and Margin are the timeline of package fencing
+	// (its defaults when zero).
+	Grace, Window, Margin time.Duration
+	// Interval is how often nodes are checked (2 s when zero).
+	Interval time.Duration
+	Log      *slog.Logger
+	// Now is the clock (time.Now when nil).
+	Now func() time.Time
+}
+
+// Controller is the node-failure role.
+//
+// It times each node from when it last saw the node's Lease renewed (its
+// own clock), not from the renewal time written in the Lease: a brain that
+// just took over, or that could not read the API for a while (an API
+// server outage), gives every node a full window again instead of failing
+// everything over at once; and a node's clock never shortens its window.
+// When every node would be lost at once, the trouble is on the brain's
+// side: nothing is failed over.
+type Controller struct {
+	cfg Config
+	// seen is, per node, the last renewal time read from its Lease and
+	// when this brain first read it.
+	seen map[string]observation
+	// blind is set when the last check could not read the API.
+	blind bool
+}
+
+type observation struct {
+	renewal time.Time
+	at      time.Time
+}
+
+// New returns the controller.
+func New(cfg Config) (*Controller, error) {
+	if cfg.Kube == nil || cfg.Virt == nil {
+		return nil, errors.New("nodefailure: kube and virt clients are required")
+	}
+	if cfg.Grace == 0 {
+		cfg.Grace = fencing.DefaultGrace
+	}
+	if cfg.Window == 0 {
+		cfg.Window = fencing.DefaultWindow
+	}
+	if cfg.Margin == 0 {
+		cfg.Margin = fencing.DefaultMargin
+	}
+	// A node is unreachable no later than it is lost.
+	cfg.Grace = min(cfg.Grace, cfg.Window)
+	if cfg.Interval == 0 {
+		cfg.Interval = 2 * time.Second
+	}
+	if cfg.Log == nil {
+		cfg.Log = slog.Default()
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	return &Controller{cfg: cfg, seen: map[string]observation{}}, nil
+}
+
+// Name implements daemon.Role.
+func (c *Controller) Name() string { return "node-failure" }
+
+// Run checks every node each interval until ctx ends.
+func (c *Controller) Run(ctx context.Context) error {
+	t := time.NewTicker(c.cfg.Interval)
+	defer t.Stop()
+	for {
+		if err := c.Sync(ctx); err != nil && ctx.Err() == nil {
+			c.cfg.Log.Warn("node failure check", "err", err)
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+		}
+	}
+}
+
+// Sync checks every node agent's Node once.
+func (c *Controller) Sync(ctx context.Context) error {
+	nodes, err := c.cfg.Kube.CoreV1().Nodes().List(ctx, metav1.ListOptions{LabelSelector: LabelManagedBy})
+	if err != nil {
+		c.blind = true
+		return fmt.Errorf("list nodes: %w", err)
+	}
+	leases, err := c.cfg.Kube.CoordinationV1().Leases(corev1.NamespaceNodeLease).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		c.blind = true
+		return fmt.Errorf("list node leases: %w", err)
+	}
+	now := c.cfg.Now()
+	if c.blind {
+		// Back from not seeing the API: what happened meanwhile is unknown,
+		// every node gets a full window from now.
+		c.seen = map[string]observation{}
+		c.blind = false
+	}
+	renewals := map[string]time.Time{}
+	for i := range leases.Items {
+		renewals[leases.Items[i].Name] = leaseRenewed(&leases.Items[i])
+	}
+	var states []nodeCheck
+	for i := range nodes.Items {
+		n := &nodes.Items[i]
+		r, ok := renewals[n.Name]
+		if !ok {
+			continue // registering
+		}
+		o, known := c.seen[n.Name]
+		if !known || !o.renewal.Equal(r) {
+			o = observation{renewal: r, at: now}
+			c.seen[n.Name] = o
+		}
+		states = append(states, c.check(n, o.at, now))
+	}
+	lost := 0
+	for _, st := range states {
+		if st.Lost {
+			lost++
+		}
+	}
+	holdBack := lost > 1 && lost == len(states)
+	if holdBack {
+		c.cfg.Log.Warn("every node looks lost: not failing over (the trouble is likely on the brain's side)", "nodes", lost)
+	}
+	var errs []error
+	for _, st := range states {
+		if err := c.apply(ctx, st, holdBack); err != nil {
+			errs = append(errs, fmt.Errorf("node %s: %w", st.node.Name, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// nodeCheck is one node's state and what it was decided from.
+type nodeCheck struct {
+	State
+	node       *corev1.Node
+	lastSeen   time.Time
+	agentReady corev1.ConditionStatus
+	oos        bool
+}
+
+// State is what the lease and the agent's own condition say of a node.
+type State struct {
+	// Ready is the Ready condition's status to keep.
+	Ready corev1.ConditionStatus
+	// Taints are the lifecycle taints the node must carry (others it must
+	// not).
+	Taints []corev1.Taint
+	// Lost says its VMIs are to be failed over.
+	Lost bool
+}
+
+// lifecycleTaints are the taints this controller owns.
+var lifecycleTaints = []string{corev1.TaintNodeUnreachable, corev1.TaintNodeNotReady}
+
+// Decide is the node's state at now, from its Lease's last renewal, its
+// agent's Ready condition and whether it is out of service.
+func Decide(now, renewed time.Time, agentReady corev1.ConditionStatus, outOfService bool, grace, window, margin time.Duration) State {
+	taints := func(key string) []corev1.Taint {
+		return []corev1.Taint{{Key: key, Effect: corev1.TaintEffectNoSchedule}, {Key: key, Effect: corev1.TaintEffectNoExecute}}
+	}
+	s := State{Ready: agentReady, Lost: fencing.Lost(now, renewed, window, margin, outOfService)}
+	switch {
+	case now.Sub(renewed) > grace:
+		s.Ready, s.Taints = corev1.ConditionUnknown, taints(corev1.TaintNodeUnreachable)
+	case agentReady != corev1.ConditionTrue:
+		s.Taints = taints(corev1.TaintNodeNotReady)
+	}
+	return s
+}
+
+func (c *Controller) check(n *corev1.Node, lastSeen, now time.Time) nodeCheck {
+	agentReady := corev1.ConditionUnknown
+	for _, cond := range n.Status.Conditions {
+		if cond.Type == corev1.NodeReady {
+			agentReady = cond.Status
+		}
+	}
+	oos := slices.ContainsFunc(n.Spec.Taints, func(t corev1.Taint) bool { return t.Key == fencing.TaintOutOfService })
+	return nodeCheck{State: Decide(now, lastSeen, agentReady, oos, c.cfg.Grace, c.cfg.Window, c.cfg.Margin),
+		node: n, lastSeen: lastSeen, agentReady: agentReady, oos: oos}
+}
+
+func (c *Controller) apply(ctx context.Context, st nodeCheck, holdBack bool) error {
+	var errs []error
+	if st.Ready == corev1.ConditionUnknown && st.agentReady != corev1.ConditionUnknown {
+		errs = append(errs, c.markUnknown(ctx, st.node.Name, st.lastSeen))
+	}
+	errs = append(errs, c.keepTaints(ctx, st.node, st.Taints))
+	if st.Lost && (!holdBack || st.oos) {
+		errs = append(errs, c.failOver(ctx, st.node.Name, st.oos))
+	}
+	return errors.Join(errs...)
+}
+
+func leaseRenewed(l *coordinationv1.Lease) time.Time {
+	if l.Spec.RenewTime != nil {
+		return l.Spec.RenewTime.Time
+	}
+	if l.Spec.AcquireTime != nil {
+		return l.Spec.AcquireTime.Time
+	}
+	return l.CreationTimestamp.Time
+}
+
+func (c *Controller) markUnknown(ctx context.Context, node string, renewed time.Time) error {
+	now := metav1.NewTime(c.cfg.Now())
+	msg := fmt.Sprintf("nodevirt nodeagent stopped renewing its lease (last renewal seen %s)", renewed.UTC().Format(time.RFC3339))
+	patch, _ := json.Marshal(map[string]any{"status": map[string]any{"conditions": []corev1.NodeCondition{{
+		Type: corev1.NodeReady, Status: corev1.ConditionUnknown, Reason: "NodeStatusUnknown", Message: msg,
+		LastHeartbeatTime: metav1.NewTime(renewed), LastTransitionTime: now,
+	}}}})
+	if _, err := c.cfg.Kube.CoreV1().Nodes().Patch(ctx, node, types.StrategicMergePatchType, patch, metav1.PatchOptions{}, "status"); err != nil {
+		return fmt.Errorf("mark ready unknown: %w", err)
+	}
+	c.cfg.Log.Warn("node unreachable", "node", node, "lastRenewal", renewed)
+	return nil
+}
+
+// keepTaints makes the node's lifecycle taints want, leaving other taints.
+func (c *Controller) keepTaints(ctx context.Context, n *corev1.Node, want []corev1.Taint) error {
+	var kept []corev1.Taint
+	for _, t := range n.Spec.Taints {
+		if !slices.Contains(lifecycleTaints, t.Key) {
+			kept = append(kept, t)
+		}
+	}
+	now := metav1.NewTime(c.cfg.Now())
+	for _, w := range want {
+		i := slices.IndexFunc(n.Spec.Taints, func(t corev1.Taint) bool { return t.Key == w.Key && t.Effect == w.Effect })
+		if i >= 0 {
+			kept = append(kept, n.Spec.Taints[i])
+			continue
+		}
+		if w.Effect == corev1.TaintEffectNoExecute {
+			w.TimeAdded = &now
+		}
+		kept = append(kept, w)
+	}
+	if sameTaints(kept, n.Spec.Taints) {
+		return nil
+	}
+	upd := n.DeepCopy()
+	upd.Spec.Taints = kept
+	if _, err := c.cfg.Kube.CoreV1().Nodes().Update(ctx, upd, metav1.UpdateOptions{}); err != nil {
+		return fmt.Errorf("taints: %w", err)
+	}
+	c.cfg.Log.Info("node taints", "node", n.Name, "taints", taintKeys(kept))
+	return nil
+}
+
+func sameTaints(a, b []corev1.Taint) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for _, t := range a {
+		if !slices.ContainsFunc(b, func(u corev1.Taint) bool { return u.Key == t.Key && u.Effect == t.Effect && u.Value == t.Value }) {
+			return false
+		}
+	}
+	return true
+}
+
+func taintKeys(ts []corev1.Taint) []string {
+	var out []string
+	for _, t := range ts {
+		out = append(out, t.Key+":"+string(t.Effect))
+	}
+	return out
+}
+
+// failOver marks the lost node's VMIs Failed (NodeUnreachable) and drops
+// the node agent's finalizer, so the VM controller replaces them.
+func (c *Controller) failOver(ctx context.Context, node string, outOfService bool) error {
+	vmis, err := c.cfg.Virt.VMIs.List(ctx, metav1.NamespaceAll, metav1.ListOptions{LabelSelector: kubevirtv1.NodeNameLabel + "=" + node})
+	if err != nil {
+		return fmt.Errorf("list vmis: %w", err)
+	}
+	why := fmt.Sprintf("node %s stopped renewing its lease for longer than the fencing window (%s) plus margin (%s)",
+		node, c.cfg.Window, c.cfg.Margin)
+	if outOfService {
+		why = fmt.Sprintf("node %s is tainted %s", node, fencing.TaintOutOfService)
+	}
+	var errs []error
+	for _, vmi := range vmis {
+		if vmi.Status.NodeName != node {
+			continue
+		}
+		if !vmi.IsFinal() {
+			errs = append(errs, c.fail(ctx, vmi, why))
+			continue
+		}
+		if slices.Contains(vmi.Finalizers, fencing.HandlerFinalizer) {
+			errs = append(errs, c.release(ctx, vmi))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func (c *Controller) fail(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance, why string) error {
+	upd := vmi.DeepCopy()
+	upd.Status.Phase = kubevirtv1.Failed
+	upd.Status.Reason = fencing.ReasonNodeUnreachable
+	now := metav1.NewTime(c.cfg.Now())
+	upd.Status.PhaseTransitionTimestamps = append(upd.Status.PhaseTransitionTimestamps,
+		kubevirtv1.VirtualMachineInstancePhaseTransitionTimestamp{Phase: kubevirtv1.Failed, PhaseTransitionTimestamp: now})
+	for i := range upd.Status.Conditions {
+		if upd.Status.Conditions[i].Type == kubevirtv1.VirtualMachineInstanceReady {
+			upd.Status.Conditions[i].Status = corev1.ConditionFalse
+			upd.Status.Conditions[i].Reason = fencing.ReasonNodeUnreachable
+			upd.Status.Conditions[i].Message = why
+			upd.Status.Conditions[i].LastTransitionTime = now
+		}
+	}
+	updated, err := c.cfg.Virt.VMIs.UpdateStatus(ctx, upd)
+	if err != nil {
+		return fmt.Errorf("fail vmi %s/%s: %w", vmi.Namespace, vmi.Name, err)
+	}
+	c.cfg.Log.Warn("vmi failed over: node lost", "vmi", vmi.Namespace+"/"+vmi.Name, "node", vmi.Status.NodeName)
+	c.event(ctx, vmi, why)
+	return c.release(ctx, updated)
+}
+
+// release drops the node agent's finalizer: the agent is fenced and will
+// clean its domain when it comes back.
+func (c *Controller) release(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance) error {
+	fins := slices.DeleteFunc(slices.Clone(vmi.Finalizers), func(f string) bool { return f == fencing.HandlerFinalizer })
+	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"finalizers": fins, "resourceVersion": vmi.ResourceVersion}})
+	if _, err := c.cfg.Virt.VMIs.Patch(ctx, vmi.Namespace, vmi.Name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("release vmi %s/%s: %w", vmi.Namespace, vmi.Name, err)
+	}
+	return nil
+}
+
+// event records the failover on the VMI's VM (the VMI when it has none).
+func (c *Controller) event(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance, why string) {
+	ref := corev1.ObjectReference{APIVersion: kubevirtv1.SchemeGroupVersion.String(), Kind: "VirtualMachineInstance",
+		Namespace: vmi.Namespace, Name: vmi.Name, UID: vmi.UID}
+	for _, o := range vmi.OwnerReferences {
+		if o.Kind == "VirtualMachine" {
+			ref = corev1.ObjectReference{APIVersion: o.APIVersion, Kind: o.Kind, Namespace: vmi.Namespace, Name: o.Name, UID: o.UID}
+		}
+	}
+	now := metav1.NewTime(c.cfg.Now())
+	ev := &corev1.Event{
+		ObjectMeta:     metav1.ObjectMeta{GenerateName: ref.Name + ".", Namespace: vmi.Namespace},
+		InvolvedObject: ref, Reason: fencing.ReasonNodeUnreachable, Type: corev1.EventTypeWarning,
+		Message: fmt.Sprintf("VMI %s failed: %s", vmi.Name, why), FirstTimestamp: now, LastTimestamp: now, Count: 1,
+		Source: corev1.EventSource{Component: "nodevirt-node-failure"},
+	}
+	if _, err := c.cfg.Kube.CoreV1().Events(vmi.Namespace).Create(ctx, ev, metav1.CreateOptions{}); err != nil {
+		c.cfg.Log.Warn("event", "vmi", vmi.Namespace+"/"+vmi.Name, "err", err)
+	}
+}

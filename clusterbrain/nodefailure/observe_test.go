@@ -1,0 +1,86 @@
+package nodefailure
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"testing"
+	"time"
+
+	coordinationv1 "k8s.io/api/coordination/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+)
+
+// TestTimesNodesFromWhatItSaw: a brain that starts (or gets the API back)
+// finds a Lease renewed long ago and still gives the node its full grace;
+// the taint comes once the renewal has not moved for longer than that.
+func TestTimesNodesFromWhatItSaw(t *testing.T) {
+	ctx := context.Background()
+	start := time.Date(2026, 11, 25, 12, 0, 0, 0, time.UTC)
+	old := metav1.NewMicroTime(start.Add(-10 * time.Minute))
+	kube := fake.NewSimpleClientset(
+		&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n1", Labels: map[string]string{LabelManagedBy: "standalone"}},
+			Status: corev1.NodeStatus{Conditions: []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue}}}},
+		&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n2", Labels: map[string]string{LabelManagedBy: "standalone"}},
+			Status: corev1.NodeStatus{Conditions: []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue}}}},
+		&coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: "n1", Namespace: corev1.NamespaceNodeLease}, Spec: coordinationv1.LeaseSpec{RenewTime: &old}},
+		&coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: "n2", Namespace: corev1.NamespaceNodeLease}, Spec: coordinationv1.LeaseSpec{RenewTime: &old}},
+	)
+	now := start
+	c, err := New(Config{Kube: kube, Virt: &client.Set{}, Now: func() time.Time { return now }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	unreachable := func(name string) bool {
+		n, err := kube.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return slices.ContainsFunc(n.Spec.Taints, func(t corev1.Taint) bool { return t.Key == corev1.TaintNodeUnreachable })
+	}
+	if err := c.Sync(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if unreachable("n1") || unreachable("n2") {
+		t.Fatal("a lease renewed before the brain looked made the node unreachable at once")
+	}
+	// n2 renews; n1 does not.
+	now = start.Add(15 * time.Second)
+	fresh := metav1.NewMicroTime(now)
+	l, _ := kube.CoordinationV1().Leases(corev1.NamespaceNodeLease).Get(ctx, "n2", metav1.GetOptions{})
+	l.Spec.RenewTime = &fresh
+	if _, err := kube.CoordinationV1().Leases(corev1.NamespaceNodeLease).Update(ctx, l, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	now = start.Add(c.cfg.Grace + time.Second)
+	if err := c.Sync(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if !unreachable("n1") || unreachable("n2") {
+		t.Fatalf("after the grace: n1 unreachable %v (want true), n2 %v (want false)", unreachable("n1"), unreachable("n2"))
+	}
+
+	// The API goes away, then comes back much later: n2 gets a full grace
+	// again although its renewal is now old.
+	kube.PrependReactor("list", "nodes", func(k8stesting.Action) (bool, runtime.Object, error) {
+		return true, nil, errors.New("api server down")
+	})
+	now = start.Add(5 * time.Minute)
+	if err := c.Sync(ctx); err == nil {
+		t.Fatal("sync without the API succeeded")
+	}
+	kube.ReactionChain = kube.ReactionChain[1:]
+	now = start.Add(6 * time.Minute)
+	if err := c.Sync(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if unreachable("n2") {
+		t.Fatal("back from an API outage, the brain tainted a node before a full grace")
+	}
+}

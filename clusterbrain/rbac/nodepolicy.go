@@ -1,0 +1,207 @@
+package rbac
+
+import (
+	"context"
+	"fmt"
+
+	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+)
+
+// Node restriction: what NodeRestriction does for kubelets, for nodevirt's
+// nodes. RBAC gives every node the same verbs on a kind; these
+// ValidatingAdmissionPolicies (CEL, evaluated by the API server itself)
+// narrow each write of a node agent — a user named NodeUser(<node>) in
+// NodesGroup — to the objects of that node:
+//
+//   - Nodes (and their status): only its own, by name.
+//   - Leases: only its own, by name.
+//   - VirtualMachineInstances (and their status): only those bound to it
+//     (status.nodeName, or before that the kubevirt.io/nodeName label), and
+//     it cannot bind one to itself or hand one to another node.
+//   - PersistentVolumes: only those whose required node affinity
+//     (topology.hostpath.csi/node or kubernetes.io/hostname) names it in
+//     every term.
+//   - PersistentVolumeClaims (and their status): only claims placed on it
+//     (volume.kubernetes.io/selected-node or kubevirt.io/provisionOnNode),
+//     and it cannot change that placement.
+//
+// A node agent whose user name does not carry the prefix can write none of
+// these. Reads cannot be guarded by admission; see NodeAgentRules.
+const NodeRestrictionPolicy = "nodevirt-node-restriction"
+
+// The CEL pieces the policies share: the request is a node agent's, and
+// its node's name ("" for a user name without the prefix).
+var (
+	celIsNode   = "request.userInfo.groups.exists(g, g == '" + NodesGroup + "')"
+	celNodeName = fmt.Sprintf("request.userInfo.username.startsWith('%s') ? request.userInfo.username.substring(%d) : ''",
+		NodeUserPrefix, len(NodeUserPrefix))
+)
+
+// nodePolicy is one policy of the node restriction.
+type nodePolicy struct {
+	name        string
+	rules       []admissionregistrationv1.NamedRuleWithOperations
+	variables   []admissionregistrationv1.Variable
+	validations []admissionregistrationv1.Validation
+}
+
+func ops(o ...admissionregistrationv1.OperationType) []admissionregistrationv1.OperationType {
+	return o
+}
+
+func ruleFor(group, version string, resources []string, o []admissionregistrationv1.OperationType) admissionregistrationv1.NamedRuleWithOperations {
+	scope := admissionregistrationv1.AllScopes
+	return admissionregistrationv1.NamedRuleWithOperations{RuleWithOperations: admissionregistrationv1.RuleWithOperations{
+		Operations: o, Rule: admissionregistrationv1.Rule{APIGroups: []string{group}, APIVersions: []string{version},
+			Resources: resources, Scope: &scope}}}
+}
+
+var (
+	create = admissionregistrationv1.Create
+	update = admissionregistrationv1.Update
+	del    = admissionregistrationv1.Delete
+)
+
+// named is the object's name on create and update, the old object's on
+// delete.
+const named = "(request.operation == 'DELETE' ? oldObject.metadata.name : object.metadata.name) == variables.nodeName"
+
+func nodePolicies() []nodePolicy {
+	// bound says a VMI belongs to the node: its status.nodeName, or while
+	// that is empty, its node label.
+	bound := func(o string) string {
+		return "(has(" + o + ".status) && has(" + o + ".status.nodeName) && " + o + ".status.nodeName != '') ? " +
+			o + ".status.nodeName == variables.nodeName : (has(" + o + ".metadata.labels) && 'kubevirt.io/nodeName' in " +
+			o + ".metadata.labels && " + o + ".metadata.labels['kubevirt.io/nodeName'] == variables.nodeName)"
+	}
+	// pvNode says every term of a PV's required node affinity names the
+	// node alone.
+	pvNode := func(o string) string {
+		return "has(" + o + ".spec.nodeAffinity) && has(" + o + ".spec.nodeAffinity.required) && " +
+			"size(" + o + ".spec.nodeAffinity.required.nodeSelectorTerms) > 0 && " +
+			o + ".spec.nodeAffinity.required.nodeSelectorTerms.all(t, has(t.matchExpressions) && t.matchExpressions.exists(e, " +
+			"(e.key == 'topology.hostpath.csi/node' || e.key == 'kubernetes.io/hostname') && e.operator == 'In' && " +
+			"has(e.values) && e.values == [variables.nodeName]))"
+	}
+	// placement is the node a claim was placed on.
+	placement := func(o string) string {
+		return "has(" + o + ".metadata.annotations) ? (" +
+			"'volume.kubernetes.io/selected-node' in " + o + ".metadata.annotations ? " + o + ".metadata.annotations['volume.kubernetes.io/selected-node'] : " +
+			"('kubevirt.io/provisionOnNode' in " + o + ".metadata.annotations ? " + o + ".metadata.annotations['kubevirt.io/provisionOnNode'] : '')) : ''"
+	}
+	return []nodePolicy{
+		{name: NodeRestrictionPolicy + "-nodes",
+			rules: []admissionregistrationv1.NamedRuleWithOperations{
+				ruleFor("", "v1", []string{"nodes", "nodes/status"}, ops(create, update, del))},
+			validations: []admissionregistrationv1.Validation{{Expression: named,
+				MessageExpression: "'node ' + variables.nodeName + ' may write only its own Node'"}}},
+		{name: NodeRestrictionPolicy + "-leases",
+			rules: []admissionregistrationv1.NamedRuleWithOperations{
+				ruleFor("coordination.k8s.io", "*", []string{"leases"}, ops(create, update, del))},
+			validations: []admissionregistrationv1.Validation{{Expression: named,
+				MessageExpression: "'node ' + variables.nodeName + ' may write only its own Lease'"}}},
+		{name: NodeRestrictionPolicy + "-vmis",
+			rules: []admissionregistrationv1.NamedRuleWithOperations{
+				ruleFor("kubevirt.io", "*", []string{"virtualmachineinstances", "virtualmachineinstances/status"}, ops(update, del))},
+			validations: []admissionregistrationv1.Validation{{
+				Expression:        "(" + bound("oldObject") + ") && (request.operation == 'DELETE' || (" + bound("object") + "))",
+				MessageExpression: "'node ' + variables.nodeName + ' may write only the VirtualMachineInstances bound to it'"}}},
+		{name: NodeRestrictionPolicy + "-pvs",
+			rules: []admissionregistrationv1.NamedRuleWithOperations{
+				ruleFor("", "v1", []string{"persistentvolumes", "persistentvolumes/status"}, ops(create, update, del))},
+			validations: []admissionregistrationv1.Validation{{
+				Expression:        "(request.operation == 'CREATE' || (" + pvNode("oldObject") + ")) && (request.operation == 'DELETE' || (" + pvNode("object") + "))",
+				MessageExpression: "'node ' + variables.nodeName + ' may write only the PersistentVolumes of its own volumes'"}}},
+		{name: NodeRestrictionPolicy + "-claims",
+			rules: []admissionregistrationv1.NamedRuleWithOperations{
+				ruleFor("", "v1", []string{"persistentvolumeclaims", "persistentvolumeclaims/status"}, ops(update))},
+			variables: []admissionregistrationv1.Variable{{Name: "placed", Expression: placement("oldObject")}},
+			validations: []admissionregistrationv1.Validation{{
+				Expression:        "variables.placed == variables.nodeName && (" + placement("object") + ") == variables.placed",
+				MessageExpression: "'node ' + variables.nodeName + ' may write only the claims placed on it, and not move them'"}}},
+	}
+}
+
+// NodeRestrictionPolicies are the ValidatingAdmissionPolicies of the node
+// restriction and their bindings (one each, denying).
+func NodeRestrictionPolicies() ([]*admissionregistrationv1.ValidatingAdmissionPolicy, []*admissionregistrationv1.ValidatingAdmissionPolicyBinding) {
+	fail := admissionregistrationv1.Fail
+	labels := map[string]string{"app.kubernetes.io/managed-by": "nodevirt"}
+	var pols []*admissionregistrationv1.ValidatingAdmissionPolicy
+	var binds []*admissionregistrationv1.ValidatingAdmissionPolicyBinding
+	for _, p := range nodePolicies() {
+		vars := append([]admissionregistrationv1.Variable{{Name: "nodeName", Expression: celNodeName}}, p.variables...)
+		pols = append(pols, &admissionregistrationv1.ValidatingAdmissionPolicy{
+			ObjectMeta: metav1.ObjectMeta{Name: p.name, Labels: labels},
+			Spec: admissionregistrationv1.ValidatingAdmissionPolicySpec{
+				FailurePolicy:    &fail,
+				MatchConstraints: &admissionregistrationv1.MatchResources{ResourceRules: p.rules},
+				MatchConditions:  []admissionregistrationv1.MatchCondition{{Name: "is-node-agent", Expression: celIsNode}},
+				Variables:        vars,
+				Validations:      p.validations,
+			},
+		})
+		binds = append(binds, &admissionregistrationv1.ValidatingAdmissionPolicyBinding{
+			ObjectMeta: metav1.ObjectMeta{Name: p.name, Labels: labels},
+			Spec: admissionregistrationv1.ValidatingAdmissionPolicyBindingSpec{PolicyName: p.name,
+				ValidationActions: []admissionregistrationv1.ValidationAction{admissionregistrationv1.Deny}},
+		})
+	}
+	return pols, binds
+}
+
+// EnsureNodeRestriction installs the node restriction policies and their
+// bindings, or brings drifted ones back.
+func EnsureNodeRestriction(ctx context.Context, kube kubernetes.Interface) error {
+	pols, binds := NodeRestrictionPolicies()
+	api := kube.AdmissionregistrationV1()
+	for _, w := range pols {
+		cur, err := api.ValidatingAdmissionPolicies().Get(ctx, w.Name, metav1.GetOptions{})
+		switch {
+		case apierrors.IsNotFound(err):
+			if _, err := api.ValidatingAdmissionPolicies().Create(ctx, w, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+				return fmt.Errorf("create validatingadmissionpolicy %s: %w", w.Name, err)
+			}
+		case err != nil:
+			return fmt.Errorf("read validatingadmissionpolicy %s: %w", w.Name, err)
+		case !samePolicy(cur.Spec, w.Spec):
+			cur = cur.DeepCopy()
+			cur.Spec = w.Spec
+			if _, err := api.ValidatingAdmissionPolicies().Update(ctx, cur, metav1.UpdateOptions{}); err != nil {
+				return fmt.Errorf("update validatingadmissionpolicy %s: %w", w.Name, err)
+			}
+		}
+	}
+	for _, w := range binds {
+		cur, err := api.ValidatingAdmissionPolicyBindings().Get(ctx, w.Name, metav1.GetOptions{})
+		switch {
+		case apierrors.IsNotFound(err):
+			if _, err := api.ValidatingAdmissionPolicyBindings().Create(ctx, w, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+				return fmt.Errorf("create validatingadmissionpolicybinding %s: %w", w.Name, err)
+			}
+		case err != nil:
+			return fmt.Errorf("read validatingadmissionpolicybinding %s: %w", w.Name, err)
+		case cur.Spec.PolicyName != w.Spec.PolicyName || cur.Spec.ParamRef != nil || cur.Spec.MatchResources != nil ||
+			!equality.Semantic.DeepEqual(cur.Spec.ValidationActions, w.Spec.ValidationActions):
+			cur = cur.DeepCopy()
+			cur.Spec = w.Spec
+			if _, err := api.ValidatingAdmissionPolicyBindings().Update(ctx, cur, metav1.UpdateOptions{}); err != nil {
+				return fmt.Errorf("update validatingadmissionpolicybinding %s: %w", w.Name, err)
+			}
+		}
+	}
+	return nil
+}
+
+// samePolicy compares what nodevirt sets (the server defaults the rest).
+func samePolicy(cur, want admissionregistrationv1.ValidatingAdmissionPolicySpec) bool {
+	return equality.Semantic.DeepEqual(cur.Validations, want.Validations) &&
+		equality.Semantic.DeepEqual(cur.Variables, want.Variables) &&
+		equality.Semantic.DeepEqual(cur.MatchConditions, want.MatchConditions) &&
+		cur.MatchConstraints != nil && len(cur.MatchConstraints.ResourceRules) == len(want.MatchConstraints.ResourceRules) &&
+		equality.Semantic.DeepEqual(cur.MatchConstraints.ResourceRules, want.MatchConstraints.ResourceRules)
+}

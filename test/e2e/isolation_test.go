@@ -1,0 +1,224 @@
+package e2e
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/tls"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/datavolume"
+	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
+	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
+	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
+	nodeconsole "github.com/nodevirt/nodevirt/nodeagent/console"
+)
+
+// grant gives user the rules in namespace ns through a Role.
+func (n *testNS) grant(ns, user, name string, rules ...rbacv1.PolicyRule) {
+	n.t.Helper()
+	ctx := context.Background()
+	role := &rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns}, Rules: rules}
+	if _, err := n.e.kube.RbacV1().Roles(ns).Create(ctx, role, metav1.CreateOptions{}); err != nil {
+		n.t.Fatalf("role %s/%s: %v", ns, name, err)
+	}
+	rb := &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
+		RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: name},
+		Subjects: []rbacv1.Subject{{APIGroup: rbacv1.GroupName, Kind: rbacv1.UserKind, Name: user}}}
+	if _, err := n.e.kube.RbacV1().RoleBindings(ns).Create(ctx, rb, metav1.CreateOptions{}); err != nil {
+		n.t.Fatalf("rolebinding %s/%s: %v", ns, name, err)
+	}
+}
+
+// userVirt is a client authenticated as user (a client certificate of the
+// suite's control plane).
+func (n *testNS) userVirt(user string) *client.Set {
+	n.t.Helper()
+	kc := filepath.Join(n.t.TempDir(), user+".kubeconfig")
+	if err := n.e.cp.WriteKubeconfig(kc, user); err != nil {
+		n.t.Fatal(err)
+	}
+	cfg, err := clientcmd.BuildConfigFromFlags("", kc)
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	set, err := client.NewSet(cfg)
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	return set
+}
+
+func immediateDV(ns, name string, src *cdiv1.DataVolumeSource) *cdiv1.DataVolume {
+	return &cdiv1.DataVolume{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns,
+			Annotations: map[string]string{"cdi.kubevirt.io/storage.bind.immediate.requested": "true"}},
+		Spec: cdiv1.DataVolumeSpec{Source: src, Storage: &cdiv1.StorageSpec{Resources: corev1.VolumeResourceRequirements{
+			Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("64Mi")}}}},
+	}
+}
+
+// TestCrossNamespaceCloneFollowsCDIsRule: a user may clone a volume of
+// another namespace only with "create" on datavolumes/source
+// (cdi.kubevirt.io) there, checked by a SubjectAccessReview when the
+// DataVolume (or a VM's dataVolumeTemplate) is admitted. Refused without
+// it, with CDI's message; cloned with it.
+func TestCrossNamespaceCloneFollowsCDIsRule(t *testing.T) {
+	e := require(t)
+	dst := e.namespace(t)
+	ctx := context.Background()
+
+	// The source namespace and its volume, imported by the administrator.
+	src := &testNS{e: e, t: t, name: dst.name + "-src"}
+	srcObj := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: src.name, Labels: map[string]string{"nodevirt.io/e2e": e.run}}}
+	if _, err := e.kube.CoreV1().Namespaces().Create(ctx, srcObj, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(src.cleanup)
+	image := filepath.Join(t.TempDir(), "golden.raw")
+	data := make([]byte, 4<<20)
+	_, _ = rand.Read(data)
+	if err := os.WriteFile(image, data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	golden := immediateDV(src.name, "golden", &cdiv1.DataVolumeSource{HTTP: &cdiv1.DataVolumeSourceHTTP{URL: serveFile(t, image)}})
+	if _, err := e.virt.DataVolumes.Create(ctx, golden); err != nil {
+		t.Fatal(err)
+	}
+	src.waitImported("", "golden")
+
+	user := "clone-user-" + e.run
+	dst.grant(dst.name, user, "dv-author",
+		rbacv1.PolicyRule{APIGroups: []string{"cdi.kubevirt.io"}, Resources: []string{"datavolumes"}, Verbs: []string{"get", "list", "create"}},
+		rbacv1.PolicyRule{APIGroups: []string{"kubevirt.io"}, Resources: []string{"virtualmachines"}, Verbs: []string{"get", "create"}})
+	as := dst.userVirt(user)
+	clone := immediateDV(dst.name, "copy", &cdiv1.DataVolumeSource{PVC: &cdiv1.DataVolumeSourcePVC{Namespace: src.name, Name: "golden"}})
+
+	// Without rights in the source namespace: refused at admission.
+	_, err := as.DataVolumes.Create(ctx, clone)
+	want := fmt.Sprintf("insufficient permissions in clone source namespace %s", src.name)
+	if err == nil || !strings.Contains(err.Error(), want) {
+		t.Fatalf("unauthorized cross-namespace clone: %v, want %q", err, want)
+	}
+	vm := dst.dataVolumeVM("copier", "http://unused.invalid/", kubevirtv1.RunStrategyHalted)
+	vm.Spec.DataVolumeTemplates[0].Spec.Source = clone.Spec.Source
+	if _, err := as.VMs.Create(ctx, vm); err == nil || !strings.Contains(err.Error(), want) {
+		t.Fatalf("VM cloning another namespace through a dataVolumeTemplate: %v, want %q", err, want)
+	}
+	// A user cannot stamp an authorization of their own either.
+	forged := clone.DeepCopy()
+	forged.Annotations[datavolume.AnnAuthorizedSource] = "pvc/" + src.name + "/golden"
+	if _, err := as.DataVolumes.Create(ctx, forged); err == nil {
+		t.Fatal("a forged authorization stamp was admitted")
+	}
+
+	// With create on datavolumes/source there: admitted, stamped, cloned.
+	dst.grant(src.name, user, "clone-source",
+		rbacv1.PolicyRule{APIGroups: []string{"cdi.kubevirt.io"}, Resources: []string{"datavolumes/source"}, Verbs: []string{"create"}})
+	var created *cdiv1.DataVolume
+	dst.eventually(30*time.Second, "authorized clone admitted", func() (bool, string) {
+		created, err = as.DataVolumes.Create(ctx, clone)
+		return err == nil, fmt.Sprint(err)
+	})
+	if got := created.Annotations[datavolume.AnnAuthorizedSource]; got != "pvc/"+src.name+"/golden" {
+		t.Errorf("authorization stamp %q", got)
+	}
+	dst.waitImported("", "copy")
+
+	// The stamp and the source cannot change afterwards.
+	cur, err := e.virt.DataVolumes.Get(ctx, dst.name, "copy")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cur.Annotations[datavolume.AnnAuthorizedSource] = "pvc/kube-system/anything"
+	if _, err := e.virt.DataVolumes.Update(ctx, cur); err == nil {
+		t.Error("the authorization stamp was rewritten")
+	}
+}
+
+// TestAnotherNodesCredentials: with the credentials of another node
+// (user system:node:<other>, group nodevirt:nodes, and a certificate from
+// the node CA naming it) nothing of this suite's node can be written and
+// its console cannot be read: the Node, the claims placed on it, its
+// console server. Secrets are never listed.
+func TestAnotherNodesCredentials(t *testing.T) {
+	e := require(t)
+	n := e.namespace(t)
+	ctx := context.Background()
+	other := "other-" + e.run
+	kc := filepath.Join(t.TempDir(), "other.kubeconfig")
+	if err := e.cp.WriteKubeconfig(kc, rbac.NodeUser(other), rbac.NodesGroup); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := clientcmd.BuildConfigFromFlags("", kc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kube := kubernetes.NewForConfigOrDie(cfg)
+
+	patch := []byte(`{"metadata":{"annotations":{"nodevirt.io/hijacked":"true"}}}`)
+	if _, err := kube.CoreV1().Nodes().Patch(ctx, e.nodeName, types.MergePatchType, patch, metav1.PatchOptions{}); err == nil {
+		t.Errorf("another node patched node %s", e.nodeName)
+	}
+	// A claim the suite's node filled.
+	dv := immediateDV(n.name, "placed", &cdiv1.DataVolumeSource{Blank: &cdiv1.DataVolumeBlankImage{}})
+	if _, err := e.virt.DataVolumes.Create(ctx, dv); err != nil {
+		t.Fatal(err)
+	}
+	n.waitImported("", "placed")
+	report := []byte(`{"metadata":{"annotations":{"cdi.kubevirt.io/storage.pod.phase":"Failed"}}}`)
+	if _, err := kube.CoreV1().PersistentVolumeClaims(n.name).Patch(ctx, "placed", types.MergePatchType, report, metav1.PatchOptions{}); err == nil {
+		t.Errorf("another node reported on a claim of node %s", e.nodeName)
+	}
+	if _, err := kube.CoreV1().Secrets(n.name).List(ctx, metav1.ListOptions{}); err == nil {
+		t.Error("a node listed the Secrets of a namespace")
+	}
+	if _, err := kube.CoreV1().Secrets(hcov1beta1.DefaultNamespace).Get(ctx, uploadtls.CASecretName, metav1.GetOptions{}); err == nil {
+		t.Error("a node read the node CA's Secret")
+	}
+
+	// The suite node's console server refuses another node's certificate.
+	node, err := e.kube.CoreV1().Nodes().Get(ctx, e.nodeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := node.Annotations[subresources.NodeAddressAnnotation]
+	if addr == "" {
+		t.Fatalf("node %s publishes no console address", e.nodeName)
+	}
+	ca, err := uploadtls.EnsureCA(ctx, e.kube, hcov1beta1.DefaultNamespace)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert, err := ca.Issue(rbac.NodeUser(other), []string{other, subresources.NodeServerName}, nil, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tlsCfg := &tls.Config{Certificates: []tls.Certificate{cert}, RootCAs: ca.Pool(), ServerName: e.nodeName, MinVersion: tls.VersionTLS12}
+	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	conn, err := (&nodeconsole.Client{Addr: addr, TLS: tlsCfg}).Console(cctx, n.name, "any")
+	if err == nil {
+		conn.Close()
+		t.Fatal("another node's certificate opened a console stream")
+	}
+	if !strings.Contains(err.Error(), "403") && !strings.Contains(err.Error(), "not allowed") {
+		t.Errorf("console with another node's certificate: %v, want 403", err)
+	}
+}
