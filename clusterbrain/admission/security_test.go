@@ -126,6 +126,13 @@ func TestVMIUpdatesByUsers(t *testing.T) {
 		t.Fatalf("the brain's vmi with %s: %v", kubevirtv1.NodeNameLabel, err)
 	}
 
+	// Nor through a VM's template, whose labels the brain copies.
+	vm := vmWith(e.ns, "pinned-vm", nil)
+	vm.Spec.Template.ObjectMeta.Labels = map[string]string{kubevirtv1.NodeNameLabel: "node-a"}
+	if _, err := e.virt.VMs.Create(ctx, vm); err == nil || !strings.Contains(err.Error(), "spec.template.metadata.labels: Forbidden: "+LabelsCreationMessage) {
+		t.Errorf("user's vm template with %s: %v", kubevirtv1.NodeNameLabel, err)
+	}
+
 	vmi, err := e.virt.VMIs.Create(ctx, vmiWith(e.ns, "mine", "64Mi", nil))
 	if err != nil {
 		t.Fatal(err)

@@ -61,8 +61,14 @@ func (k *kubevirtWebhooks) admitVM(ctx context.Context, req *admissionv1.Admissi
 		return Allow()
 	}
 	errs := ValidateVM(&vm)
-	if vm.Spec.Template != nil {
-		errs = append(errs, ValidateFeatureGates(field.NewPath("spec", "template", "spec"), &vm.Spec.Template.Spec, k.cfg.gates(ctx))...)
+	if t := vm.Spec.Template; t != nil {
+		errs = append(errs, ValidateFeatureGates(field.NewPath("spec", "template", "spec"), &t.Spec, k.cfg.gates(ctx))...)
+		// The VM controller copies the template's labels to the VMI it
+		// creates as the brain: a user's template must not carry what the
+		// user could not put on a VMI (a node binding).
+		if !privileged(req.UserInfo) && len(reserved(t.ObjectMeta.Labels)) > 0 {
+			errs = append(errs, field.Forbidden(field.NewPath("spec", "template", "metadata", "labels"), LabelsCreationMessage))
+		}
 	}
 	if len(errs) > 0 {
 		return DenyFields(errs)

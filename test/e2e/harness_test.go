@@ -233,7 +233,7 @@ func (e *env) startDaemons() error {
 	agentArgs := []string{"--kubeconfig=" + agentKC, "--node-name=" + e.nodeName, "--fencing-window=" + fencingWindow.String(),
 		"--state-dir=" + agentDir, "--emulation=on", "--health-addr=" + freeAddr(),
 		"--csi-socket=" + filepath.Join(agentDir, "csi", "csi.sock"),
-		"--pools=" + poolName() + "=" + e.path("pools", poolName())}
+		"--pools=" + poolName() + "=" + e.path("pools", poolName()), "--host-disk-root=" + e.path("disks")}
 	// The console server defaults to virt-handler's port 8186, which a lab
 	// on the same host holds: give it a free loopback port (the agent
 	// advertises it on its Node for the brain).
@@ -313,8 +313,12 @@ func (e *env) createHCO(ctx context.Context) error {
 	if _, err := e.kube.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return err
 	}
+	// Test guests boot from hostDisks (spec_test.go) under the agent's
+	// --host-disk-root: the suite turns KubeVirt's HostDisk gate on as an
+	// administrator does, with HCO's JSON-patch annotation.
 	hco := &hcov1beta1.HyperConverged{ObjectMeta: metav1.ObjectMeta{Name: hcov1beta1.Name, Namespace: hcov1beta1.DefaultNamespace,
 		Annotations: map[string]string{"nodevirt.io/use-emulation": "true",
+			hcov1beta1.JSONPatchKubeVirtAnnotation: hostDiskGatePatch,
 			// The test image servers and registries listen on loopback,
 			// which imports may not reach by default.
 			importstate.AnnImportAllowedNetworks: lab.TestServerNetworks}}}

@@ -101,7 +101,9 @@ func (e *env) startAgent2() error {
 		"--fencing-window="+fencingWindow.String(),
 		"--node-ip="+n.IP, "--pod-cidr="+n.PodCIDR, "--state-dir="+dir, "--emulation=on",
 		"--csi-socket="+filepath.Join(dir, "csi", "csi.sock"),
-		"--pools="+poolName()+"="+filepath.Join(n.Dir, "pools", poolName()))
+		"--pools="+poolName()+"="+filepath.Join(n.Dir, "pools", poolName()),
+		// The guests' hostDisks, as for the first node (harness_test.go).
+		"--host-disk-root="+e.path("disks"))
 	e.agent2 = newDaemon(e, "nodeagent-2")
 	e.agent2.bin, e.agent2.args = argv[0], argv[1:]
 	return e.agent2.start()

@@ -3,6 +3,8 @@ package e2e
 import (
 	"context"
 	"fmt"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -29,10 +31,18 @@ func pendingVMI(name, mem string) *kubevirtv1.VirtualMachineInstance {
 		}}
 }
 
-// A hostDisk naming /etc/shadow is refused at admission, naming KubeVirt's
-// HostDisk gate, which the rendered KubeVirt CR does not turn on; nor does
-// that CR advertise gates of features nodevirt lacks.
-func TestHostDiskRefusedWithoutItsGate(t *testing.T) {
+// hostDiskGatePatch turns KubeVirt's HostDisk gate on through HCO's
+// KubeVirt JSON-patch annotation, as upstream documents it.
+const hostDiskGatePatch = `[{"op":"add","path":"/spec/configuration/developerConfiguration/featureGates/-","value":"HostDisk"}]`
+
+// The KubeVirt CR advertises only gates nodevirt implements (the suite adds
+// HostDisk, as an administrator would). With HostDisk on, the node agent
+// still opens hostDisks only under its --host-disk-root, never following a
+// symlink: /etc/shadow, a path climbing out of the root and a symlink
+// planted in the root fail their VMI with the reason, and no domain is made.
+// (Without the gate, admission refuses hostDisks: package admission's
+// TestHostDiskNeedsTheFeatureGate, on a real API server.)
+func TestHostDiskConfinedOnTheNode(t *testing.T) {
 	t.Parallel()
 	e := require(t)
 	n := e.namespace(t)
@@ -48,22 +58,35 @@ func TestHostDiskRefusedWithoutItsGate(t *testing.T) {
 			t.Errorf("the KubeVirt CR advertises %s, which nodevirt does not implement (gates %v)", g, gates)
 		}
 	}
-
-	vmi := pendingVMI("shadow", "64Mi")
-	vmi.Namespace = n.name
-	vmi.Spec.Domain.Devices.Disks = []kubevirtv1.Disk{{Name: "host"}}
-	vmi.Spec.Volumes = []kubevirtv1.Volume{{Name: "host", VolumeSource: kubevirtv1.VolumeSource{
-		HostDisk: &kubevirtv1.HostDisk{Path: "/etc/shadow", Type: kubevirtv1.HostDiskExists}}}}
-	if _, err := e.virt.VMIs.Create(ctx, vmi.DeepCopy()); err == nil || !strings.Contains(err.Error(), "HostDisk feature gate is not enabled") {
-		t.Errorf("hostDisk vmi: %v", err)
+	if !featuregate.KubeVirtEnabled(kv, featuregate.HostDisk) {
+		t.Fatalf("the suite's HostDisk gate is not on the KubeVirt CR: %v", gates)
 	}
-	halted := kubevirtv1.RunStrategyHalted
-	vm := &kubevirtv1.VirtualMachine{ObjectMeta: metav1.ObjectMeta{Namespace: n.name, Name: "shadow"},
-		Spec: kubevirtv1.VirtualMachineSpec{RunStrategy: &halted,
-			Template: &kubevirtv1.VirtualMachineInstanceTemplateSpec{Spec: vmi.Spec}}}
-	if _, err := e.virt.VMs.Create(ctx, vm); err == nil ||
-		!strings.Contains(err.Error(), "spec.template.spec.volumes[0]: Forbidden: HostDisk feature gate is not enabled") {
-		t.Errorf("hostDisk vm: %v", err)
+
+	root := e.path("disks")
+	planted := filepath.Join(root, n.name, "planted.raw")
+	if err := os.MkdirAll(filepath.Dir(planted), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink("/etc/shadow", planted); err != nil {
+		t.Fatal(err)
+	}
+	for name, c := range map[string]struct{ path, want string }{
+		"shadow":  {"/etc/shadow", "outside the node's host disk root"},
+		"climb":   {root + "/../../../etc/shadow", "outside the node's host disk root"},
+		"planted": {planted, "symlink"},
+	} {
+		vmi := &kubevirtv1.VirtualMachineInstance{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: n.name},
+			Spec: vmiSpec(c.path)}
+		n.createVMI(vmi)
+		got := n.waitVMI(name, 60*time.Second, "Failed", func(v *kubevirtv1.VirtualMachineInstance) bool {
+			return v.Status.Phase == kubevirtv1.Failed
+		})
+		if !strings.Contains(vmiConditions(got), c.want) {
+			t.Errorf("%s (%s): conditions %s, want one saying %q", name, c.path, vmiConditions(got), c.want)
+		}
+		if out, err := virsh("dominfo", n.name+"_"+name); err == nil {
+			t.Errorf("%s: a domain exists: %s", name, out)
+		}
 	}
 }
 
