@@ -205,8 +205,9 @@ func step(w io.Writer, what string) { fmt.Fprintf(w, "==> %s\n", what) }
 
 // TestServerNetworks is what the lab lets imports reach although nodes
 // forbid it by default: loopback, where the demo's image server and the
-// tests' servers and registries listen.
-const TestServerNetworks = "127.0.0.0/8,::1"
+// tests' servers and registries listen on one node, and the underlay
+// gateway, where nodes in namespaces of their own reach them.
+var TestServerNetworks = "127.0.0.0/8,::1," + UnderlayGateway
 
 // EnsureHCO creates the namespace and the HyperConverged (asking for
 // emulation when told), retrying while a brain that just started
