@@ -94,7 +94,10 @@ type Config struct {
 	// (default) stops its guests, fencing.ModeNone nothing.
 	SelfFence     string
 	FencingWindow time.Duration
-	Log           *slog.Logger
+	// Heartbeat is how often the Lease and Ready condition are renewed
+	// (10 s when zero); the fencing window must span at least two.
+	Heartbeat time.Duration
+	Log       *slog.Logger
 }
 
 func (c *Config) defaults() {
@@ -143,6 +146,9 @@ func (c *Config) defaults() {
 	if c.FencingWindow == 0 {
 		c.FencingWindow = fencing.DefaultWindow
 	}
+	if c.Heartbeat == 0 {
+		c.Heartbeat = 10 * time.Second
+	}
 	if c.CertDir == "" {
 		c.CertDir = filepath.Join(c.StateDir, "pki")
 	}
@@ -172,8 +178,11 @@ func (c *Config) validate() error {
 	if c.SelfFence != fencing.ModeStop && c.SelfFence != fencing.ModeNone {
 		return fmt.Errorf("self-fence must be %s or %s, not %q", fencing.ModeStop, fencing.ModeNone, c.SelfFence)
 	}
-	if c.FencingWindow < 5*time.Second {
-		return fmt.Errorf("fencing window %s: at least 5s", c.FencingWindow)
+	if c.Heartbeat < time.Second {
+		return fmt.Errorf("heartbeat %s: at least 1s", c.Heartbeat)
+	}
+	if c.FencingWindow < 2*c.Heartbeat {
+		return fmt.Errorf("fencing window %s: at least two heartbeats (%s)", c.FencingWindow, 2*c.Heartbeat)
 	}
 	return nil
 }
@@ -252,7 +261,7 @@ func New(cfg Config) (*Agent, error) {
 	if cfg.Emulation == EmulationOff && emulation {
 		return nil, fmt.Errorf("kvm required but unusable: %s", reason)
 	}
-	reg, err := node.New(node.Config{Name: cfg.NodeName, InternalIP: cfg.NodeIP, Emulation: emulation, Reason: reason, Log: cfg.Log,
+	reg, err := node.New(node.Config{Name: cfg.NodeName, InternalIP: cfg.NodeIP, Heartbeat: cfg.Heartbeat, Emulation: emulation, Reason: reason, Log: cfg.Log,
 		// Volumes' node affinity uses the CSI topology key, which kubelet
 		// would publish from NodeGetInfo; without a kubelet the agent does.
 		Labels:         map[string]string{csi.TopologyKey: cfg.NodeName},

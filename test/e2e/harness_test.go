@@ -230,7 +230,7 @@ func (e *env) startDaemons() error {
 		"--metrics-addr=127.0.0.1:0", "--cli-download-addr=127.0.0.1:0"}
 	e.brain = newDaemon(e, "clusterbrain", brainArgs...)
 	agentDir := e.path("nodeagent")
-	agentArgs := []string{"--kubeconfig=" + agentKC, "--node-name=" + e.nodeName, "--fencing-window=" + fencingWindow.String(),
+	agentArgs := []string{"--kubeconfig=" + agentKC, "--node-name=" + e.nodeName, "--fencing-window=" + fencingWindow.String(), "--heartbeat=" + heartbeat.String(),
 		"--state-dir=" + agentDir, "--emulation=on", "--health-addr=" + freeAddr(),
 		"--csi-socket=" + filepath.Join(agentDir, "csi", "csi.sock"),
 		"--pools=" + poolName() + "=" + e.path("pools", poolName()), "--host-disk-root=" + e.path("disks")}

@@ -34,7 +34,12 @@ import (
 
 // fencingWindow is the suite's (package fencing): short, so that a lost
 // node's VMs move within a test's patience.
-const fencingWindow = 10 * time.Second
+// The agents renew every 2 s: a loaded machine delays a renewal by
+// seconds, and the window must outlast a few of them.
+const (
+	fencingWindow = 10 * time.Second
+	heartbeat     = 2 * time.Second
+)
 
 // secondNodeTaint keeps the tests that do not ask for the second node off
 // it: they look at their domains in the host's libvirtd.
@@ -98,7 +103,7 @@ func (e *env) startAgent2() error {
 	kc := filepath.Join(n.Dir, "nodeagent.kubeconfig")
 	dir := n.AgentDir()
 	argv := lab.EnterCommand(n, filepath.Join(e.bin, "nodeagent"), "--kubeconfig="+kc, "--node-name="+n.Name,
-		"--fencing-window="+fencingWindow.String(),
+		"--fencing-window="+fencingWindow.String(), "--heartbeat="+heartbeat.String(),
 		"--node-ip="+n.IP, "--pod-cidr="+n.PodCIDR, "--state-dir="+dir, "--emulation=on",
 		"--csi-socket="+filepath.Join(dir, "csi", "csi.sock"),
 		"--pools="+poolName()+"="+filepath.Join(n.Dir, "pools", poolName()),
@@ -288,7 +293,7 @@ func TestNodePowerLoss(t *testing.T) {
 	}
 	t.Logf("power loss to running on %s: %s (fencing window %s + margin %s)", e.nodeName, moved.Round(100*time.Millisecond),
 		fencingWindow, 10*time.Second)
-	if bound := fencingWindow + 10*time.Second + 10*time.Second /* heartbeat */ + 60*time.Second; moved > bound {
+	if bound := fencingWindow + 10*time.Second /* margin */ + heartbeat + 60*time.Second; moved > bound {
 		t.Errorf("the VM took %s to run again, more than %s", moved.Round(time.Second), bound)
 	}
 	events, err := e.kube.CoreV1().Events(n.name).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=mover"})
@@ -331,5 +336,84 @@ func TestNodePowerLoss(t *testing.T) {
 		return nodeReady(node) && !slices.ContainsFunc(node.Spec.Taints, func(t corev1.Taint) bool {
 			return t.Key == corev1.TaintNodeUnreachable
 		}), fmt.Sprint(node.Spec.Taints)
+	})
+}
+
+// TestNodePartition: the second node's links are cut while it runs a VM.
+// Cut off from the API server and from its peers, its agent stops the guest
+// by itself after the fencing window, before the brain starts the VM on the
+// first node; when the links come back the node removes the stale domain.
+// At no moment do both nodes run the guest. Not parallel: it takes the
+// second node away.
+func TestNodePartition(t *testing.T) {
+	e := require(t)
+	if e.node2Err != nil {
+		t.Fatalf("second node: %v", e.node2Err)
+	}
+	node2 := e.node2()
+	n := e.namespace(t)
+	ctx := context.Background()
+	n.eventually(2*time.Minute, "node "+node2.Name+" Ready", func() (bool, string) {
+		node, err := e.kube.CoreV1().Nodes().Get(ctx, node2.Name, metav1.GetOptions{})
+		return err == nil && nodeReady(node), fmt.Sprint("not Ready ", err)
+	})
+	cordon := func(on bool) {
+		patch := fmt.Sprintf(`{"spec":{"unschedulable":%v}}`, on)
+		if _, err := e.kube.CoreV1().Nodes().Patch(ctx, e.nodeName, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+			t.Fatalf("cordon %s: %v", e.nodeName, err)
+		}
+	}
+	cordon(true)
+	n.createVM(n.newVM("cut", kubevirtv1.RunStrategyAlways, onSecondNodeToo()))
+	first := n.waitVMIOfVM("cut", 2*time.Minute)
+	cordon(false)
+	if first.Status.NodeName != node2.Name {
+		t.Fatalf("vmi cut runs on %s, want %s (the first node was cordoned)", first.Status.NodeName, node2.Name)
+	}
+	n.serialOn(node2, "cut").expect(`NODEVIRT-GUEST-READY`, bootTimeout)
+
+	under := node2.UnderlayLink()
+	if out, err := exec.Command("ip", "link", "set", under, "down").CombinedOutput(); err != nil {
+		t.Fatalf("cut %s: %v %s", under, err, out)
+	}
+	restored := false
+	restore := func() {
+		if !restored {
+			restored = true
+			_ = exec.Command("ip", "link", "set", under, "up").Run()
+		}
+	}
+	defer restore()
+	cut := time.Now()
+	dom := domainName(n.name, "cut")
+	var stoppedAt, movedAt time.Duration
+	n.eventually(3*time.Minute, "vm cut running on "+e.nodeName+" after the partition", func() (bool, string) {
+		on2, _ := nodeVirsh(node2, "domstate", dom)
+		running2 := strings.HasPrefix(strings.TrimSpace(on2), "running")
+		if !running2 && stoppedAt == 0 {
+			stoppedAt = time.Since(cut)
+		}
+		running1 := domainState(n.name, "cut") == "running"
+		if running1 && running2 {
+			t.Errorf("both nodes run the guest %s at +%s", dom, time.Since(cut).Round(100*time.Millisecond))
+		}
+		if running1 && movedAt == 0 {
+			movedAt = time.Since(cut)
+		}
+		return running1, fmt.Sprintf("node2 %q, first node %q", strings.TrimSpace(on2), domainState(n.name, "cut"))
+	})
+	t.Logf("partition: guest stopped on %s at +%s, running on %s at +%s (window %s)", node2.Name,
+		stoppedAt.Round(100*time.Millisecond), e.nodeName, movedAt.Round(100*time.Millisecond), fencingWindow)
+	if stoppedAt == 0 || stoppedAt > movedAt {
+		t.Errorf("the cut-off node did not stop its guest before the VM ran elsewhere")
+	}
+
+	restore()
+	n.eventually(2*time.Minute, "stale domain "+dom+" removed from "+node2.Name+" after the partition", func() (bool, string) {
+		if st, _ := nodeVirsh(node2, "domstate", dom); strings.HasPrefix(strings.TrimSpace(st), "running") {
+			t.Errorf("the node back from the partition runs %s again", dom)
+		}
+		out, err := nodeVirsh(node2, "list", "--all", "--name")
+		return err == nil && !strings.Contains(out, dom), strings.TrimSpace(out)
 	})
 }

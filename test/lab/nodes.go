@@ -111,6 +111,10 @@ type Node struct {
 // Netns is the node's named network namespace.
 func (n Node) Netns() string { return n.Fabric.NetnsPrefix + n.Name }
 
+// UnderlayLink is the host-side end of the node's underlay veth: down, the
+// node is cut off from the API server and the other nodes (a partition).
+func (n Node) UnderlayLink() string { under, _ := n.links(); return under }
+
 // links are the host-side ends of the node's underlay and switch veths.
 func (n Node) links() (under, sw string) {
 	return fmt.Sprintf("%su%d", n.Fabric.Prefix, n.Index), fmt.Sprintf("%ss%d", n.Fabric.Prefix, n.Index)

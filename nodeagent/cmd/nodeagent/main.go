@@ -45,6 +45,7 @@ func main() {
 	flag.StringVar(&cfg.PodCIDR, "pod-cidr", "10.244.0.0/24", "IPv4 subnet of the node's pod network for masquerade interfaces (- for none)")
 	flag.StringVar(&cfg.SelfFence, "self-fence", "stop", "when the lease cannot be renewed for longer than the fencing window and no peer answers: stop (the guests) or none")
 	flag.DurationVar(&cfg.FencingWindow, "fencing-window", 30*time.Second, "how long without a lease renewal before self-fencing (the brain's --fencing-window must not be shorter)")
+	flag.DurationVar(&cfg.Heartbeat, "heartbeat", 10*time.Second, "how often the node's Lease and Ready condition are renewed")
 	flag.StringVar(&cfg.PodBridge, "pod-bridge", "nodevirt0", "bridge of the node's pod network")
 	flag.IntVar(&gcPercent, "gc-percent", 50, "Go GC target: heap growth in percent of the live heap before a collection (GOGC, which wins when set)")
 	flag.StringVar(&memoryLimit, "memory-limit", "0", "soft limit of the Go runtime's memory, e.g. 64Mi (GOMEMLIMIT, which wins when set); 0 for none")
