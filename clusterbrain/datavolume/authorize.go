@@ -15,6 +15,7 @@ import (
 	authnv1 "k8s.io/api/authentication/v1"
 	authzv1 "k8s.io/api/authorization/v1"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	kubevirtv1 "kubevirt.io/api/core/v1"
@@ -75,6 +76,12 @@ func (p cdiProxy) GetDataSource(ns, name string) (*cdiv1.DataSource, error) {
 func (a *authorizer) authorize(ctx context.Context, dv *cdiv1.DataVolume, user authnv1.UserInfo) (source string, denied string, err error) {
 	resp, err := dv.AuthorizeUser(dv.Namespace, dv.Name, cdiProxy{ctx: ctx, a: a}, user)
 	if errors.Is(err, cdiv1.ErrNoTokenOkay) {
+		return "", "", nil
+	}
+	if apierrors.IsNotFound(err) {
+		// A DataSource (or source namespace) that does not exist yet: the
+		// DataVolume is admitted unstamped and waits; the controller then
+		// clones only from its own namespace (checkAuthorized).
 		return "", "", nil
 	}
 	if err != nil {

@@ -98,6 +98,8 @@ func TestCrossNamespaceCloneFollowsCDIsRule(t *testing.T) {
 		t.Fatal(err)
 	}
 	golden := immediateDV(src.name, "golden", &cdiv1.DataVolumeSource{HTTP: &cdiv1.DataVolumeSourceHTTP{URL: serveFile(t, image)}})
+	// On the suite's own node: the image is served on this host's loopback.
+	golden.Annotations["volume.kubernetes.io/selected-node"] = e.nodeName
 	if _, err := e.virt.DataVolumes.Create(ctx, golden); err != nil {
 		t.Fatal(err)
 	}
@@ -126,6 +128,16 @@ func TestCrossNamespaceCloneFollowsCDIsRule(t *testing.T) {
 	forged.Annotations[datavolume.AnnAuthorizedSource] = "pvc/" + src.name + "/golden"
 	if _, err := as.DataVolumes.Create(ctx, forged); err == nil {
 		t.Fatal("a forged authorization stamp was admitted")
+	}
+
+	// A DataSource that does not exist yet: admitted unstamped (it waits,
+	// and can then only clone from its own namespace).
+	waiting := immediateDV(dst.name, "later", nil)
+	waiting.Spec.SourceRef = &cdiv1.DataVolumeSourceRef{Kind: cdiv1.DataVolumeDataSource, Name: "not-yet", Namespace: &src.name}
+	if got, err := as.DataVolumes.Create(ctx, waiting); err != nil {
+		t.Errorf("datavolume from a datasource not there yet: %v", err)
+	} else if _, stamped := got.Annotations[datavolume.AnnAuthorizedSource]; stamped {
+		t.Errorf("datavolume from a missing datasource was stamped %q", got.Annotations[datavolume.AnnAuthorizedSource])
 	}
 
 	// With create on datavolumes/source there: admitted, stamped, cloned.
@@ -178,6 +190,7 @@ func TestAnotherNodesCredentials(t *testing.T) {
 	}
 	// A claim the suite's node filled.
 	dv := immediateDV(n.name, "placed", &cdiv1.DataVolumeSource{Blank: &cdiv1.DataVolumeBlankImage{}})
+	dv.Annotations["volume.kubernetes.io/selected-node"] = e.nodeName
 	if _, err := e.virt.DataVolumes.Create(ctx, dv); err != nil {
 		t.Fatal(err)
 	}
