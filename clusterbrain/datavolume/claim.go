@@ -387,7 +387,14 @@ func usableNode(n *corev1.Node, needUpload bool) bool {
 		return false
 	}
 	for _, cond := range n.Status.Conditions {
-		if cond.Type == corev1.NodeReady && cond.Status == corev1.ConditionFalse {
+		if cond.Type == corev1.NodeReady && cond.Status != corev1.ConditionTrue {
+			return false
+		}
+	}
+	// A tainted node takes no importer pod in CDI (the pod tolerates
+	// nothing), so it takes no immediately placed volume here either.
+	for _, taint := range n.Spec.Taints {
+		if taint.Effect == corev1.TaintEffectNoSchedule || taint.Effect == corev1.TaintEffectNoExecute {
 			return false
 		}
 	}
