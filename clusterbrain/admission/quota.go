@@ -136,8 +136,12 @@ func (q *quota) mutate(ctx context.Context, req *admissionv1.AdmissionRequest) *
 // their min and max, as the LimitRanger does for a container. It reports
 // whether it changed spec.
 func ApplyLimitRanges(spec *kubevirtv1.VirtualMachineInstanceSpec, ranges []*corev1.LimitRange) (bool, error) {
+	if len(ranges) == 0 {
+		return false, nil
+	}
 	res := &spec.Domain.Resources
 	changed := false
+	filled := map[corev1.ResourceName]bool{}
 	fill := func(list *corev1.ResourceList, from corev1.ResourceList) {
 		for _, r := range []corev1.ResourceName{corev1.ResourceCPU, corev1.ResourceMemory} {
 			v, ok := from[r]
@@ -151,7 +155,7 @@ func ApplyLimitRanges(spec *kubevirtv1.VirtualMachineInstanceSpec, ranges []*cor
 				*list = corev1.ResourceList{}
 			}
 			(*list)[r] = v.DeepCopy()
-			changed = true
+			changed, filled[r] = true, true
 		}
 	}
 	for _, lr := range ranges {
@@ -167,8 +171,10 @@ func ApplyLimitRanges(spec *kubevirtv1.VirtualMachineInstanceSpec, ranges []*cor
 	for _, r := range []corev1.ResourceName{corev1.ResourceCPU, corev1.ResourceMemory} {
 		req, hasReq := res.Requests[r]
 		lim, hasLim := res.Limits[r]
-		if hasReq && hasLim && req.Cmp(lim) > 0 {
-			problems = append(problems, fmt.Sprintf("%s request %s is greater than its limit %s", r, req.String(), lim.String()))
+		// A request above its limit that the user wrote is the validating
+		// webhook's to name; one the defaults made is refused here.
+		if filled[r] && hasReq && hasLim && req.Cmp(lim) > 0 {
+			problems = append(problems, fmt.Sprintf("%s request %s is greater than its limit %s (the LimitRange's default)", r, req.String(), lim.String()))
 		}
 		for _, lr := range ranges {
 			for _, it := range lr.Spec.Limits {
