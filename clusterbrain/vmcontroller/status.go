@@ -146,8 +146,12 @@ func (c *Controller) writeStatus(ctx context.Context, st *state) error {
 		s.Conditions = removeCondition(s.Conditions, kubevirtv1.VirtualMachinePaused)
 	}
 	if st.failure != nil {
+		reason := st.failureReason
+		if reason == "" {
+			reason = "FailedCreate"
+		}
 		s.Conditions = setCondition(s.Conditions, kubevirtv1.VirtualMachineCondition{Type: kubevirtv1.VirtualMachineFailure,
-			Status: corev1.ConditionTrue, Reason: "FailedCreate", Message: st.failure.Error(), LastTransitionTime: now})
+			Status: corev1.ConditionTrue, Reason: reason, Message: st.failure.Error(), LastTransitionTime: now})
 	} else if st.dvFailed != "" {
 		s.Conditions = setCondition(s.Conditions, kubevirtv1.VirtualMachineCondition{Type: kubevirtv1.VirtualMachineFailure,
 			Status: corev1.ConditionTrue, Reason: "DataVolumeError", Message: st.dvFailed, LastTransitionTime: now})
