@@ -29,16 +29,25 @@ deps:
 # grpcnotrace drops gRPC's golang.org/x/net/trace (and with it html/template,
 # whose reflection keeps every method of every type in the binary);
 # libvirt_without_lxc leaves libvirt-lxc.so unlinked (the agent drives QEMU).
-NODEAGENT_BUILDFLAGS := -trimpath -tags grpcnotrace,libvirt_without_lxc -ldflags='-s -w'
+NODEAGENT_BUILDFLAGS := -trimpath -tags grpcnotrace,libvirt_without_lxc
+
+# Every binary's --version (package buildinfo): the toolchain records no
+# revision in a git worktree, so the build target stamps it.
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null)
+BUILD_REVISION := $(shell git rev-parse HEAD 2>/dev/null)
+BUILD_TIME := $(shell git log -1 --format=%cI 2>/dev/null)
+STAMP := -X github.com/nodevirt/nodevirt/buildinfo.version=$(VERSION) \
+	-X github.com/nodevirt/nodevirt/buildinfo.revision=$(BUILD_REVISION) \
+	-X github.com/nodevirt/nodevirt/buildinfo.buildTime=$(BUILD_TIME)
 
 build: deps
 	@mkdir -p $(BIN)
-	$(GO) build $(NODEAGENT_BUILDFLAGS) -o $(BIN)/ ./nodeagent/cmd/nodeagent
-	$(GO) build -o $(BIN)/ ./clusterbrain/cmd/... ./test/cmd/nodevirt-lab
-	CGO_ENABLED=0 $(GO) build -o $(BIN)/ ./cni/cmd/cnv-bridge
+	$(GO) build $(NODEAGENT_BUILDFLAGS) -ldflags='-s -w $(STAMP)' -o $(BIN)/ ./nodeagent/cmd/nodeagent
+	$(GO) build -ldflags='$(STAMP)' -o $(BIN)/ ./clusterbrain/cmd/... ./test/cmd/nodevirt-lab
+	CGO_ENABLED=0 $(GO) build -ldflags='$(STAMP)' -o $(BIN)/ ./cni/cmd/cnv-bridge
 	@ln -sf cnv-bridge $(BIN)/nodevirt-bridge
 	@mkdir -p $(BIN)/dist && [ -e $(BIN)/dist/virtctl-linux-amd64 ] || ln -sf ../virtctl $(BIN)/dist/virtctl-linux-amd64
-	@if [ -d csi/cmd/hostpath-csi-driver ]; then $(GO) build -o $(BIN)/ ./csi/cmd/hostpath-csi-driver; fi
+	@if [ -d csi/cmd/hostpath-csi-driver ]; then $(GO) build -ldflags='$(STAMP)' -o $(BIN)/ ./csi/cmd/hostpath-csi-driver; fi
 
 # install puts the daemons on PATH, the CNI plugin where runtimes look for it
 # (as cnv-bridge and nodevirt-bridge), and the systemd deployment in place

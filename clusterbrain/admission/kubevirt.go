@@ -2,8 +2,11 @@ package admission
 
 import (
 	"context"
+	"fmt"
+	"strings"
 	"time"
 
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/client-go/tools/cache"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
@@ -79,4 +82,28 @@ func (c *clusterConfig) cpuAllocationRatio(ctx context.Context) int {
 		}
 	}
 	return defaultCPUAllocationRatio
+}
+
+// instancetypeMissing reports whether the instance type m names does not
+// exist (yet). Without a client the type is taken to exist.
+func (c *clusterConfig) instancetypeMissing(ctx context.Context, ns string, m *kubevirtv1.InstancetypeMatcher) (bool, error) {
+	if c == nil || c.virt == nil {
+		return false, nil
+	}
+	var err error
+	switch strings.ToLower(m.Kind) {
+	case "", "virtualmachineclusterinstancetype":
+		_, err = c.virt.ClusterInstancetypes.Get(ctx, "", m.Name)
+	case "virtualmachineinstancetype":
+		_, err = c.virt.Instancetypes.Get(ctx, ns, m.Name)
+	default:
+		return false, nil // validateMatcher names the kind
+	}
+	if apierrors.IsNotFound(err) {
+		return true, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("instancetype %s: %w", m.Name, err)
+	}
+	return false, nil
 }

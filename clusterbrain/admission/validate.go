@@ -61,6 +61,17 @@ func (k *kubevirtWebhooks) admitVM(ctx context.Context, req *admissionv1.Admissi
 		return Allow()
 	}
 	errs := ValidateVM(&vm)
+	if vm.Spec.Instancetype != nil && vm.Spec.Template != nil {
+		missing, err := k.cfg.instancetypeMissing(ctx, vm.Namespace, vm.Spec.Instancetype)
+		if err != nil {
+			return Denyf("look up instance type: %v", err)
+		}
+		// As KubeVirt: a VM naming an instance type not created yet is
+		// admitted, and the VM controller reports the missing type on the VM.
+		if !missing {
+			errs = append(errs, instancetypeConflicts(field.NewPath("spec", "template", "spec", "domain"), &vm.Spec.Template.Spec.Domain)...)
+		}
+	}
 	if t := vm.Spec.Template; t != nil {
 		errs = append(errs, ValidateFeatureGates(field.NewPath("spec", "template", "spec"), &t.Spec, k.cfg.gates(ctx))...)
 		// The VM controller copies the template's labels to the VMI it
@@ -97,7 +108,8 @@ var runStrategies = map[kubevirtv1.VirtualMachineRunStrategy]bool{
 }
 
 // ValidateVM checks a VirtualMachine as KubeVirt's validator does, naming
-// each offending field.
+// each offending field. What conflicts with an instance type is checked
+// only once the type exists (admitVM).
 func ValidateVM(vm *kubevirtv1.VirtualMachine) field.ErrorList {
 	var errs field.ErrorList
 	spec := field.NewPath("spec")
@@ -114,7 +126,6 @@ func ValidateVM(vm *kubevirtv1.VirtualMachine) field.ErrorList {
 	errs = append(errs, ValidateVMISpec(spec.Child("template", "spec"), &vm.Spec.Template.Spec, withType)...)
 	if it := vm.Spec.Instancetype; it != nil {
 		errs = append(errs, validateMatcher(spec.Child("instancetype"), it.Name, it.Kind, "virtualmachineinstancetype", "virtualmachineclusterinstancetype")...)
-		errs = append(errs, instancetypeConflicts(spec.Child("template", "spec", "domain"), &vm.Spec.Template.Spec.Domain)...)
 	}
 	if p := vm.Spec.Preference; p != nil {
 		errs = append(errs, validateMatcher(spec.Child("preference"), p.Name, p.Kind, "virtualmachinepreference", "virtualmachineclusterpreference")...)

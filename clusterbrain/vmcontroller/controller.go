@@ -112,6 +112,10 @@ type creation struct {
 // before the controller looks again without it.
 const creationWait = 30 * time.Second
 
+// missingRefRetry is how often a VM naming a missing instance type or
+// preference looks for it again (the controller does not watch them).
+const missingRefRetry = 5 * time.Second
+
 // New builds the controller.
 func New(cfg Config) (*Controller, error) {
 	if cfg.RestConfig != nil {
@@ -291,6 +295,13 @@ func (c *Controller) Sync(ctx context.Context, key string) (time.Duration, error
 		return 0, nil
 	}
 	if changed, err := c.ensureRevisions(ctx, vm); err != nil {
+		var m missingRef
+		if errors.As(err, &m) {
+			// As KubeVirt: the VM stays stopped with the reason on its
+			// Failure condition, and starts once the type is created.
+			st.failure, st.failureReason = err, m.reason
+			return missingRefRetry, c.writeStatus(ctx, st)
+		}
 		st.failure = fmt.Errorf("failed to store instance type or preference: %w", err)
 		return 0, errors.Join(err, c.writeStatus(ctx, st))
 	} else if changed {
@@ -346,7 +357,9 @@ type state struct {
 	created    bool // a VMI was created in this sync
 	deleted    bool // the VMI was deleted in this sync
 	failure    error
-	popped     int // state-change requests handled
+	// failureReason is the Failure condition's reason (default FailedCreate).
+	failureReason string
+	popped        int // state-change requests handled
 }
 
 func runStrategy(vm *kubevirtv1.VirtualMachine) kubevirtv1.VirtualMachineRunStrategy {

@@ -76,6 +76,24 @@ func (c *Controller) fetchPreference(ctx context.Context, ns string, m *kubevirt
 	return fetched{}, fmt.Errorf("unknown preference kind %q", m.Kind)
 }
 
+// missingRef is an instance type or preference the VM names that does not
+// exist (yet); reason is KubeVirt's Failure condition reason for it.
+type missingRef struct {
+	reason string
+	err    error
+}
+
+func (m missingRef) Error() string { return m.err.Error() }
+func (m missingRef) Unwrap() error { return m.err }
+
+// missing marks a not-found err with reason; other errors pass unchanged.
+func missing(reason string, err error) error {
+	if apierrors.IsNotFound(err) {
+		return missingRef{reason: reason, err: err}
+	}
+	return err
+}
+
 // storeRevision freezes f into a ControllerRevision owned by vm, named as
 // KubeVirt names it (<vm>-<object>-<uid>-<generation>), and returns its name.
 func (c *Controller) storeRevision(ctx context.Context, vm *kubevirtv1.VirtualMachine, f fetched) (string, error) {
@@ -107,7 +125,7 @@ func (c *Controller) ensureRevisions(ctx context.Context, vm *kubevirtv1.Virtual
 	if m := vm.Spec.Instancetype; m != nil && m.RevisionName == "" {
 		f, err := c.fetchInstancetype(ctx, vm.Namespace, m)
 		if err != nil {
-			return false, err
+			return false, missing("FailedFindInstancetype", err)
 		}
 		name, err := c.storeRevision(ctx, vm, f)
 		if err != nil {
@@ -118,7 +136,7 @@ func (c *Controller) ensureRevisions(ctx context.Context, vm *kubevirtv1.Virtual
 	if m := vm.Spec.Preference; m != nil && m.RevisionName == "" {
 		f, err := c.fetchPreference(ctx, vm.Namespace, m)
 		if err != nil {
-			return false, err
+			return false, missing("FailedFindPreference", err)
 		}
 		name, err := c.storeRevision(ctx, vm, f)
 		if err != nil {

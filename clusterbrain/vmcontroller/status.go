@@ -46,6 +46,9 @@ func (c *Controller) printableStatus(st *state) kubevirtv1.VirtualMachinePrintab
 	}
 	switch vmi.Status.Phase {
 	case "", kubevirtv1.Pending, kubevirtv1.Scheduling, kubevirtv1.Scheduled:
+		if s := pullFailure(vmi); s != "" {
+			return s
+		}
 		return kubevirtv1.VirtualMachineStatusStarting
 	case kubevirtv1.Running:
 		if condTrue(vmi, kubevirtv1.VirtualMachineInstancePaused) {
@@ -63,6 +66,22 @@ func (c *Controller) printableStatus(st *state) kubevirtv1.VirtualMachinePrintab
 		return kubevirtv1.VirtualMachineStatusStopped
 	}
 	return kubevirtv1.VirtualMachineStatusUnknown
+}
+
+// pullFailure is ErrImagePull or ImagePullBackOff when the node agent
+// reports a failed containerDisk pull on the VMI's Synchronized condition,
+// as KubeVirt shows a failed pull of the launcher pod's images.
+func pullFailure(vmi *kubevirtv1.VirtualMachineInstance) kubevirtv1.VirtualMachinePrintableStatus {
+	for _, c := range vmi.Status.Conditions {
+		if c.Type != kubevirtv1.VirtualMachineInstanceSynchronized || c.Status != corev1.ConditionFalse {
+			continue
+		}
+		switch s := kubevirtv1.VirtualMachinePrintableStatus(c.Reason); s {
+		case kubevirtv1.VirtualMachineStatusErrImagePull, kubevirtv1.VirtualMachineStatusImagePullBackOff:
+			return s
+		}
+	}
+	return ""
 }
 
 func condTrue(vmi *kubevirtv1.VirtualMachineInstance, t kubevirtv1.VirtualMachineInstanceConditionType) bool {
@@ -146,8 +165,12 @@ func (c *Controller) writeStatus(ctx context.Context, st *state) error {
 		s.Conditions = removeCondition(s.Conditions, kubevirtv1.VirtualMachinePaused)
 	}
 	if st.failure != nil {
+		reason := st.failureReason
+		if reason == "" {
+			reason = "FailedCreate"
+		}
 		s.Conditions = setCondition(s.Conditions, kubevirtv1.VirtualMachineCondition{Type: kubevirtv1.VirtualMachineFailure,
-			Status: corev1.ConditionTrue, Reason: "FailedCreate", Message: st.failure.Error(), LastTransitionTime: now})
+			Status: corev1.ConditionTrue, Reason: reason, Message: st.failure.Error(), LastTransitionTime: now})
 	} else if st.dvFailed != "" {
 		s.Conditions = setCondition(s.Conditions, kubevirtv1.VirtualMachineCondition{Type: kubevirtv1.VirtualMachineFailure,
 			Status: corev1.ConditionTrue, Reason: "DataVolumeError", Message: st.dvFailed, LastTransitionTime: now})

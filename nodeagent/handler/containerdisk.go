@@ -167,6 +167,20 @@ func pullReason(err error) string {
 	return ""
 }
 
+// pullEvent records a Warning Event on vmi naming the image and error
+// when err is a failed containerDisk pull, as kubelet does on a pod.
+func (h *Handler) pullEvent(vmi *v1.VirtualMachineInstance, err error) {
+	var pe *containerdisk.PullError
+	if !errors.As(err, &pe) {
+		return
+	}
+	if pe.Reason == containerdisk.ReasonImagePullBackOff {
+		h.recorder.Eventf(vmi, k8sv1.EventTypeWarning, pe.Reason, "Back-off pulling containerDisk image %q: %v", pe.Image, pe.Err)
+		return
+	}
+	h.recorder.Eventf(vmi, k8sv1.EventTypeWarning, pe.Reason, "Failed to pull containerDisk image %q: %v", pe.Image, pe.Err)
+}
+
 // pulling reports whether err only says that an image pull is under way
 // (its end queues the VMI again).
 func pulling(err error) bool { return errors.Is(err, containerdisk.ErrPulling) }

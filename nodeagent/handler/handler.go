@@ -45,9 +45,12 @@ import (
 	"sync"
 	"time"
 
+	k8sv1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/tools/cache"
+	eventrecord "k8s.io/client-go/tools/record"
 	"k8s.io/client-go/util/workqueue"
 	v1 "kubevirt.io/api/core/v1"
 
@@ -192,6 +195,10 @@ type Handler struct {
 	// cdisks is the containerDisk image cache, made on first use
 	// (containerdisk.go).
 	cdisks *containerdisk.Puller
+	// events and recorder put Kubernetes Events on VMIs (kubectl describe
+	// vmi), sent while Run runs.
+	events   eventrecord.EventBroadcaster
+	recorder eventrecord.EventRecorder
 }
 
 type agentPoll struct {
@@ -219,7 +226,9 @@ func New(cfg Config) (*Handler, error) {
 		ready:    make(chan struct{}),
 
 		agentPolled: map[string]agentPoll{},
+		events:      eventrecord.NewBroadcaster(),
 	}
+	h.recorder = h.events.NewRecorder(client.NewScheme(), k8sv1.EventSource{Component: "virt-handler", Host: cfg.NodeName})
 	h.vmis, h.ownVMIs = cfg.VMIs, cfg.VMIs == nil
 	if h.ownVMIs {
 		h.vmis = NodeVMIInformer(cfg.Virt, cfg.NodeName)
@@ -281,6 +290,8 @@ func (h *Handler) Run(ctx context.Context) error {
 		h.mu.Unlock()
 	}()
 
+	h.events.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: h.cfg.Kube.CoreV1().Events("")})
+	defer h.events.Shutdown()
 	h.queue = workqueue.NewTypedRateLimitingQueueWithConfig(
 		workqueue.NewTypedItemExponentialFailureRateLimiter[string](200*time.Millisecond, 30*time.Second),
 		workqueue.TypedRateLimitingQueueConfig[string]{Name: "virt-handler"})

@@ -198,6 +198,9 @@ func (h *Handler) syncFailed(ctx context.Context, vmi *v1.VirtualMachineInstance
 	out := vmi.DeepCopy()
 	setCondition(out, v1.VirtualMachineInstanceSynchronized, false, reason, err.Error())
 	_, werr := h.write(ctx, vmi, out)
+	if prev := conditionOf(vmi, v1.VirtualMachineInstanceSynchronized); prev == nil || prev.Reason != reason || prev.Message != err.Error() {
+		h.pullEvent(vmi, err)
+	}
 	return werr
 }
 

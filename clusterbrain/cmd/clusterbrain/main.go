@@ -10,6 +10,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/nodevirt/nodevirt/buildinfo"
 	"github.com/nodevirt/nodevirt/clusterbrain/brain"
 	"github.com/nodevirt/nodevirt/clusterbrain/daemon"
 	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
@@ -32,7 +33,12 @@ func main() {
 	flag.DurationVar(&cfg.LeaseDuration, "lease-duration", 0, "leader lease duration (default 10s)")
 	flag.DurationVar(&cfg.FencingWindow, "fencing-window", 0, "how long a node may miss its lease renewals before its agent stops its guests; its VMIs fail over after this plus a 10s margin (default 30s)")
 	installRoles := flag.Bool("install-roles", false, "install the daemons' cluster roles and bindings (run once with an administrator's kubeconfig), then exit")
+	showVersion := flag.Bool("version", false, buildinfo.FlagUsage)
 	flag.Parse()
+	if *showVersion {
+		fmt.Println(buildinfo.Line("clusterbrain"))
+		return
+	}
 	cfg.Log = slog.New(slog.NewTextHandler(os.Stderr, nil))
 	if *installRoles {
 		if err := installDaemonRoles(cfg.Kubeconfig); err != nil {

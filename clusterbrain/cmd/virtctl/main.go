@@ -4,14 +4,20 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"os/signal"
 	"syscall"
 
+	"github.com/nodevirt/nodevirt/buildinfo"
 	"github.com/nodevirt/nodevirt/clusterbrain/virtctl"
 )
 
 func main() {
+	if buildinfo.Requested(os.Args[1:]) {
+		fmt.Println(buildinfo.Line("virtctl"))
+		return
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
 	code := virtctl.Run(ctx, os.Args[1:], virtctl.IO{In: os.Stdin, Out: os.Stdout, Err: os.Stderr})
 	stop()

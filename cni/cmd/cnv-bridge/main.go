@@ -3,16 +3,23 @@
 package main
 
 import (
+	"fmt"
 	"os"
 	"runtime"
 	"runtime/debug"
 
 	"github.com/containernetworking/cni/pkg/skel"
 
+	"github.com/nodevirt/nodevirt/buildinfo"
 	"github.com/nodevirt/nodevirt/cni/bridge"
 )
 
 func main() {
+	// CNI's own VERSION command comes in CNI_COMMAND, never in arguments.
+	if os.Getenv("CNI_COMMAND") == "" && buildinfo.Requested(os.Args[1:]) {
+		fmt.Println(buildinfo.Line("cnv-bridge"))
+		return
+	}
 	if bridge.IsUnregisterHelper() {
 		os.Exit(bridge.RunUnregisterHelper())
 	}

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"syscall"
 
+	"github.com/nodevirt/nodevirt/buildinfo"
 	"github.com/nodevirt/nodevirt/csi"
 )
 
@@ -43,10 +44,15 @@ func main() {
 	flag.Int64Var(&cfg.MaxVolumesPerNode, "max-volumes-per-node", 0, "volume limit reported to the CO (0: none)")
 	flag.StringVar(&cfg.DriverName, "driver-name", csi.DriverName, "CSI driver name")
 	flag.TextVar(&logLevel, "log-level", slog.LevelInfo, "log level (DEBUG logs every request)")
+	showVersion := flag.Bool("version", false, buildinfo.FlagUsage)
 	flag.Parse()
+	if *showVersion {
+		fmt.Println(buildinfo.Line("hostpath-csi-driver"))
+		return
+	}
 
 	cfg.Pools = pools
-	cfg.Version = version
+	cfg.Version = buildinfo.Read().Version
 	cfg.Logger = slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: logLevel}))
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
@@ -56,9 +62,6 @@ func main() {
 		os.Exit(1)
 	}
 }
-
-// version is set at link time (-ldflags -X main.version=...).
-var version = "dev"
 
 func run(ctx context.Context, cfg csi.Config) error {
 	d, err := csi.New(cfg)

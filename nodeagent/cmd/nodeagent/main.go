@@ -12,6 +12,7 @@ import (
 
 	"k8s.io/apimachinery/pkg/api/resource"
 
+	"github.com/nodevirt/nodevirt/buildinfo"
 	"github.com/nodevirt/nodevirt/clusterbrain/daemon"
 	"github.com/nodevirt/nodevirt/nodeagent/agent"
 	"github.com/nodevirt/nodevirt/nodeagent/hostdisk"
@@ -50,7 +51,12 @@ func main() {
 	flag.IntVar(&gcPercent, "gc-percent", 50, "Go GC target: heap growth in percent of the live heap before a collection (GOGC, which wins when set)")
 	flag.StringVar(&memoryLimit, "memory-limit", "0", "soft limit of the Go runtime's memory, e.g. 64Mi (GOMEMLIMIT, which wins when set); 0 for none")
 	flag.BoolVar(&teardownPodnet, "teardown-podnet", false, "remove the pod network (bridge, taps, nftables tables, state) and exit; for uninstalling")
+	showVersion := flag.Bool("version", false, buildinfo.FlagUsage)
 	flag.Parse()
+	if *showVersion {
+		fmt.Println(buildinfo.Line("nodeagent"))
+		return
+	}
 	if err := tuneGC(gcPercent, memoryLimit); err != nil {
 		fmt.Fprintln(os.Stderr, "nodeagent:", err)
 		os.Exit(2)

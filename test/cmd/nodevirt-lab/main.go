@@ -13,12 +13,17 @@ import (
 	"os/signal"
 	"syscall"
 
+	"github.com/nodevirt/nodevirt/buildinfo"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 	"github.com/nodevirt/nodevirt/test/lab"
 	"github.com/nodevirt/nodevirt/test/upstreamvirtctl"
 )
 
 func main() {
+	if buildinfo.Requested(os.Args[1:]) {
+		fmt.Println(buildinfo.Line("nodevirt-lab"))
+		return
+	}
 	if len(os.Args) < 2 {
 		fmt.Fprintln(os.Stderr, "usage: nodevirt-lab up|down|demo|exec|build-controlplane|build-upstream-virtctl [flags]\n"+
 			"       nodevirt-lab exec [--dir DIR] NODE -- CMD ARGS...   (runs a command inside a lab node)\n"+
