@@ -36,9 +36,9 @@ NODEAGENT_BUILDFLAGS := -trimpath -tags grpcnotrace,libvirt_without_lxc
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null)
 BUILD_REVISION := $(shell git rev-parse HEAD 2>/dev/null)
 BUILD_TIME := $(shell git log -1 --format=%cI 2>/dev/null)
-STAMP := -X github.com/nodevirt/nodevirt/buildinfo.version=$(VERSION) \
-	-X github.com/nodevirt/nodevirt/buildinfo.revision=$(BUILD_REVISION) \
-	-X github.com/nodevirt/nodevirt/buildinfo.buildTime=$(BUILD_TIME)
+STAMP := -X github.com/nodevirt/nodevirt/clusterbrain/daemon/buildinfo.version=$(VERSION) \
+	-X github.com/nodevirt/nodevirt/clusterbrain/daemon/buildinfo.revision=$(BUILD_REVISION) \
+	-X github.com/nodevirt/nodevirt/clusterbrain/daemon/buildinfo.buildTime=$(BUILD_TIME)
 
 build: deps
 	@mkdir -p $(BIN)

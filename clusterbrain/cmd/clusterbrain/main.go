@@ -10,9 +10,9 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
-	"github.com/nodevirt/nodevirt/buildinfo"
 	"github.com/nodevirt/nodevirt/clusterbrain/brain"
 	"github.com/nodevirt/nodevirt/clusterbrain/daemon"
+	"github.com/nodevirt/nodevirt/clusterbrain/daemon/buildinfo"
 	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 )

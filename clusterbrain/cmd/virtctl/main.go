@@ -9,7 +9,7 @@ import (
 	"os/signal"
 	"syscall"
 
-	"github.com/nodevirt/nodevirt/buildinfo"
+	"github.com/nodevirt/nodevirt/clusterbrain/daemon/buildinfo"
 	"github.com/nodevirt/nodevirt/clusterbrain/virtctl"
 )
 

@@ -12,7 +12,7 @@ import (
 	"strings"
 	"syscall"
 
-	"github.com/nodevirt/nodevirt/buildinfo"
+	"github.com/nodevirt/nodevirt/clusterbrain/daemon/buildinfo"
 	"github.com/nodevirt/nodevirt/csi"
 )
 

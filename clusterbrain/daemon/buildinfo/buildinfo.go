@@ -15,7 +15,7 @@ import (
 	"strings"
 )
 
-// Set with -ldflags "-X github.com/nodevirt/nodevirt/buildinfo.version=…"
+// Set with -ldflags "-X github.com/nodevirt/nodevirt/clusterbrain/daemon/buildinfo.version=…"
 // (and .revision, .buildTime); empty means what the toolchain recorded.
 var (
 	version   string
