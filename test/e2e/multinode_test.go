@@ -262,25 +262,7 @@ func TestNodePowerLoss(t *testing.T) {
 	node2 := e.node2()
 	n := e.namespace(t)
 	ctx := context.Background()
-	n.eventually(90*time.Second, "node "+node2.Name+" Ready", func() (bool, string) {
-		node, err := e.kube.CoreV1().Nodes().Get(ctx, node2.Name, metav1.GetOptions{})
-		return err == nil && nodeReady(node), fmt.Sprint("not Ready ", err)
-	})
-	// Cordon the first node while the VM starts, so it lands on the second.
-	cordon := func(on bool) {
-		patch := fmt.Sprintf(`{"spec":{"unschedulable":%v}}`, on)
-		if _, err := e.kube.CoreV1().Nodes().Patch(ctx, e.nodeName, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
-			t.Fatalf("cordon %s: %v", e.nodeName, err)
-		}
-	}
-	cordon(true)
-	n.createVM(n.newVM("mover", kubevirtv1.RunStrategyAlways, onSecondNodeToo()))
-	first := n.waitVMIOfVM("mover", 2*time.Minute)
-	cordon(false)
-	if first.Status.NodeName != node2.Name {
-		t.Fatalf("vmi mover runs on %s, want %s (the first node was cordoned)", first.Status.NodeName, node2.Name)
-	}
-	n.serialOn(node2, "mover").expect(`NODEVIRT-GUEST-READY`, bootTimeout)
+	first := n.startOnSecondNode("mover")
 
 	off := time.Now()
 	if err := lab.PowerOff(node2); err != nil {
@@ -352,25 +334,7 @@ func TestNodePartition(t *testing.T) {
 	}
 	node2 := e.node2()
 	n := e.namespace(t)
-	ctx := context.Background()
-	n.eventually(2*time.Minute, "node "+node2.Name+" Ready", func() (bool, string) {
-		node, err := e.kube.CoreV1().Nodes().Get(ctx, node2.Name, metav1.GetOptions{})
-		return err == nil && nodeReady(node), fmt.Sprint("not Ready ", err)
-	})
-	cordon := func(on bool) {
-		patch := fmt.Sprintf(`{"spec":{"unschedulable":%v}}`, on)
-		if _, err := e.kube.CoreV1().Nodes().Patch(ctx, e.nodeName, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
-			t.Fatalf("cordon %s: %v", e.nodeName, err)
-		}
-	}
-	cordon(true)
-	n.createVM(n.newVM("cut", kubevirtv1.RunStrategyAlways, onSecondNodeToo()))
-	first := n.waitVMIOfVM("cut", 2*time.Minute)
-	cordon(false)
-	if first.Status.NodeName != node2.Name {
-		t.Fatalf("vmi cut runs on %s, want %s (the first node was cordoned)", first.Status.NodeName, node2.Name)
-	}
-	n.serialOn(node2, "cut").expect(`NODEVIRT-GUEST-READY`, bootTimeout)
+	n.startOnSecondNode("cut")
 
 	under := node2.UnderlayLink()
 	if out, err := exec.Command("ip", "link", "set", under, "down").CombinedOutput(); err != nil {
@@ -416,4 +380,30 @@ func TestNodePartition(t *testing.T) {
 		out, err := nodeVirsh(node2, "list", "--all", "--name")
 		return err == nil && !strings.Contains(out, dom), strings.TrimSpace(out)
 	})
+}
+
+// startOnSecondNode starts VM name on the suite's second node (the first one
+// cordoned meanwhile) and waits until its guest has booted there.
+func (n *testNS) startOnSecondNode(name string) *kubevirtv1.VirtualMachineInstance {
+	n.t.Helper()
+	e, node2, ctx := n.e, n.e.node2(), context.Background()
+	n.eventually(2*time.Minute, "node "+node2.Name+" Ready", func() (bool, string) {
+		node, err := e.kube.CoreV1().Nodes().Get(ctx, node2.Name, metav1.GetOptions{})
+		return err == nil && nodeReady(node), fmt.Sprint("not Ready ", err)
+	})
+	cordon := func(on bool) {
+		patch := fmt.Sprintf(`{"spec":{"unschedulable":%v}}`, on)
+		if _, err := e.kube.CoreV1().Nodes().Patch(ctx, e.nodeName, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+			n.t.Fatalf("cordon %s: %v", e.nodeName, err)
+		}
+	}
+	cordon(true)
+	n.createVM(n.newVM(name, kubevirtv1.RunStrategyAlways, onSecondNodeToo()))
+	vmi := n.waitVMIOfVM(name, 2*time.Minute)
+	cordon(false)
+	if vmi.Status.NodeName != node2.Name {
+		n.t.Fatalf("vmi %s runs on %s, want %s (the first node was cordoned)", name, vmi.Status.NodeName, node2.Name)
+	}
+	n.serialOn(node2, name).expect(`NODEVIRT-GUEST-READY`, bootTimeout)
+	return vmi
 }
