@@ -92,6 +92,35 @@ func (b *nftBatch) commit(what string) error {
 }
 
 // spoofObjects are the shared objects of the spoof-check table.
+// baseChain adds (or keeps) a table's hooked chain with an accept policy
+// and empties it, for the caller to fill again.
+func (b *nftBatch) baseChain(t *nftables.Table, name string, typ nftables.ChainType, hook *nftables.ChainHook, prio *nftables.ChainPriority) *nftables.Chain {
+	policy := nftables.ChainPolicyAccept
+	c := b.c.AddChain(&nftables.Chain{Table: t, Name: name, Type: typ, Hooknum: hook, Priority: prio, Policy: &policy})
+	b.c.FlushChain(c)
+	return c
+}
+
+// jumpTo sets set[key] to a jump to chain c.
+func (b *nftBatch) jumpTo(s *nftables.Set, key []byte, c *nftables.Chain) error {
+	return b.c.SetAddElements(s, []nftables.SetElement{{Key: key, VerdictData: &expr.Verdict{Kind: expr.VerdictJump, Chain: c.Name}}})
+}
+
+// dropJump removes set[key], whether or not it is there: the element is
+// added first, so that deleting it cannot fail in the same transaction.
+func (b *nftBatch) dropJump(s *nftables.Set, key []byte, c *nftables.Chain) error {
+	if err := b.jumpTo(s, key, c); err != nil {
+		return err
+	}
+	return b.c.SetDeleteElements(s, []nftables.SetElement{{Key: key}})
+}
+
+// dropChain removes chain c (added first, for the same reason).
+func (b *nftBatch) dropChain(c *nftables.Chain) {
+	b.c.FlushChain(c)
+	b.c.DelChain(c)
+}
+
 type spoofObjects struct {
 	table *nftables.Table
 	ports *nftables.Set
@@ -135,12 +164,7 @@ func addSpoofRules(port string, mac net.HardwareAddr, tag string) error {
 	if err := o.ensure(b); err != nil {
 		return err
 	}
-	policy := nftables.ChainPolicyAccept
-	base := b.c.AddChain(&nftables.Chain{
-		Table: o.table, Name: spoofBase, Type: nftables.ChainTypeFilter,
-		Hooknum: nftables.ChainHookPrerouting, Priority: nftables.ChainPriorityRaw, Policy: &policy,
-	})
-	b.c.FlushChain(base)
+	base := b.baseChain(o.table, spoofBase, nftables.ChainTypeFilter, nftables.ChainHookPrerouting, nftables.ChainPriorityRaw)
 	b.c.AddRule(&nftables.Rule{Table: o.table, Chain: base, Exprs: []expr.Any{
 		&expr.Meta{Key: expr.MetaKeyIIFNAME, Register: 1},
 		&expr.Lookup{SourceRegister: 1, SetName: spoofMap, SetID: o.ports.ID, DestRegister: 0, IsDestRegSet: true},
@@ -162,9 +186,7 @@ func addSpoofRules(port string, mac net.HardwareAddr, tag string) error {
 		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: []byte(mac)},
 		&expr.Verdict{Kind: expr.VerdictDrop},
 	}})
-	if err := b.c.SetAddElements(o.ports, []nftables.SetElement{{
-		Key: ifNameKey(port), VerdictData: &expr.Verdict{Kind: expr.VerdictJump, Chain: c.Name},
-	}}); err != nil {
+	if err := b.jumpTo(o.ports, ifNameKey(port), c); err != nil {
 		return fmt.Errorf("nftables element %s: %w", port, err)
 	}
 	return b.commit("add macspoofchk rules for " + port)
@@ -182,17 +204,10 @@ func delSpoofRules(port string) error {
 		return err
 	}
 	c := b.c.AddChain(o.chain(port))
-	key := ifNameKey(port)
-	if err := b.c.SetAddElements(o.ports, []nftables.SetElement{{
-		Key: key, VerdictData: &expr.Verdict{Kind: expr.VerdictJump, Chain: c.Name},
-	}}); err != nil {
+	if err := b.dropJump(o.ports, ifNameKey(port), c); err != nil {
 		return fmt.Errorf("nftables element %s: %w", port, err)
 	}
-	if err := b.c.SetDeleteElements(o.ports, []nftables.SetElement{{Key: key}}); err != nil {
-		return fmt.Errorf("nftables element %s: %w", port, err)
-	}
-	b.c.FlushChain(c)
-	b.c.DelChain(c)
+	b.dropChain(c)
 	return b.commit("remove macspoofchk rules of " + port)
 }
 
@@ -369,12 +384,7 @@ func addMasqRules(attachment string, addrs []*net.IPNet) error {
 	if err := o.ensure(b); err != nil {
 		return err
 	}
-	policy := nftables.ChainPolicyAccept
-	base := b.c.AddChain(&nftables.Chain{
-		Table: o.table, Name: masqBase, Type: nftables.ChainTypeNAT,
-		Hooknum: nftables.ChainHookPostrouting, Priority: nftables.ChainPriorityNATSource, Policy: &policy,
-	})
-	b.c.FlushChain(base)
+	base := b.baseChain(o.table, masqBase, nftables.ChainTypeNAT, nftables.ChainHookPostrouting, nftables.ChainPriorityNATSource)
 	for _, m := range []struct {
 		f ipFamily
 		s *nftables.Set
@@ -401,9 +411,7 @@ func addMasqRules(attachment string, addrs []*net.IPNet) error {
 			b.c.AddRule(&nftables.Rule{Table: o.table, Chain: c, UserData: comment, Exprs: exprs})
 		}
 		s, key := o.mapOf(a.IP)
-		if err := b.c.SetAddElements(s, []nftables.SetElement{{
-			Key: key, VerdictData: &expr.Verdict{Kind: expr.VerdictJump, Chain: c.Name},
-		}}); err != nil {
+		if err := b.jumpTo(s, key, c); err != nil {
 			return fmt.Errorf("nftables element %s: %w", a.IP, err)
 		}
 	}
@@ -424,17 +432,11 @@ func delMasqRules(attachment string, ips []net.IP) error {
 	c := b.c.AddChain(&nftables.Chain{Table: o.table, Name: masqChainName(attachment)})
 	for _, ip := range ips {
 		s, key := o.mapOf(ip)
-		if err := b.c.SetAddElements(s, []nftables.SetElement{{
-			Key: key, VerdictData: &expr.Verdict{Kind: expr.VerdictJump, Chain: c.Name},
-		}}); err != nil {
-			return fmt.Errorf("nftables element %s: %w", ip, err)
-		}
-		if err := b.c.SetDeleteElements(s, []nftables.SetElement{{Key: key}}); err != nil {
+		if err := b.dropJump(s, key, c); err != nil {
 			return fmt.Errorf("nftables element %s: %w", ip, err)
 		}
 	}
-	b.c.FlushChain(c)
-	b.c.DelChain(c)
+	b.dropChain(c)
 	return b.commit("remove ipMasq rules of " + attachment)
 }
 
