@@ -65,10 +65,12 @@ func Lost(now, renewed time.Time, window, margin time.Duration, outOfService boo
 
 // ShouldFence says whether an agent that last renewed its Lease at renewed
 // stops its guests at now: past the window, and cut off from every peer it
-// knows (with no peers known, the lease alone decides).
+// knows. An agent that knows no peer never fences: no other node could
+// start its guests, so there is no second copy to prevent, and a slow or
+// restarting API server must not stop a one-node cluster's VMs.
 func ShouldFence(now, renewed time.Time, window time.Duration, peers, reachable int) bool {
-	if now.Sub(renewed) <= window {
+	if now.Sub(renewed) <= window || peers == 0 {
 		return false
 	}
-	return peers == 0 || reachable == 0
+	return reachable == 0
 }

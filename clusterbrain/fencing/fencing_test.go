@@ -17,8 +17,8 @@ func TestShouldFenceOnlyWhenCutOff(t *testing.T) {
 	if !ShouldFence(renewed.Add(w+time.Second), renewed, w, 2, 0) {
 		t.Error("not fenced past the window with every peer unreachable")
 	}
-	if !ShouldFence(renewed.Add(w+time.Second), renewed, w, 0, 0) {
-		t.Error("not fenced past the window with no peers known")
+	if ShouldFence(renewed.Add(w+time.Second), renewed, w, 0, 0) {
+		t.Error("fenced with no peers known (nothing could run its guests elsewhere)")
 	}
 }
 

@@ -29,6 +29,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/featuregate"
 	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport"
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport/dvimporttest"
@@ -71,9 +72,11 @@ func setup(t *testing.T) env {
 		}
 		dvimporttest.CreateNode(t, kube, node)
 		// The test image servers listen on loopback, which imports may
-		// reach only when the CDI CR allows it.
+		// reach only when the CDI CR allows it; WaitForFirstConsumer claims
+		// wait for their consumer with CDI's gate on, as HCO renders it.
 		cdi := &cdiv1.CDI{ObjectMeta: metav1.ObjectMeta{Name: "cdi",
-			Annotations: map[string]string{importstate.AnnImportAllowedNetworks: "127.0.0.0/8,::1"}}}
+			Annotations: map[string]string{importstate.AnnImportAllowedNetworks: "127.0.0.0/8,::1"}},
+			Spec: cdiv1.CDISpec{Config: &cdiv1.CDIConfigSpec{FeatureGates: []string{featuregate.HonorWaitForFirstConsumer}}}}
 		if _, err := virt.CDIs.Create(ctx, cdi); err != nil {
 			t.Fatal(err)
 		}
