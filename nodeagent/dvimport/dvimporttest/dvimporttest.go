@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -45,12 +46,49 @@ func (r DirResolver) Disk(pvc *corev1.PersistentVolumeClaim) string {
 	return filepath.Join(r.Root, "pvc-"+string(pvc.UID), "disk.img")
 }
 
-// CreateNode creates a Node object (no kubelet: just the API object).
+// CreateNode creates a Node object (no kubelet: just the API object),
+// Ready, and keeps its Lease renewed for as long as the test binary runs,
+// so that the node lifecycle controller never finds it unreachable and
+// taints it (a tainted node takes no immediately placed claim).
 func CreateNode(t testing.TB, kube kubernetes.Interface, name string) {
 	t.Helper()
+	ctx := context.Background()
 	n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{importstate.HostpathTopologyKey: name}}}
-	if _, err := kube.CoreV1().Nodes().Create(context.Background(), n, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+	created, err := kube.CoreV1().Nodes().Create(ctx, n, metav1.CreateOptions{})
+	if apierrors.IsAlreadyExists(err) {
+		return
+	}
+	if err != nil {
 		t.Fatal(err)
+	}
+	now := metav1.Now()
+	created.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue,
+		Reason: "KubeletReady", LastHeartbeatTime: now, LastTransitionTime: now}}
+	if _, err := kube.CoreV1().Nodes().UpdateStatus(ctx, created, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	go renewLease(kube, name)
+}
+
+// renewLease keeps node's Lease in kube-node-lease fresh, as a kubelet
+// does, until the process ends.
+func renewLease(kube kubernetes.Interface, node string) {
+	ctx := context.Background()
+	leases := kube.CoordinationV1().Leases(corev1.NamespaceNodeLease)
+	holder, seconds := node, int32(40)
+	for ; ; time.Sleep(5 * time.Second) {
+		now := metav1.NewMicroTime(time.Now())
+		lease, err := leases.Get(ctx, node, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			_, _ = leases.Create(ctx, &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: node},
+				Spec: coordinationv1.LeaseSpec{HolderIdentity: &holder, LeaseDurationSeconds: &seconds, RenewTime: &now}}, metav1.CreateOptions{})
+			continue
+		}
+		if err != nil {
+			continue
+		}
+		lease.Spec.RenewTime = &now
+		_, _ = leases.Update(ctx, lease, metav1.UpdateOptions{})
 	}
 }
 
