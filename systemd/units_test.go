@@ -171,6 +171,11 @@ func TestUnitsVerify(t *testing.T) {
 	if !contains(brain.words("Unit.After"), "nodevirt-kube-apiserver.service") {
 		t.Error("the brain is not ordered after nodevirt-kube-apiserver.service")
 	}
+	// The brain lists the machine's addresses over netlink; without it its
+	// upload and subresources roles stop (seen in the Vagrant lab).
+	if !contains(brain.words("Service.RestrictAddressFamilies"), "AF_NETLINK") {
+		t.Error("the brain's RestrictAddressFamilies lacks AF_NETLINK")
+	}
 	for _, key := range []string{"Service.ProtectSystem", "Service.ProtectHome", "Service.PrivateTmp"} {
 		if brain.get(key) == "" {
 			t.Errorf("the brain lacks %s", key)
