@@ -76,12 +76,20 @@ func ifNameKey(name string) []byte {
 // nftBatch collects one transaction; commit sends it.
 type nftBatch struct{ c *nftables.Conn }
 
-func newNFTBatch() (*nftBatch, error) {
+// tableObjects are a table's shared objects, which ensure adds to a batch.
+type tableObjects interface{ ensure(*nftBatch) error }
+
+// newNFTBatch starts a transaction that first ensures o's objects exist.
+func newNFTBatch(o tableObjects) (*nftBatch, error) {
 	c, err := nftables.New()
 	if err != nil {
 		return nil, fmt.Errorf("nftables netlink: %w", err)
 	}
-	return &nftBatch{c: c}, nil
+	b := &nftBatch{c: c}
+	if err := o.ensure(b); err != nil {
+		return nil, err
+	}
+	return b, nil
 }
 
 func (b *nftBatch) commit(what string) error {
@@ -156,12 +164,9 @@ func addSpoofRules(port string, mac net.HardwareAddr, tag string) error {
 	if len(mac) != 6 {
 		return fmt.Errorf("macspoofchk on %s: %q is not an Ethernet MAC", port, mac)
 	}
-	b, err := newNFTBatch()
-	if err != nil {
-		return err
-	}
 	o := spoofTableObjects()
-	if err := o.ensure(b); err != nil {
+	b, err := newNFTBatch(o)
+	if err != nil {
 		return err
 	}
 	base := b.baseChain(o.table, spoofBase, nftables.ChainTypeFilter, nftables.ChainHookPrerouting, nftables.ChainPriorityRaw)
@@ -195,12 +200,9 @@ func addSpoofRules(port string, mac net.HardwareAddr, tag string) error {
 // delSpoofRules removes a port's rules; it succeeds whether or not they
 // exist (each object is added before it is deleted, in one transaction).
 func delSpoofRules(port string) error {
-	b, err := newNFTBatch()
-	if err != nil {
-		return err
-	}
 	o := spoofTableObjects()
-	if err := o.ensure(b); err != nil {
+	b, err := newNFTBatch(o)
+	if err != nil {
 		return err
 	}
 	c := b.c.AddChain(o.chain(port))
@@ -376,12 +378,9 @@ func (f ipFamily) match() []expr.Any {
 // addMasqRules masquerades traffic from each address in addrs leaving its
 // own subnet (multicast excepted).
 func addMasqRules(attachment string, addrs []*net.IPNet) error {
-	b, err := newNFTBatch()
-	if err != nil {
-		return err
-	}
 	o := natTableObjects()
-	if err := o.ensure(b); err != nil {
+	b, err := newNFTBatch(o)
+	if err != nil {
 		return err
 	}
 	base := b.baseChain(o.table, masqBase, nftables.ChainTypeNAT, nftables.ChainHookPostrouting, nftables.ChainPriorityNATSource)
@@ -421,12 +420,9 @@ func addMasqRules(attachment string, addrs []*net.IPNet) error {
 // delMasqRules removes an attachment's masquerade chain and map entries,
 // whether or not they exist.
 func delMasqRules(attachment string, ips []net.IP) error {
-	b, err := newNFTBatch()
-	if err != nil {
-		return err
-	}
 	o := natTableObjects()
-	if err := o.ensure(b); err != nil {
+	b, err := newNFTBatch(o)
+	if err != nil {
 		return err
 	}
 	c := b.c.AddChain(&nftables.Chain{Table: o.table, Name: masqChainName(attachment)})
