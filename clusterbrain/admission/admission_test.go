@@ -17,9 +17,9 @@ import (
 	"k8s.io/client-go/kubernetes"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
-	"github.com/nodevirt/nodevirt/clusterbrain/certs"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/certs"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
 

@@ -10,7 +10,7 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	instancetypev1beta1 "kubevirt.io/api/instancetype/v1beta1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/certs"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/certs"
 )
 
 // A VM naming an instance type that does not exist yet is admitted, as

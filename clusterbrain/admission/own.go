@@ -10,7 +10,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation/field"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 )
 
 // Names of the VMI webhooks, as the API server quotes them in a denial.
@@ -20,13 +20,13 @@ const (
 )
 
 // notTheBrain is the match condition of the VMI webhooks: requests of the
-// brain's own user (rbac.BrainUser) are not sent to them. Every VMI that
+// brain's own user (identity.BrainUser) are not sent to them. Every VMI that
 // user creates comes from the VM controller, which applies both webhooks
 // in process with AdmitVMICreate first; anyone else's VMI create (kubectl
 // create vmi) is still sent to both.
 func notTheBrain() []admissionregistrationv1.MatchCondition {
 	return []admissionregistrationv1.MatchCondition{{Name: "not-the-cluster-brain",
-		Expression: fmt.Sprintf("request.userInfo.username != '%s'", rbac.BrainUser)}}
+		Expression: fmt.Sprintf("request.userInfo.username != '%s'", identity.BrainUser)}}
 }
 
 // AdmitVMICreate does to vmi, in process, what the two VMI webhooks do to a

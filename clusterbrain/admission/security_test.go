@@ -17,9 +17,10 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
-	"github.com/nodevirt/nodevirt/clusterbrain/certs"
-	"github.com/nodevirt/nodevirt/clusterbrain/featuregate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/featuregate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/certs"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
@@ -121,7 +122,7 @@ func TestVMIUpdatesByUsers(t *testing.T) {
 	if _, err := e.virt.VMIs.Create(ctx, pinned.DeepCopy()); err == nil || !strings.Contains(err.Error(), LabelsCreationMessage) {
 		t.Fatalf("user's vmi with %s: %v", kubevirtv1.NodeNameLabel, err)
 	}
-	brain := as(t, rbac.BrainUser, rbac.BrainGroup)
+	brain := as(t, identity.BrainUser, identity.BrainGroup)
 	if _, err := brain.VMIs.Create(ctx, pinned.DeepCopy()); err != nil {
 		t.Fatalf("the brain's vmi with %s: %v", kubevirtv1.NodeNameLabel, err)
 	}
@@ -176,7 +177,7 @@ func TestVMIUpdatesByUsers(t *testing.T) {
 		!strings.Contains(err.Error(), LabelsUpdateMessage) {
 		t.Errorf("user removing the node label: %v", err)
 	}
-	node := as(t, rbac.NodeUser("node-b"), rbac.NodesGroup)
+	node := as(t, identity.NodeUser("node-b"), identity.NodesGroup)
 	if err := update(node, func(v *kubevirtv1.VirtualMachineInstance) { v.Finalizers = append(v.Finalizers, "nodevirt.io/test") }); err != nil {
 		t.Errorf("node agent update: %v", err)
 	}

@@ -24,8 +24,8 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/aggregated"
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
-	"github.com/nodevirt/nodevirt/clusterbrain/certs"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/certs"
 )
 
 // Names of the webhook configurations the brain owns.

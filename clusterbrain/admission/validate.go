@@ -14,7 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation/field"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/featuregate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/featuregate"
 )
 
 // rules returns the rule matching resource of kubevirt.io/v1 on ops.

@@ -13,7 +13,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation/field"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 )
 
 // VMIUpdateValidatorName is KubeVirt's name of the VMI update webhook.
@@ -37,7 +37,7 @@ var reservedLabels = []string{
 // privileged reports whether u is one of nodevirt's own daemons (the
 // brain, or a node agent), which play KubeVirt's service accounts.
 func privileged(u authenticationv1.UserInfo) bool {
-	return u.Username == rbac.BrainUser || slices.Contains(u.Groups, rbac.NodesGroup)
+	return u.Username == identity.BrainUser || slices.Contains(u.Groups, identity.NodesGroup)
 }
 
 // notNodevirt is the match condition of webhooks that only restrict users:
@@ -46,7 +46,7 @@ func privileged(u authenticationv1.UserInfo) bool {
 func notNodevirt() []admissionregistrationv1.MatchCondition {
 	return []admissionregistrationv1.MatchCondition{{Name: "not-a-nodevirt-daemon",
 		Expression: fmt.Sprintf("request.userInfo.username != '%s' && (!has(request.userInfo.groups) || !('%s' in request.userInfo.groups))",
-			rbac.BrainUser, rbac.NodesGroup)}}
+			identity.BrainUser, identity.NodesGroup)}}
 }
 
 func reserved(labels map[string]string) map[string]string {

@@ -23,11 +23,10 @@ import (
 	"k8s.io/client-go/tools/leaderelection"
 	"k8s.io/client-go/tools/leaderelection/resourcelock"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/fencing"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
-	"github.com/nodevirt/nodevirt/clusterbrain/daemon"
-	"github.com/nodevirt/nodevirt/clusterbrain/fencing"
-	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 )
 
@@ -80,7 +79,7 @@ func (c *Config) defaults() {
 		def  string
 	}{
 		{&c.HealthAddr, "127.0.0.1:8480"}, {&c.WebhookAddr, "127.0.0.1:8443"}, {&c.SubresourcesAddr, ":8444"},
-		{&c.UploadAPIAddr, ":8445"}, {&c.UploadProxyAddr, ":8446"}, {&c.MetricsAddr, metrics.DefaultBrainAddr},
+		{&c.UploadAPIAddr, ":8445"}, {&c.UploadProxyAddr, ":8446"}, {&c.MetricsAddr, DefaultMetricsAddr},
 		{&c.CLIDownloadAddr, ":8482"}, {&c.VirtctlDir, "/usr/local/share/nodevirt/virtctl"},
 	} {
 		if *d.addr == "" {

@@ -18,7 +18,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
 	"github.com/nodevirt/nodevirt/clusterbrain/aggregated"
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )

@@ -4,13 +4,12 @@ import (
 	"k8s.io/client-go/dynamic"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
-	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
+	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
 	"github.com/nodevirt/nodevirt/clusterbrain/clidownload"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume"
 	"github.com/nodevirt/nodevirt/clusterbrain/hco"
 	"github.com/nodevirt/nodevirt/clusterbrain/instancetypes"
 	"github.com/nodevirt/nodevirt/clusterbrain/macpool"
-	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
 	"github.com/nodevirt/nodevirt/clusterbrain/migration"
 	"github.com/nodevirt/nodevirt/clusterbrain/nodecerts"
 	"github.com/nodevirt/nodevirt/clusterbrain/nodefailure"
@@ -34,7 +33,7 @@ var everyBrainRoles = []RoleFactory{
 		return subresources.ForBrain(d.RestConfig, d.Kube, d.Virt, d.Config.Namespace, d.Config.SubresourcesAddr, d.Log.With("role", "subresources"))
 	},
 	func(d *Deps) (Role, error) {
-		return metrics.NewBrainServer(d.Config.MetricsAddr, d.Virt, d.Log.With("role", "metrics")), nil
+		return newMetricsServer(d.Config.MetricsAddr, d.Virt, d.Log.With("role", "metrics")), nil
 	},
 	func(d *Deps) (Role, error) {
 		// One webhook server: KubeVirt's VM/VMI admission (with quotas),

@@ -14,12 +14,12 @@ import (
 	instancetypev1beta1 "kubevirt.io/api/instancetype/v1beta1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
-	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
-	hppv1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hostpathprovisioner/v1beta1"
-	cnaov1 "github.com/nodevirt/nodevirt/clusterbrain/apis/networkaddons/v1"
-	sspv1beta2 "github.com/nodevirt/nodevirt/clusterbrain/apis/ssp/v1beta2"
-	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
-	macv1alpha1 "github.com/nodevirt/nodevirt/clusterbrain/macpool/api/v1alpha1"
+	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
+	hppv1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hostpathprovisioner/v1beta1"
+	macv1alpha1 "github.com/nodevirt/nodevirt/clusterbrain/api/macpool/v1alpha1"
+	cnaov1 "github.com/nodevirt/nodevirt/clusterbrain/api/networkaddons/v1"
+	sspv1beta2 "github.com/nodevirt/nodevirt/clusterbrain/api/ssp/v1beta2"
+	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
 )
 
 // Kind describes one served resource.

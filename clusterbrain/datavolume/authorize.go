@@ -22,7 +22,7 @@ import (
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 )
 
 // AnnAuthorizedSource records, on a DataVolume that clones a claim or

@@ -19,7 +19,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
 )
 
 // defaultOverhead is CDI's filesystem overhead when the CDI CR sets none.

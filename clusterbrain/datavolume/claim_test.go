@@ -6,7 +6,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
 )
 
 // TestUsableNode: a claim placed at once goes only to a node a pod without

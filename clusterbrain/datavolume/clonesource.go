@@ -12,7 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
 )
 
 // checkAuthorized says whether dv may clone src (its resolved source):

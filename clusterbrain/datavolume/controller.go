@@ -31,10 +31,10 @@ import (
 	"k8s.io/client-go/util/workqueue"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
-	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
-	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
-	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
+	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/metrics"
 )
 
 // Config configures the controller.

@@ -20,11 +20,11 @@ import (
 	"k8s.io/client-go/rest"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
-	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/featuregate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
+	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
-	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
-	"github.com/nodevirt/nodevirt/clusterbrain/featuregate"
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport/dvimporttest"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )

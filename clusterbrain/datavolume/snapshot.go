@@ -12,7 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
-	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
+	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
 )
 
 // HostpathSnapshotClass is the default VolumeSnapshotClass the brain

@@ -18,12 +18,12 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
-	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
-	hppv1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hostpathprovisioner/v1beta1"
-	cnaov1 "github.com/nodevirt/nodevirt/clusterbrain/apis/networkaddons/v1"
-	sspv1beta2 "github.com/nodevirt/nodevirt/clusterbrain/apis/ssp/v1beta2"
-	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
+	hppv1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hostpathprovisioner/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
+	cnaov1 "github.com/nodevirt/nodevirt/clusterbrain/api/networkaddons/v1"
+	sspv1beta2 "github.com/nodevirt/nodevirt/clusterbrain/api/ssp/v1beta2"
 )
 
 // managedAnnotations are the child annotations whose presence the HCO

@@ -5,8 +5,8 @@ import (
 	"slices"
 	"testing"
 
-	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
-	"github.com/nodevirt/nodevirt/clusterbrain/featuregate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/featuregate"
+	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
 )
 
 // allGatesOn is a defaulted HyperConverged asking for every feature gate

@@ -5,8 +5,8 @@ import (
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
-	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
+	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
 )
 
 // TestImportAllowedNetworksReachCDI: the HyperConverged's import network

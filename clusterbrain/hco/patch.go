@@ -7,7 +7,7 @@ import (
 
 	jsonpatch "gopkg.in/evanphx/json-patch.v4"
 
-	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
+	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
 )
 
 // JSONPatchAnnotations are the annotations whose presence (with at least one

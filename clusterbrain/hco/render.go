@@ -13,12 +13,12 @@ import (
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 	sdkapi "kubevirt.io/controller-lifecycle-operator-sdk/api"
 
-	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
-	hppv1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hostpathprovisioner/v1beta1"
-	cnaov1 "github.com/nodevirt/nodevirt/clusterbrain/apis/networkaddons/v1"
-	sspv1beta2 "github.com/nodevirt/nodevirt/clusterbrain/apis/ssp/v1beta2"
-	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
-	"github.com/nodevirt/nodevirt/clusterbrain/featuregate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/featuregate"
+	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
+	hppv1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hostpathprovisioner/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
+	cnaov1 "github.com/nodevirt/nodevirt/clusterbrain/api/networkaddons/v1"
+	sspv1beta2 "github.com/nodevirt/nodevirt/clusterbrain/api/ssp/v1beta2"
 )
 
 // Upstream's names of the children.

@@ -13,8 +13,8 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/apis"
-	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/api"
+	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
 )
 
 // Reasons and messages of the HyperConverged conditions (upstream's).
@@ -203,12 +203,12 @@ func cdiStatus(cdi *cdiv1.CDI, h componentHealth, version string) cdiv1.CDIStatu
 	return st
 }
 
-func operatorStatus(old apis.OperatorStatus, generation int64, h componentHealth, version string) apis.OperatorStatus {
+func operatorStatus(old api.OperatorStatus, generation int64, h componentHealth, version string) api.OperatorStatus {
 	st := old
 	st.Phase = phaseOf(h)
-	var conds []apis.Condition
+	var conds []api.Condition
 	for _, c := range childConditions(h) {
-		nc := apis.Condition{Type: c.Type, Status: string(c.Status), Reason: c.Reason, Message: c.Message,
+		nc := api.Condition{Type: c.Type, Status: string(c.Status), Reason: c.Reason, Message: c.Message,
 			LastHeartbeatTime: metav1.Now(), LastTransitionTime: metav1.Now()}
 		for _, o := range old.Conditions {
 			if o.Type == nc.Type && o.Status == nc.Status && o.Reason == nc.Reason && o.Message == nc.Message {

@@ -4,7 +4,7 @@ import (
 	"crypto/tls"
 	"slices"
 
-	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
+	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
 )
 
 // TLS profile types (OpenShift's TLSSecurityProfile).

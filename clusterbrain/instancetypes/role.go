@@ -13,7 +13,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 	instancetypev1beta1 "kubevirt.io/api/instancetype/v1beta1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 )
 
 // Config configures the role.

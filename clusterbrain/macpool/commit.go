@@ -11,7 +11,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	macv1alpha1 "github.com/nodevirt/nodevirt/clusterbrain/macpool/api/v1alpha1"
+	macv1alpha1 "github.com/nodevirt/nodevirt/clusterbrain/api/macpool/v1alpha1"
 )
 
 // Group commit: admissions queue their wants; one committer takes every

@@ -24,11 +24,11 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
-	cnaov1 "github.com/nodevirt/nodevirt/clusterbrain/apis/networkaddons/v1"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	macv1alpha1 "github.com/nodevirt/nodevirt/clusterbrain/api/macpool/v1alpha1"
+	cnaov1 "github.com/nodevirt/nodevirt/clusterbrain/api/networkaddons/v1"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
-	macv1alpha1 "github.com/nodevirt/nodevirt/clusterbrain/macpool/api/v1alpha1"
-	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/metrics"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
 

@@ -20,8 +20,8 @@ import (
 	"k8s.io/client-go/tools/cache"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
-	macv1alpha1 "github.com/nodevirt/nodevirt/clusterbrain/macpool/api/v1alpha1"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	macv1alpha1 "github.com/nodevirt/nodevirt/clusterbrain/api/macpool/v1alpha1"
 )
 
 // OptOutLabel on a namespace with value "ignore" keeps its VMs out of the

@@ -9,9 +9,9 @@ import (
 
 	"k8s.io/client-go/tools/cache"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
-	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
-	cnaov1 "github.com/nodevirt/nodevirt/clusterbrain/apis/networkaddons/v1"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
+	cnaov1 "github.com/nodevirt/nodevirt/clusterbrain/api/networkaddons/v1"
 )
 
 // Range is an inclusive range of MAC addresses as 48-bit integers.

@@ -12,7 +12,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 
-	macv1alpha1 "github.com/nodevirt/nodevirt/clusterbrain/macpool/api/v1alpha1"
+	macv1alpha1 "github.com/nodevirt/nodevirt/clusterbrain/api/macpool/v1alpha1"
 )
 
 // store is the typed client of macallocations.nodevirt.io.

@@ -1,8 +1,8 @@
 // Package nodecerts is the brain's node certificate signer: each nodeagent
 // makes its key locally and asks for its certificate through a
-// certificates.k8s.io/v1 CertificateSigningRequest with SignerName; the
+// certificates.k8s.io/v1 CertificateSigningRequest with identity.NodeSignerName; the
 // signer approves only requests whose requester is that node's own identity
-// (user rbac.NodeUser(node), group rbac.NodesGroup or system:nodes) and whose content fits a
+// (user identity.NodeUser(node), group identity.NodesGroup or system:nodes) and whose content fits a
 // node (its name, the names the brain's clients verify, the Node's
 // addresses, TLS usages), signs them with the node CA that only the brain
 // reads (uploadtls), and writes status.certificate: the leaf followed by the
@@ -36,24 +36,14 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/workqueue"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/certs"
-	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
-	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
-	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/certs"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/uploadtls"
 )
-
-// SignerName is the signerName of node certificate requests.
-const SignerName = "nodevirt.io/node"
 
 // KubernetesNodesGroup is Kubernetes' own nodes group; a requester in it
 // (with the node's user name) is a node too.
 const KubernetesNodesGroup = "system:nodes"
-
-// SharedNames are the DNS names the brain's clients verify today on every
-// node (console: subresources.NodeServerName, uploads:
-// uploadtls.NodeServerName); a node certificate may carry them besides the
-// node's own name.
-var SharedNames = []string{subresources.NodeServerName, uploadtls.NodeServerName}
 
 // AllowedUsages are the key usages a node certificate may have.
 var AllowedUsages = []certificatesv1.KeyUsage{
@@ -64,7 +54,7 @@ var AllowedUsages = []certificatesv1.KeyUsage{
 // Config configures a Signer.
 type Config struct {
 	Kube kubernetes.Interface
-	// Namespace holds the node CA Secret (uploadtls.CASecretName).
+	// Namespace holds the node CA Secret (identity.UploadCASecretName).
 	Namespace string
 	// MaxDuration caps the lifetime of a certificate (default 7 days);
 	// spec.expirationSeconds may ask for less.
@@ -99,7 +89,7 @@ func New(cfg Config) (*Signer, error) {
 		queue: workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[string]())}
 	factory := informers.NewSharedInformerFactoryWithOptions(cfg.Kube, 10*time.Minute,
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
-			o.FieldSelector = fields.OneTermEqualSelector("spec.signerName", SignerName).String()
+			o.FieldSelector = fields.OneTermEqualSelector("spec.signerName", identity.NodeSignerName).String()
 		}))
 	s.csrs = factory.Certificates().V1().CertificateSigningRequests().Informer()
 	enqueue := func(obj any) {
@@ -130,7 +120,7 @@ func (s *Signer) Run(ctx context.Context) error {
 	if !cache.WaitForCacheSync(ctx.Done(), s.csrs.HasSynced) {
 		return nil
 	}
-	s.log.Info("signing node certificates", "signer", SignerName)
+	s.log.Info("signing node certificates", "signer", identity.NodeSignerName)
 	go func() {
 		for s.next(ctx) {
 		}
@@ -166,7 +156,7 @@ func (s *Signer) sync(ctx context.Context, name string) error {
 		return err
 	}
 	csr := obj.(*certificatesv1.CertificateSigningRequest).DeepCopy()
-	if csr.Spec.SignerName != SignerName || len(csr.Status.Certificate) > 0 ||
+	if csr.Spec.SignerName != identity.NodeSignerName || len(csr.Status.Certificate) > 0 ||
 		hasCondition(csr, certificatesv1.CertificateDenied) || hasCondition(csr, certificatesv1.CertificateFailed) {
 		return nil
 	}
@@ -206,7 +196,7 @@ func (s *Signer) sync(ctx context.Context, name string) error {
 	if _, err := api.UpdateStatus(ctx, csr, metav1.UpdateOptions{}); err != nil {
 		return ignoreConflict(err)
 	}
-	log.Info("node certificate issued", "node", strings.TrimPrefix(cert.Subject.CommonName, rbac.NodeUserPrefix),
+	log.Info("node certificate issued", "node", strings.TrimPrefix(cert.Subject.CommonName, identity.NodeUserPrefix),
 		"notAfter", cert.NotAfter.UTC().Format(time.RFC3339))
 	return nil
 }
@@ -231,21 +221,21 @@ func (s *Signer) review(ctx context.Context, csr *certificatesv1.CertificateSign
 	if err != nil {
 		return signable{}, err.Error()
 	}
-	node, ok := strings.CutPrefix(req.Subject.CommonName, rbac.NodeUserPrefix)
+	node, ok := strings.CutPrefix(req.Subject.CommonName, identity.NodeUserPrefix)
 	if !ok || node == "" {
-		return signable{}, fmt.Sprintf("subject common name %q is not %s<node>", req.Subject.CommonName, rbac.NodeUserPrefix)
+		return signable{}, fmt.Sprintf("subject common name %q is not %s<node>", req.Subject.CommonName, identity.NodeUserPrefix)
 	}
 	if errs := validation.IsDNS1123Subdomain(node); len(errs) > 0 {
 		return signable{}, fmt.Sprintf("node name %q: %s", node, strings.Join(errs, ", "))
 	}
-	if csr.Spec.Username != rbac.NodeUser(node) {
-		return signable{}, fmt.Sprintf("requested by %q, not by node %s (%s)", csr.Spec.Username, node, rbac.NodeUser(node))
+	if csr.Spec.Username != identity.NodeUser(node) {
+		return signable{}, fmt.Sprintf("requested by %q, not by node %s (%s)", csr.Spec.Username, node, identity.NodeUser(node))
 	}
-	if !slices.Contains(csr.Spec.Groups, rbac.NodesGroup) && !slices.Contains(csr.Spec.Groups, KubernetesNodesGroup) {
-		return signable{}, fmt.Sprintf("requester is in neither group %s nor %s", rbac.NodesGroup, KubernetesNodesGroup)
+	if !slices.Contains(csr.Spec.Groups, identity.NodesGroup) && !slices.Contains(csr.Spec.Groups, KubernetesNodesGroup) {
+		return signable{}, fmt.Sprintf("requester is in neither group %s nor %s", identity.NodesGroup, KubernetesNodesGroup)
 	}
-	if !slices.Equal(req.Subject.Organization, []string{rbac.NodesGroup}) {
-		return signable{}, fmt.Sprintf("subject organization %v, want [%s]", req.Subject.Organization, rbac.NodesGroup)
+	if !slices.Equal(req.Subject.Organization, []string{identity.NodesGroup}) {
+		return signable{}, fmt.Sprintf("subject organization %v, want [%s]", req.Subject.Organization, identity.NodesGroup)
 	}
 	if len(req.EmailAddresses) > 0 || len(req.URIs) > 0 {
 		return signable{}, "email and URI names are not allowed"
@@ -267,7 +257,7 @@ func (s *Signer) review(ctx context.Context, csr *certificatesv1.CertificateSign
 	if !leaf.Server && !leaf.Client {
 		return signable{}, "neither server auth nor client auth usage requested"
 	}
-	allowed := append([]string{node}, SharedNames...)
+	allowed := append([]string{node}, identity.NodeSharedNames...)
 	for _, n := range req.DNSNames {
 		if !slices.Contains(allowed, n) {
 			return signable{}, fmt.Sprintf("dns name %q is not node %s's", n, node)

@@ -9,21 +9,9 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
-)
 
-// The daemons' identities. A nodeagent authenticates as user
-// NodeUser(<node name>) ("system:node:<node>") in group NodesGroup; a brain
-// as any user in group BrainGroup (BrainUser by convention). With client
-// certificates: CN is the user, O the group.
-const (
-	NodeUserPrefix = "system:node:"
-	NodesGroup     = "nodevirt:nodes"
-	BrainUser      = "nodevirt:clusterbrain"
-	BrainGroup     = "nodevirt:clusterbrains"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 )
-
-// NodeUser is the user name of node's agent.
-func NodeUser(node string) string { return NodeUserPrefix + node }
 
 // The daemons' roles.
 const (
@@ -151,11 +139,11 @@ func groupBinding(name, role, group string) (meta metav1.ObjectMeta, ref rbacv1.
 		[]rbacv1.Subject{{Kind: rbacv1.GroupKind, APIGroup: rbacv1.GroupName, Name: group}}
 }
 
-// DaemonClusterRoleBindings bind NodeAgentRole to NodesGroup and BrainRole
-// to BrainGroup.
+// DaemonClusterRoleBindings bind NodeAgentRole to identity.NodesGroup and BrainRole
+// to identity.BrainGroup.
 func DaemonClusterRoleBindings() []*rbacv1.ClusterRoleBinding {
 	var out []*rbacv1.ClusterRoleBinding
-	for _, b := range [][2]string{{NodeAgentRole, NodesGroup}, {BrainRole, BrainGroup}} {
+	for _, b := range [][2]string{{NodeAgentRole, identity.NodesGroup}, {BrainRole, identity.BrainGroup}} {
 		m, r, s := groupBinding(b[0], b[0], b[1])
 		out = append(out, &rbacv1.ClusterRoleBinding{ObjectMeta: m, RoleRef: r, Subjects: s})
 	}
@@ -176,7 +164,7 @@ func EnsureDaemons(ctx context.Context, kube kubernetes.Interface) error {
 	if err := EnsureNodeRestriction(ctx, kube); err != nil {
 		return err
 	}
-	return ensureRoleBinding(ctx, kube, NodeLeaseNamespace, NodeAgentLeaseRole, NodeAgentLeaseRole, NodesGroup)
+	return ensureRoleBinding(ctx, kube, NodeLeaseNamespace, NodeAgentLeaseRole, NodeAgentLeaseRole, identity.NodesGroup)
 }
 
 func ensureClusterRoles(ctx context.Context, kube kubernetes.Interface, want []*rbacv1.ClusterRole) error {

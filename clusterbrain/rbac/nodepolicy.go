@@ -9,13 +9,15 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 )
 
 // Node restriction: what NodeRestriction does for kubelets, for nodevirt's
 // nodes. RBAC gives every node the same verbs on a kind; these
 // ValidatingAdmissionPolicies (CEL, evaluated by the API server itself)
-// narrow each write of a node agent — a user named NodeUser(<node>) in
-// NodesGroup — to the objects of that node:
+// narrow each write of a node agent — a user named identity.NodeUser(<node>) in
+// identity.NodesGroup — to the objects of that node:
 //
 //   - Nodes (and their status): only its own, by name.
 //   - Leases: only its own, by name.
@@ -36,9 +38,9 @@ const NodeRestrictionPolicy = "nodevirt-node-restriction"
 // The CEL pieces the policies share: the request is a node agent's, and
 // its node's name ("" for a user name without the prefix).
 var (
-	celIsNode   = "request.userInfo.groups.exists(g, g == '" + NodesGroup + "')"
+	celIsNode   = "request.userInfo.groups.exists(g, g == '" + identity.NodesGroup + "')"
 	celNodeName = fmt.Sprintf("request.userInfo.username.startsWith('%s') ? request.userInfo.username.substring(%d) : ''",
-		NodeUserPrefix, len(NodeUserPrefix))
+		identity.NodeUserPrefix, len(identity.NodeUserPrefix))
 )
 
 // nodePolicy is one policy of the node restriction.

@@ -20,7 +20,8 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/test/controlplane"
@@ -33,7 +34,7 @@ func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
 func nodeClient(t *testing.T, cp *controlplane.ControlPlane, node string) (kubernetes.Interface, *client.Set) {
 	t.Helper()
 	kc := filepath.Join(t.TempDir(), node+".kubeconfig")
-	if err := cp.WriteKubeconfig(kc, rbac.NodeUser(node), rbac.NodesGroup); err != nil {
+	if err := cp.WriteKubeconfig(kc, identity.NodeUser(node), identity.NodesGroup); err != nil {
 		t.Fatal(err)
 	}
 	cfg, err := clientcmd.BuildConfigFromFlags("", kc)

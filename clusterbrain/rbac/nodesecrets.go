@@ -14,6 +14,8 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/workqueue"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 )
 
 // NodeSecretBinding is the RoleBinding NodeSecretAccess keeps in each
@@ -22,7 +24,7 @@ const NodeSecretBinding = NodeAgentSecretsRole
 
 // NodeSecretAccess is a brain role: it installs the daemons' roles
 // (EnsureDaemons) and keeps, in every namespace but the brain's and the
-// system ones, a RoleBinding giving NodesGroup NodeAgentSecretsRole, so
+// system ones, a RoleBinding giving identity.NodesGroup NodeAgentSecretsRole, so
 // nodes read the Secrets VMs and imports name in users' namespaces but
 // never the brain's own (the node CA key, webhook and token keys).
 type NodeSecretAccess struct {
@@ -108,5 +110,5 @@ func (a *NodeSecretAccess) sync(ctx context.Context, ns string) error {
 		}
 		return err
 	}
-	return ensureRoleBinding(ctx, a.kube, ns, NodeSecretBinding, NodeAgentSecretsRole, NodesGroup)
+	return ensureRoleBinding(ctx, a.kube, ns, NodeSecretBinding, NodeAgentSecretsRole, identity.NodesGroup)
 }

@@ -38,9 +38,9 @@ import (
 
 	nadv1 "github.com/k8snetworkplumbingwg/network-attachment-definition-client/pkg/apis/k8s.cni.cncf.io/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
-	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
-	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/metrics"
 )
 
 // Config configures the scheduler.

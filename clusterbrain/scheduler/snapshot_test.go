@@ -12,7 +12,7 @@ import (
 	"k8s.io/client-go/dynamic"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
-	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
+	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
 

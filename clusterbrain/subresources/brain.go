@@ -14,9 +14,9 @@ import (
 	"k8s.io/client-go/rest"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/uploadtls"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
-	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
 )
 
 // BrainRole is the subresource API as a brain role: it installs KubeVirt's

@@ -21,8 +21,9 @@ import (
 	"k8s.io/client-go/kubernetes"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/subresources/plainstream"
-	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/plainstream"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/uploadtls"
 )
 
 // The nodeagent side of the protocol, the same as virt-handler's console
@@ -37,21 +38,11 @@ import (
 // An error answer carries a Kubernetes Status (its code and message are
 // passed to the caller) or plain text.
 const (
-	// NodeAddressAnnotation on a Node holds host:port of its nodeagent's
-	// console server; without it the Node's InternalIP and DefaultNodePort
-	// are used.
-	NodeAddressAnnotation = "nodevirt.io/console-server"
 	// DefaultNodePort is virt-handler's console server port.
 	DefaultNodePort = 8186
 	// PlainStreamProtocol is KubeVirt's websocket subprotocol for raw
 	// binary streams.
 	PlainStreamProtocol = plainstream.Protocol
-	// NodeServerName is the DNS name the nodeagents' console server
-	// certificates carry and the brain verifies.
-	NodeServerName = "nodevirt-handler"
-	// ClientName is the common name of the brain's client certificate;
-	// nodeagents accept only it.
-	ClientName = "nodevirt-subresources"
 
 	wsBufferSize = plainstream.BufferSize
 )
@@ -71,7 +62,7 @@ type NodeClient interface {
 // HTTPSNodeClient is the NodeClient speaking the protocol above. It talks
 // to a VMI's node only if the server's certificate names that very node
 // (status.nodeName): the names every node certificate shares
-// (NodeServerName) are not enough, so a node that redirects another node's
+// (identity.HandlerServerName) are not enough, so a node that redirects another node's
 // endpoint to itself gets no console stream and no call.
 type HTTPSNodeClient struct {
 	kube kubernetes.Interface
@@ -111,14 +102,14 @@ func (c *HTTPSNodeClient) client(node string) *http.Client {
 
 // NodeTLS builds the brain's mutual-TLS configuration towards nodeagents
 // from the CA the brain and the agents share (the upload CA): a client
-// certificate named ClientName; HTTPSNodeClient verifies each agent by its
+// certificate named identity.SubresourcesClientName; HTTPSNodeClient verifies each agent by its
 // node name.
 func NodeTLS(ca *uploadtls.CA) (*tls.Config, error) {
-	cert, err := ca.Issue(ClientName, nil, nil, true)
+	cert, err := ca.Issue(identity.SubresourcesClientName, nil, nil, true)
 	if err != nil {
 		return nil, fmt.Errorf("issue subresources client certificate: %w", err)
 	}
-	return &tls.Config{Certificates: []tls.Certificate{cert}, RootCAs: ca.Pool(), ServerName: NodeServerName,
+	return &tls.Config{Certificates: []tls.Certificate{cert}, RootCAs: ca.Pool(), ServerName: identity.HandlerServerName,
 		MinVersion: tls.VersionTLS12}, nil
 }
 
@@ -131,7 +122,7 @@ func (c *HTTPSNodeClient) address(ctx context.Context, node string) (string, err
 	if err != nil {
 		return "", apierrors.NewBadRequest(fmt.Sprintf("unable to find the nodeagent of node %s: %v", node, err))
 	}
-	if a := n.Annotations[NodeAddressAnnotation]; a != "" {
+	if a := n.Annotations[identity.NodeAddressAnnotation]; a != "" {
 		return a, nil
 	}
 	for _, a := range n.Status.Addresses {

@@ -9,7 +9,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/uploadtls"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
 
@@ -29,7 +30,7 @@ func TestConsoleGoesOnlyToTheVMIsOwnNode(t *testing.T) {
 	}
 	impostor := startStandin(t, ca, "impostor-"+ns)
 	victim := "victim-" + ns
-	n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: victim, Annotations: map[string]string{NodeAddressAnnotation: impostor.addr}}}
+	n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: victim, Annotations: map[string]string{identity.NodeAddressAnnotation: impostor.addr}}}
 	if _, err := kube.CoreV1().Nodes().Create(ctx, n, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}

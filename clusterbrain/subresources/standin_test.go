@@ -15,9 +15,9 @@ import (
 	"github.com/gorilla/websocket"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
-	"github.com/nodevirt/nodevirt/clusterbrain/subresources/plainstream"
-	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/plainstream"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/uploadtls"
 )
 
 // standin is a node-side console server standing in for the nodeagent (not
@@ -37,7 +37,7 @@ type standin struct {
 // every node certificate shares).
 func startStandin(t *testing.T, ca *uploadtls.CA, node string) *standin {
 	t.Helper()
-	cert, err := ca.Issue(rbac.NodeUser(node), []string{node, NodeServerName}, []net.IP{net.ParseIP("127.0.0.1")}, false)
+	cert, err := ca.Issue(identity.NodeUser(node), []string{node, identity.HandlerServerName}, []net.IP{net.ParseIP("127.0.0.1")}, false)
 	if err != nil {
 		t.Fatal(err)
 	}

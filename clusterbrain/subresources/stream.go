@@ -13,7 +13,7 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/aggregated"
-	"github.com/nodevirt/nodevirt/clusterbrain/subresources/plainstream"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/plainstream"
 )
 
 const (

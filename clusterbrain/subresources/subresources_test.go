@@ -24,11 +24,12 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	"github.com/nodevirt/nodevirt/clusterbrain/client/virtctl"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/uploadtls"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
-	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
-	"github.com/nodevirt/nodevirt/clusterbrain/virtctl"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
 
@@ -78,7 +79,7 @@ func start(t *testing.T, cp *controlplane.ControlPlane) error {
 		return err
 	}
 	env.node = startStandin(t, ca, nodeName)
-	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName, Annotations: map[string]string{NodeAddressAnnotation: env.node.addr}}}
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName, Annotations: map[string]string{identity.NodeAddressAnnotation: env.node.addr}}}
 	if _, err := kube.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{}); err != nil {
 		return err
 	}
@@ -366,8 +367,8 @@ func TestInstanceActionsReachTheNode(t *testing.T) {
 	env.node.mu.Lock()
 	peers := strings.Join(env.node.peers, ",")
 	env.node.mu.Unlock()
-	if !strings.Contains(peers, ClientName) {
-		t.Errorf("node saw client certificates %q, want %s", peers, ClientName)
+	if !strings.Contains(peers, identity.SubresourcesClientName) {
+		t.Errorf("node saw client certificates %q, want %s", peers, identity.SubresourcesClientName)
 	}
 	wantStatus(t, "pause paused", c.VMI(ctx, "paused", "pause", nil), http.StatusConflict, "VMI is already paused")
 	wantStatus(t, "unpause running", c.VMI(ctx, "run", "unpause", nil), http.StatusConflict, "VMI is not paused")

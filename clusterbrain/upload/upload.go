@@ -23,7 +23,8 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/aggregated"
-	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/uploadtls"
 )
 
 // Config configures the role.
@@ -212,7 +213,7 @@ func (s *Server) setup(ctx context.Context) error {
 		[]net.IP{ip, net.IPv4(127, 0, 0, 1)}, false); err != nil {
 		return fail(err)
 	}
-	clientCert, err := s.ca.Issue(uploadtls.ProxyClientName, nil, nil, true)
+	clientCert, err := s.ca.Issue(identity.UploadProxyClientName, nil, nil, true)
 	if err != nil {
 		return fail(err)
 	}
@@ -231,7 +232,7 @@ func (s *Server) setup(ctx context.Context) error {
 // toNode is the client for node's upload endpoint: it accepts only a
 // certificate naming node, so a node that published (or hijacked) another
 // node's endpoint receives no upload meant for that node. (Every node
-// certificate also carries uploadtls.NodeServerName, which says only "a
+// certificate also carries identity.UploadServerName, which says only "a
 // node".)
 func (s *Server) toNode(node string) *http.Client {
 	s.nodesMu.Lock()

@@ -19,7 +19,8 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
@@ -102,7 +103,7 @@ func TestBrainAdmitsItsOwnVMIs(t *testing.T) {
 	if err := rbac.EnsureDaemons(ctx, e.kube); err != nil {
 		t.Fatal(err)
 	}
-	if err := cp.WriteKubeconfig(cfgPath, rbac.BrainUser, rbac.BrainGroup); err != nil {
+	if err := cp.WriteKubeconfig(cfgPath, identity.BrainUser, identity.BrainGroup); err != nil {
 		t.Fatal(err)
 	}
 	brainRC, err := clientcmd.BuildConfigFromFlags("", cfgPath)

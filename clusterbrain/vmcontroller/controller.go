@@ -30,8 +30,8 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
-	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/metrics"
 )
 
 // Config configures the controller.

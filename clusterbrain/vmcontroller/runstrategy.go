@@ -14,7 +14,7 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
-	"github.com/nodevirt/nodevirt/clusterbrain/fencing"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/fencing"
 )
 
 // runStrategy acts on the first pending state-change request, then makes

@@ -18,11 +18,11 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/clientcmd"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
-	"github.com/nodevirt/nodevirt/clusterbrain/daemon"
-	"github.com/nodevirt/nodevirt/clusterbrain/fencing"
-	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
-	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/fencing"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/metrics"
 	"github.com/nodevirt/nodevirt/csi"
 	"github.com/nodevirt/nodevirt/nodeagent/console"
 	"github.com/nodevirt/nodevirt/nodeagent/handler"
@@ -265,7 +265,7 @@ func New(cfg Config) (*Agent, error) {
 		// Volumes' node affinity uses the CSI topology key, which kubelet
 		// would publish from NodeGetInfo; without a kubelet the agent does.
 		Labels:         map[string]string{csi.TopologyKey: cfg.NodeName},
-		PeerAnnotation: subresources.NodeAddressAnnotation}, kc)
+		PeerAnnotation: identity.NodeAddressAnnotation}, kc)
 	if err != nil {
 		return nil, err
 	}

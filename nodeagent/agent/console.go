@@ -10,7 +10,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 	"github.com/nodevirt/nodevirt/nodeagent/kube"
 	"github.com/nodevirt/nodevirt/nodeagent/nodecert"
 )
@@ -34,7 +34,7 @@ func nodeCertificate(cfg *Config, kc kube.Interface) (*nodecert.Source, error) {
 	if console {
 		c.TLS = src.ServerTLS()
 		if len(c.AllowedClients) == 0 {
-			c.AllowedClients = []string{subresources.ClientName}
+			c.AllowedClients = []string{identity.SubresourcesClientName}
 		}
 	}
 	return src, nil
@@ -54,7 +54,7 @@ func advertiseConsole(ctx context.Context, cfg Config, kc kube.Interface, addr s
 		return fmt.Errorf("console address %s: %w", addr, err)
 	}
 	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": map[string]string{
-		subresources.NodeAddressAnnotation: net.JoinHostPort(host, port)}}})
+		identity.NodeAddressAnnotation: net.JoinHostPort(host, port)}}})
 	_, err = kc.CoreV1().Nodes().Patch(ctx, cfg.NodeName, types.MergePatchType, patch, metav1.PatchOptions{})
 	return err
 }

@@ -6,7 +6,7 @@ import (
 	"net"
 	"time"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/fencing"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/fencing"
 	"github.com/nodevirt/nodevirt/nodeagent/handler"
 )
 

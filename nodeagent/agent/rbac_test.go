@@ -23,12 +23,13 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
-	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/uploadtls"
 	"github.com/nodevirt/nodevirt/clusterbrain/nodecerts"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
-	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
 	"github.com/nodevirt/nodevirt/launcher/libvirttest"
 	"github.com/nodevirt/nodevirt/nodeagent/console"
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport"
@@ -113,7 +114,7 @@ func TestAgentUnderNodeRole(t *testing.T) {
 
 	node := fmt.Sprintf("rbac-node-%d", time.Now().UnixNano()%100000)
 	kc := filepath.Join(t.TempDir(), "kubeconfig")
-	if err := cp.WriteKubeconfig(kc, rbac.NodeUser(node), rbac.NodesGroup); err != nil {
+	if err := cp.WriteKubeconfig(kc, identity.NodeUser(node), identity.NodesGroup); err != nil {
 		t.Fatal(err)
 	}
 	state := t.TempDir()
@@ -161,7 +162,7 @@ func TestAgentUnderNodeRole(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := n.Annotations[subresources.NodeAddressAnnotation]; got != consoleAddr {
+	if got := n.Annotations[identity.NodeAddressAnnotation]; got != consoleAddr {
 		t.Errorf("console advertised at %q, want %s", got, consoleAddr)
 	}
 
@@ -193,12 +194,12 @@ func TestAgentUnderNodeRole(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	proxyCert, err := ca.Issue(uploadtls.ProxyClientName, nil, nil, true)
+	proxyCert, err := ca.Issue(identity.UploadProxyClientName, nil, nil, true)
 	if err != nil {
 		t.Fatal(err)
 	}
 	hc := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{Certificates: []tls.Certificate{proxyCert},
-		RootCAs: ca.Pool(), ServerName: uploadtls.NodeServerName}}}
+		RootCAs: ca.Pool(), ServerName: identity.UploadServerName}}}
 	defer hc.CloseIdleConnections()
 	resp, err := hc.Post(n.Annotations[importstate.NodeUploadEndpoint]+dvimport.UploadPath+userNS+"/absent", "application/octet-stream", strings.NewReader("x"))
 	if err != nil {
@@ -219,7 +220,7 @@ func TestAgentUnderNodeRole(t *testing.T) {
 		_, err := nodeKube.CoreV1().Secrets(userNS).Get(ctx, "cloudinit", metav1.GetOptions{})
 		return err == nil
 	})
-	if _, err := nodeKube.CoreV1().Secrets(brainNS).Get(ctx, uploadtls.CASecretName, metav1.GetOptions{}); !apierrors.IsForbidden(err) {
+	if _, err := nodeKube.CoreV1().Secrets(brainNS).Get(ctx, identity.UploadCASecretName, metav1.GetOptions{}); !apierrors.IsForbidden(err) {
 		t.Errorf("node reading the node CA secret: %v, want forbidden", err)
 	}
 	// Nor may it take the brain's leader lease or create VMs.

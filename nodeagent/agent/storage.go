@@ -7,7 +7,7 @@ import (
 
 	"k8s.io/client-go/dynamic"
 
-	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
+	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport"
 	"github.com/nodevirt/nodevirt/nodeagent/provisioner"
 	"github.com/nodevirt/nodevirt/nodeagent/snapshotter"

@@ -13,9 +13,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
-	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
-	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/uploadtls"
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport"
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport/dvimporttest"
 )
@@ -85,13 +85,13 @@ func TestCloneAcrossNodes(t *testing.T) {
 		t.Fatal(err)
 	}
 	url := n.Annotations[importstate.NodeUploadEndpoint] + dvimport.ExportPath + e.ns + "/golden"
-	for _, who := range []string{rbac.NodeUserPrefix + "xn-other", uploadtls.ProxyClientName} {
+	for _, who := range []string{identity.NodeUserPrefix + "xn-other", identity.UploadProxyClientName} {
 		cert, err := ca.Issue(who, nil, nil, true)
 		if err != nil {
 			t.Fatal(err)
 		}
 		hc := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{Certificates: []tls.Certificate{cert},
-			RootCAs: ca.Pool(), ServerName: uploadtls.NodeServerName}}}
+			RootCAs: ca.Pool(), ServerName: identity.UploadServerName}}}
 		resp, err := hc.Get(url)
 		if err != nil {
 			t.Fatal(err)
@@ -104,12 +104,12 @@ func TestCloneAcrossNodes(t *testing.T) {
 	}
 	// Once the clone is done the brain withdraws its clone request: the
 	// destination node itself is refused from then on.
-	cert, err := ca.Issue(rbac.NodeUserPrefix+dst, nil, nil, true)
+	cert, err := ca.Issue(identity.NodeUserPrefix+dst, nil, nil, true)
 	if err != nil {
 		t.Fatal(err)
 	}
 	hc := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{Certificates: []tls.Certificate{cert},
-		RootCAs: ca.Pool(), ServerName: uploadtls.NodeServerName}}}
+		RootCAs: ca.Pool(), ServerName: identity.UploadServerName}}}
 	defer hc.CloseIdleConnections()
 	status := 0
 	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {

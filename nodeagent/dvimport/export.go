@@ -13,15 +13,15 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
-	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
 	"github.com/nodevirt/nodevirt/nodeagent/importer"
 )
 
 // ExportPath is the path of a volume's disk on the node's upload endpoint,
 // for clones across nodes: GET ExportPath + "<namespace>/<claim>" answers
 // the disk of that claim's volume (HTTP ranges honoured). Only a node whose
-// certificate names it (rbac.NodeUserPrefix + node) and that holds a claim
+// certificate names it (identity.NodeUserPrefix + node) and that holds a claim
 // asking to clone that volume may read it.
 const ExportPath = "/v1beta1/exports/"
 
@@ -199,7 +199,7 @@ func (a *Agent) peerTLS(ctx context.Context) (*tls.Config, error) {
 	if err != nil {
 		return nil, fmt.Errorf("node ca: %w", err)
 	}
-	cert, err := ca.Issue(rbac.NodeUserPrefix+a.cfg.NodeName, nil, nil, true)
+	cert, err := ca.Issue(identity.NodeUserPrefix+a.cfg.NodeName, nil, nil, true)
 	if err != nil {
 		return nil, err
 	}

@@ -3,8 +3,8 @@ package dvimport
 import (
 	"time"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
-	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/metrics"
 	"github.com/nodevirt/nodevirt/nodeagent/importer"
 )
 

@@ -17,9 +17,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
-	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
-	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/uploadtls"
 	"github.com/nodevirt/nodevirt/nodeagent/importer"
 	"github.com/nodevirt/nodevirt/nodeagent/kube"
 )
@@ -77,7 +77,7 @@ func (s *uploadServer) mintTLS(ctx context.Context, ip net.IP) (*tls.Config, err
 		var err error
 		ca, err = loadUploadCA(ctx, s.a.kube, cfg.BrainNamespace)
 		if apierrors.IsNotFound(err) {
-			s.a.log.Info("waiting for the upload ca", "secret", cfg.BrainNamespace+"/"+uploadtls.CASecretName)
+			s.a.log.Info("waiting for the upload ca", "secret", cfg.BrainNamespace+"/"+identity.UploadCASecretName)
 			return false, nil
 		}
 		return err == nil, err
@@ -85,7 +85,7 @@ func (s *uploadServer) mintTLS(ctx context.Context, ip net.IP) (*tls.Config, err
 	if err != nil {
 		return nil, fmt.Errorf("upload ca: %w", err)
 	}
-	cert, err := ca.Issue(cfg.NodeName, []string{uploadtls.NodeServerName, cfg.NodeName}, []net.IP{ip, net.IPv4(127, 0, 0, 1)}, false)
+	cert, err := ca.Issue(cfg.NodeName, []string{identity.UploadServerName, cfg.NodeName}, []net.IP{ip, net.IPv4(127, 0, 0, 1)}, false)
 	if err != nil {
 		return nil, err
 	}
@@ -146,7 +146,7 @@ func (s *uploadServer) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		cn = r.TLS.VerifiedChains[0][0].Subject.CommonName
 	}
 	if rest, ok := strings.CutPrefix(r.URL.Path, ExportPath); ok {
-		node, isNode := strings.CutPrefix(cn, rbac.NodeUserPrefix)
+		node, isNode := strings.CutPrefix(cn, identity.NodeUserPrefix)
 		ns, name, ok := strings.Cut(rest, "/")
 		switch {
 		case !isNode || node == "":
@@ -158,7 +158,7 @@ func (s *uploadServer) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 		return
 	}
-	if cn != uploadtls.ProxyClientName {
+	if cn != identity.UploadProxyClientName {
 		http.Error(w, "only the upload proxy may upload", http.StatusForbidden)
 		return
 	}
@@ -288,7 +288,7 @@ func waitFor(ctx context.Context, cond func(context.Context) (bool, error)) erro
 // node's narrow client); the error is a NotFound API error while the brain
 // has not created it.
 func loadUploadCA(ctx context.Context, kc kube.Interface, namespace string) (*uploadtls.CA, error) {
-	s, err := kc.CoreV1().Secrets(namespace).Get(ctx, uploadtls.CASecretName, metav1.GetOptions{})
+	s, err := kc.CoreV1().Secrets(namespace).Get(ctx, identity.UploadCASecretName, metav1.GetOptions{})
 	if err != nil {
 		return nil, err
 	}

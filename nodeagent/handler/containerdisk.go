@@ -13,7 +13,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	v1 "kubevirt.io/api/core/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
 	"github.com/nodevirt/nodevirt/launcher/domain"
 	"github.com/nodevirt/nodevirt/nodeagent/containerdisk"
 	"github.com/nodevirt/nodevirt/nodeagent/importer"

@@ -19,6 +19,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	v1 "kubevirt.io/api/core/v1"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
 	"github.com/nodevirt/nodevirt/nodeagent/console"
 	"github.com/nodevirt/nodevirt/test/guest"
@@ -145,7 +146,7 @@ func TestGuestAgent(t *testing.T) {
 		t.Fatal(err)
 	}
 	nodeObj := &k8sv1.Node{ObjectMeta: metav1.ObjectMeta{Name: n.name,
-		Annotations: map[string]string{subresources.NodeAddressAnnotation: h.ConsoleAddr()}}}
+		Annotations: map[string]string{identity.NodeAddressAnnotation: h.ConsoleAddr()}}}
 	if _, err := n.kube.CoreV1().Nodes().Create(ctx, nodeObj, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}

@@ -54,7 +54,7 @@ import (
 	"k8s.io/client-go/util/workqueue"
 	v1 "kubevirt.io/api/core/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/launcher"
 	"github.com/nodevirt/nodevirt/launcher/domain"
 	"github.com/nodevirt/nodevirt/nodeagent/console"

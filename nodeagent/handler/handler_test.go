@@ -21,7 +21,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	v1 "kubevirt.io/api/core/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/metrics"
 	"github.com/nodevirt/nodevirt/launcher"
 	"github.com/nodevirt/nodevirt/nodeagent/console"
 	"github.com/nodevirt/nodevirt/test/guest"

@@ -25,7 +25,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	v1 "kubevirt.io/api/core/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/csi"
 	"github.com/nodevirt/nodevirt/launcher"

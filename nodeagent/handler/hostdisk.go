@@ -6,7 +6,7 @@ import (
 
 	v1 "kubevirt.io/api/core/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/featuregate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/featuregate"
 	"github.com/nodevirt/nodevirt/launcher/domain"
 	"github.com/nodevirt/nodevirt/nodeagent/hostdisk"
 )

@@ -14,7 +14,7 @@ import (
 	v1 "kubevirt.io/api/core/v1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
 	"github.com/nodevirt/nodevirt/nodeagent/containerdisk/registrytest"
 )
 

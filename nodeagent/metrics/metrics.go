@@ -3,7 +3,7 @@
 // kubevirt_vmi_network_*, kubevirt_vmi_storage_*) from the libvirt
 // statistics of this node's VMIs, kubevirt_vmi_phase_count of this node's
 // VMIs, and whatever the process registers in the shared registry
-// (clusterbrain/metrics.Default).
+// (clusterbrain/kit/metrics.Default).
 //
 // The statistics come from virConnectGetAllDomainStats on a read-only
 // connection of its own to the node's libvirtd, taken at scrape time. A
@@ -29,12 +29,12 @@ import (
 	"k8s.io/client-go/tools/cache"
 	v1 "kubevirt.io/api/core/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
-	prom "github.com/nodevirt/nodevirt/clusterbrain/metrics"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	prom "github.com/nodevirt/nodevirt/clusterbrain/kit/metrics"
 )
 
 // DefaultAddr is where the node agent serves /metrics: loopback only (no
-// authentication; see clusterbrain/metrics.DefaultBrainAddr).
+// authentication; see clusterbrain/brain.DefaultMetricsAddr).
 const DefaultAddr = "127.0.0.1:8485"
 
 // Config configures a Server.
@@ -108,7 +108,7 @@ func New(cfg Config) (*Server, error) {
 	}
 	s.stats = newDomainStats(cfg.LibvirtURI, cfg.NodeName, s.nodeVMI, s.log)
 	s.registry = prom.NewRegistry()
-	s.registry.Register(prom.DomainCollector(s.stats.collect))
+	s.registry.Register(DomainCollector(s.stats.collect))
 	s.registry.Register(phaseCounts(prom.VMICollector(s.nodeVMIs)))
 	s.registry.Register(prom.CollectorFunc(prom.Default().Gather))
 	return s, nil

@@ -11,7 +11,6 @@ import (
 	"libvirt.org/go/libvirt"
 	"libvirt.org/go/libvirtxml"
 
-	prom "github.com/nodevirt/nodevirt/clusterbrain/metrics"
 	"github.com/nodevirt/nodevirt/launcher/domain"
 )
 
@@ -56,7 +55,7 @@ func (d *domainStats) close() {
 
 // collect is the DomainCollector's source: a failed gathering is logged
 // and exposes no per-VMI series.
-func (d *domainStats) collect() []prom.DomainStats {
+func (d *domainStats) collect() []DomainStats {
 	out, err := d.gather()
 	if err != nil {
 		d.log.Warn("domain statistics", "err", err)
@@ -82,7 +81,7 @@ func (d *domainStats) connection() (*libvirt.Connect, error) {
 
 // gather returns the statistics of every active domain of a VMI of this
 // node.
-func (d *domainStats) gather() ([]prom.DomainStats, error) {
+func (d *domainStats) gather() ([]DomainStats, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	conn, err := d.connection()
@@ -100,7 +99,7 @@ func (d *domainStats) gather() ([]prom.DomainStats, error) {
 		}
 	}()
 	seen := map[string]bool{}
-	var out []prom.DomainStats
+	var out []DomainStats
 	for _, s := range all {
 		name, err := s.Domain.GetName()
 		if err != nil {
@@ -208,8 +207,8 @@ var vcpuStates = map[libvirt.VcpuState]string{
 }
 
 // convert turns libvirt's statistics of one domain into DomainStats.
-func convert(s libvirt.DomainStats, namespace, name, node string, devs *domainDevices) prom.DomainStats {
-	out := prom.DomainStats{Namespace: namespace, Name: name, Node: node}
+func convert(s libvirt.DomainStats, namespace, name, node string, devs *domainDevices) DomainStats {
+	out := DomainStats{Namespace: namespace, Name: name, Node: node}
 	if c := s.Cpu; c != nil {
 		out.CPUTime, out.CPUUser, out.CPUSystem = c.Time, c.User, c.System
 	}
@@ -217,7 +216,7 @@ func convert(s libvirt.DomainStats, namespace, name, node string, devs *domainDe
 		if !v.StateSet && !v.TimeSet {
 			continue
 		}
-		out.VCPUs = append(out.VCPUs, prom.VCPUStats{ID: i, State: vcpuStates[v.State], Time: v.Time, Wait: v.Wait})
+		out.VCPUs = append(out.VCPUs, VCPUStats{ID: i, State: vcpuStates[v.State], Time: v.Time, Wait: v.Wait})
 	}
 	if b := s.Balloon; b != nil {
 		out.MemoryAvailable, out.MemoryUnused, out.MemoryUsable = b.Available, b.Unused, b.Usable
@@ -228,7 +227,7 @@ func convert(s libvirt.DomainStats, namespace, name, node string, devs *domainDe
 		if !n.NameSet {
 			continue
 		}
-		out.Interfaces = append(out.Interfaces, prom.InterfaceStats{Name: nameOr(devs.nics, n.Name),
+		out.Interfaces = append(out.Interfaces, InterfaceStats{Name: nameOr(devs.nics, n.Name),
 			RxBytes: n.RxBytes, RxPackets: n.RxPkts, RxErrors: n.RxErrs, RxDropped: n.RxDrop,
 			TxBytes: n.TxBytes, TxPackets: n.TxPkts, TxErrors: n.TxErrs, TxDropped: n.TxDrop})
 	}
@@ -236,7 +235,7 @@ func convert(s libvirt.DomainStats, namespace, name, node string, devs *domainDe
 		if !b.NameSet {
 			continue
 		}
-		out.Blocks = append(out.Blocks, prom.BlockStats{Drive: nameOr(devs.drives, b.Name),
+		out.Blocks = append(out.Blocks, BlockStats{Drive: nameOr(devs.drives, b.Name),
 			ReadRequests: b.RdReqs, ReadBytes: b.RdBytes, ReadTime: b.RdTimes,
 			WriteRequests: b.WrReqs, WriteBytes: b.WrBytes, WriteTime: b.WrTimes,
 			FlushRequests: b.FlReqs, FlushTime: b.FlTimes})

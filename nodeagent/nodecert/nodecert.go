@@ -27,9 +27,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/certs"
-	"github.com/nodevirt/nodevirt/clusterbrain/nodecerts"
-	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/certs"
 	"github.com/nodevirt/nodevirt/nodeagent/kube"
 )
 
@@ -45,7 +44,7 @@ type Config struct {
 	NodeName string
 	// Dir keeps the key and the certificate (0700, created when missing).
 	Dir string
-	// DNSNames are added to the node's name (default nodecerts.SharedNames).
+	// DNSNames are added to the node's name (default identity.NodeSharedNames).
 	DNSNames []string
 	// IPs are requested too; the signer allows only the Node's addresses.
 	IPs []net.IP
@@ -64,7 +63,7 @@ func (c *Config) defaults() error {
 		return errors.New("nodecert: kube client, node name and directory are required")
 	}
 	if c.DNSNames == nil {
-		c.DNSNames = nodecerts.SharedNames
+		c.DNSNames = identity.NodeSharedNames
 	}
 	if c.Duration == 0 {
 		c.Duration = 24 * time.Hour
@@ -126,7 +125,7 @@ func (s *Source) load() error {
 	if !time.Now().Before(is.leaf.NotAfter) {
 		return fmt.Errorf("stored certificate expired at %s", is.leaf.NotAfter)
 	}
-	if is.leaf.Subject.CommonName != rbac.NodeUser(s.cfg.NodeName) {
+	if is.leaf.Subject.CommonName != identity.NodeUser(s.cfg.NodeName) {
 		return fmt.Errorf("stored certificate is for %q", is.leaf.Subject.CommonName)
 	}
 	s.cur.Store(is)
@@ -194,9 +193,9 @@ func (s *Source) Request(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	user := rbac.NodeUser(s.cfg.NodeName)
+	user := identity.NodeUser(s.cfg.NodeName)
 	dns := append([]string{s.cfg.NodeName}, s.cfg.DNSNames...)
-	req, err := certs.NewCSR(key, pkix.Name{CommonName: user, Organization: []string{rbac.NodesGroup}}, dns, s.cfg.IPs)
+	req, err := certs.NewCSR(key, pkix.Name{CommonName: user, Organization: []string{identity.NodesGroup}}, dns, s.cfg.IPs)
 	if err != nil {
 		return err
 	}
@@ -205,7 +204,7 @@ func (s *Source) Request(ctx context.Context) error {
 	csr, err := api.Create(ctx, &certificatesv1.CertificateSigningRequest{
 		ObjectMeta: metav1.ObjectMeta{GenerateName: "node-" + s.cfg.NodeName + "-",
 			Labels: map[string]string{"app.kubernetes.io/managed-by": "nodevirt", "nodevirt.io/node": s.cfg.NodeName}},
-		Spec: certificatesv1.CertificateSigningRequestSpec{Request: req, SignerName: nodecerts.SignerName,
+		Spec: certificatesv1.CertificateSigningRequestSpec{Request: req, SignerName: identity.NodeSignerName,
 			ExpirationSeconds: &secs, Usages: []certificatesv1.KeyUsage{certificatesv1.UsageDigitalSignature,
 				certificatesv1.UsageKeyEncipherment, certificatesv1.UsageServerAuth, certificatesv1.UsageClientAuth}},
 	}, metav1.CreateOptions{})

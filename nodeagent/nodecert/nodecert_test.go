@@ -22,11 +22,12 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/certs"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/certs"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/uploadtls"
 	"github.com/nodevirt/nodevirt/clusterbrain/nodecerts"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
-	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
 	"github.com/nodevirt/nodevirt/nodeagent/console"
 	"github.com/nodevirt/nodevirt/nodeagent/nodecert"
 	"github.com/nodevirt/nodevirt/test/controlplane"
@@ -71,7 +72,7 @@ func nodeClient(t *testing.T, node string) kubernetes.Interface {
 	t.Helper()
 	cp := controlplane.Shared(t)
 	path := filepath.Join(t.TempDir(), "kubeconfig")
-	if err := cp.WriteKubeconfig(path, rbac.NodeUser(node), rbac.NodesGroup); err != nil {
+	if err := cp.WriteKubeconfig(path, identity.NodeUser(node), identity.NodesGroup); err != nil {
 		t.Fatal(err)
 	}
 	rc, err := clientcmd.BuildConfigFromFlags("", path)
@@ -100,14 +101,14 @@ func TestNodeGetsItsCertificate(t *testing.T) {
 		t.Fatal(err)
 	}
 	leaf := src.Leaf()
-	if leaf.Subject.CommonName != rbac.NodeUser(node) {
+	if leaf.Subject.CommonName != identity.NodeUser(node) {
 		t.Errorf("subject %v", leaf.Subject)
 	}
 	ca, err := uploadtls.LoadCA(context.Background(), controlplane.Shared(t).Clientset(t), ns)
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, name := range []string{node, subresources.NodeServerName, uploadtls.NodeServerName} {
+	for _, name := range []string{node, identity.HandlerServerName, identity.UploadServerName} {
 		if _, err := leaf.Verify(x509.VerifyOptions{Roots: ca.Pool(), DNSName: name,
 			KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}); err != nil {
 			t.Errorf("node certificate for %s: %v", name, err)
@@ -161,7 +162,7 @@ func TestRequestsNotMatchingTheNodeAreDenied(t *testing.T) {
 	if _, err := admin.CoreV1().Nodes().UpdateStatus(context.Background(), n, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	self := pkix.Name{CommonName: rbac.NodeUser("cert-node-b"), Organization: []string{rbac.NodesGroup}}
+	self := pkix.Name{CommonName: identity.NodeUser("cert-node-b"), Organization: []string{identity.NodesGroup}}
 	usages := []certificatesv1.KeyUsage{certificatesv1.UsageDigitalSignature, certificatesv1.UsageServerAuth}
 	cases := []struct {
 		name    string
@@ -185,7 +186,7 @@ func TestRequestsNotMatchingTheNodeAreDenied(t *testing.T) {
 		}
 		csr, err := kubeA.CertificatesV1().CertificateSigningRequests().Create(context.Background(), &certificatesv1.CertificateSigningRequest{
 			ObjectMeta: metav1.ObjectMeta{GenerateName: "handmade-"},
-			Spec:       certificatesv1.CertificateSigningRequestSpec{Request: req, SignerName: nodecerts.SignerName, Usages: c.usages},
+			Spec:       certificatesv1.CertificateSigningRequestSpec{Request: req, SignerName: identity.NodeSignerName, Usages: c.usages},
 		}, metav1.CreateOptions{})
 		if err != nil {
 			t.Fatalf("%s: %v", c.name, err)
@@ -197,10 +198,10 @@ func TestRequestsNotMatchingTheNodeAreDenied(t *testing.T) {
 	}
 	// A node cannot approve its own request either.
 	key, _ := certs.GenerateKey()
-	req, _ := certs.NewCSR(key, pkix.Name{CommonName: rbac.NodeUser("cert-node-c"), Organization: []string{rbac.NodesGroup}}, nil, nil)
+	req, _ := certs.NewCSR(key, pkix.Name{CommonName: identity.NodeUser("cert-node-c"), Organization: []string{identity.NodesGroup}}, nil, nil)
 	csr, err := kubeA.CertificatesV1().CertificateSigningRequests().Create(context.Background(), &certificatesv1.CertificateSigningRequest{
 		ObjectMeta: metav1.ObjectMeta{GenerateName: "selfapprove-"},
-		Spec:       certificatesv1.CertificateSigningRequestSpec{Request: req, SignerName: nodecerts.SignerName, Usages: usages},
+		Spec:       certificatesv1.CertificateSigningRequestSpec{Request: req, SignerName: identity.NodeSignerName, Usages: usages},
 	}, metav1.CreateOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -307,7 +308,7 @@ func TestConsoleWithIssuedCertificates(t *testing.T) {
 		t.Fatal(err)
 	}
 	srv, err := console.New(console.Config{Addr: "127.0.0.1:0", TLS: src.ServerTLS(),
-		AllowedClients: []string{subresources.ClientName}}, echo{})
+		AllowedClients: []string{identity.SubresourcesClientName}}, echo{})
 	if err != nil {
 		t.Fatal(err)
 	}

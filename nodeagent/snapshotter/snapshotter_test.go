@@ -27,7 +27,8 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
-	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	hostpath "github.com/nodevirt/nodevirt/csi"
@@ -116,7 +117,7 @@ func setup(t *testing.T) env {
 		t.Fatal(err)
 	}
 	kc := filepath.Join(root, "node.kubeconfig")
-	if err := cp.WriteKubeconfig(kc, rbac.NodeUser(node), rbac.NodesGroup); err != nil {
+	if err := cp.WriteKubeconfig(kc, identity.NodeUser(node), identity.NodesGroup); err != nil {
 		t.Fatal(err)
 	}
 	rc, err := clientcmd.BuildConfigFromFlags("", kc)

@@ -12,11 +12,11 @@ import (
 	"path/filepath"
 	"time"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/certs"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/certs"
 )
 
 // CA is a certificate authority kept as PEM files in a directory; a thin
-// wrapper of the project's PKI package (clusterbrain/certs) for the control
+// wrapper of the project's PKI package (clusterbrain/kit/certs) for the control
 // plane's identities.
 type CA struct {
 	Cert    *x509.Certificate

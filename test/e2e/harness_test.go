@@ -25,9 +25,10 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
-	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
-	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/cni/bridge"
 	"github.com/nodevirt/nodevirt/nodeagent/agent"
@@ -214,10 +215,10 @@ func (e *env) startDaemons() error {
 	if err := rbac.EnsureDaemons(context.Background(), e.kube); err != nil {
 		return fmt.Errorf("daemon roles: %w", err)
 	}
-	if err := e.cp.WriteKubeconfig(brainKC, rbac.BrainUser, rbac.BrainGroup); err != nil {
+	if err := e.cp.WriteKubeconfig(brainKC, identity.BrainUser, identity.BrainGroup); err != nil {
 		return err
 	}
-	if err := e.cp.WriteKubeconfig(agentKC, rbac.NodeUser(e.nodeName), rbac.NodesGroup); err != nil {
+	if err := e.cp.WriteKubeconfig(agentKC, identity.NodeUser(e.nodeName), identity.NodesGroup); err != nil {
 		return err
 	}
 	brainArgs := []string{"--kubeconfig=" + brainKC, "--health-addr=" + freeAddr(), "--fencing-window=" + fencingWindow.String(),

@@ -21,12 +21,11 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
-	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume"
-	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
-	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
-	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/uploadtls"
 	nodeconsole "github.com/nodevirt/nodevirt/nodeagent/console"
 )
 
@@ -175,7 +174,7 @@ func TestAnotherNodesCredentials(t *testing.T) {
 	ctx := context.Background()
 	other := "other-" + e.run
 	kc := filepath.Join(t.TempDir(), "other.kubeconfig")
-	if err := e.cp.WriteKubeconfig(kc, rbac.NodeUser(other), rbac.NodesGroup); err != nil {
+	if err := e.cp.WriteKubeconfig(kc, identity.NodeUser(other), identity.NodesGroup); err != nil {
 		t.Fatal(err)
 	}
 	cfg, err := clientcmd.BuildConfigFromFlags("", kc)
@@ -202,7 +201,7 @@ func TestAnotherNodesCredentials(t *testing.T) {
 	if _, err := kube.CoreV1().Secrets(n.name).List(ctx, metav1.ListOptions{}); err == nil {
 		t.Error("a node listed the Secrets of a namespace")
 	}
-	if _, err := kube.CoreV1().Secrets(hcov1beta1.DefaultNamespace).Get(ctx, uploadtls.CASecretName, metav1.GetOptions{}); err == nil {
+	if _, err := kube.CoreV1().Secrets(hcov1beta1.DefaultNamespace).Get(ctx, identity.UploadCASecretName, metav1.GetOptions{}); err == nil {
 		t.Error("a node read the node CA's Secret")
 	}
 
@@ -211,7 +210,7 @@ func TestAnotherNodesCredentials(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	addr := node.Annotations[subresources.NodeAddressAnnotation]
+	addr := node.Annotations[identity.NodeAddressAnnotation]
 	if addr == "" {
 		t.Fatalf("node %s publishes no console address", e.nodeName)
 	}
@@ -219,7 +218,7 @@ func TestAnotherNodesCredentials(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cert, err := ca.Issue(rbac.NodeUser(other), []string{other, subresources.NodeServerName}, nil, true)
+	cert, err := ca.Issue(identity.NodeUser(other), []string{other, identity.HandlerServerName}, nil, true)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -21,7 +21,7 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	"libvirt.org/go/libvirtxml"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 	"github.com/nodevirt/nodevirt/test/lab"
 )
 
@@ -75,7 +75,7 @@ func (e *env) startSecondNode() error {
 		return err
 	}
 	kc := filepath.Join(n.Dir, "nodeagent.kubeconfig")
-	if err := e.cp.WriteKubeconfig(kc, rbac.NodeUser(n.Name), rbac.NodesGroup); err != nil {
+	if err := e.cp.WriteKubeconfig(kc, identity.NodeUser(n.Name), identity.NodesGroup); err != nil {
 		return err
 	}
 	server, err := lab.UnderlayServer(f, e.cp.URL)

@@ -26,9 +26,10 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
-	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
-	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/launcher/libvirttest"
 	"github.com/nodevirt/nodevirt/test/controlplane"
@@ -144,7 +145,7 @@ func Up(ctx context.Context, cfg Config) error {
 	}
 	step(cfg.Out, "clusterbrain (and a standby)")
 	brainKC := cfg.path("clusterbrain.kubeconfig")
-	if err := cp.WriteKubeconfig(brainKC, rbac.BrainUser, rbac.BrainGroup); err != nil {
+	if err := cp.WriteKubeconfig(brainKC, identity.BrainUser, identity.BrainGroup); err != nil {
 		return err
 	}
 	if err := startDaemon(cfg, "clusterbrain", "--kubeconfig="+brainKC, "--health-addr=127.0.0.1:8480",
@@ -191,7 +192,7 @@ func Up(ctx context.Context, cfg Config) error {
 func startHostAgent(cfg Config, cp *controlplane.ControlPlane) error {
 	step(cfg.Out, "nodeagent")
 	agentKC := cfg.path("nodeagent.kubeconfig")
-	if err := cp.WriteKubeconfig(agentKC, rbac.NodeUser(cfg.NodeName), rbac.NodesGroup); err != nil {
+	if err := cp.WriteKubeconfig(agentKC, identity.NodeUser(cfg.NodeName), identity.NodesGroup); err != nil {
 		return err
 	}
 	agentDir := cfg.path("nodeagent")

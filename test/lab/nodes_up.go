@@ -13,7 +13,7 @@ import (
 
 	"k8s.io/client-go/tools/clientcmd"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
 
@@ -126,7 +126,7 @@ func startNodeAgents(cfg Config, cp *controlplane.ControlPlane) error {
 	}
 	for _, n := range cfg.Nodes() {
 		kc := n.path("nodeagent.kubeconfig")
-		if err := cp.WriteKubeconfig(kc, rbac.NodeUser(n.Name), rbac.NodesGroup); err != nil {
+		if err := cp.WriteKubeconfig(kc, identity.NodeUser(n.Name), identity.NodesGroup); err != nil {
 			return err
 		}
 		if err := PointKubeconfig(kc, server); err != nil {

@@ -10,10 +10,10 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 	"github.com/nodevirt/nodevirt/clusterbrain/brain"
-	"github.com/nodevirt/nodevirt/clusterbrain/daemon"
-	"github.com/nodevirt/nodevirt/clusterbrain/daemon/buildinfo"
-	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon/buildinfo"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 )
 
@@ -27,7 +27,7 @@ func main() {
 	flag.StringVar(&cfg.SubresourcesAddr, "subresources-addr", ":8444", "address of the subresources.kubevirt.io aggregated API (not loopback)")
 	flag.StringVar(&cfg.UploadAPIAddr, "upload-api-addr", ":8445", "address of the upload.cdi.kubevirt.io aggregated API (not loopback)")
 	flag.StringVar(&cfg.UploadProxyAddr, "uploadproxy-addr", ":8446", "address of the upload proxy")
-	flag.StringVar(&cfg.MetricsAddr, "metrics-addr", metrics.DefaultBrainAddr, "address of /metrics (unauthenticated: loopback unless you put a proxy in front)")
+	flag.StringVar(&cfg.MetricsAddr, "metrics-addr", brain.DefaultMetricsAddr, "address of /metrics (unauthenticated: loopback unless you put a proxy in front)")
 	flag.StringVar(&cfg.CLIDownloadAddr, "cli-download-addr", ":8482", "address of the virtctl download service")
 	flag.StringVar(&cfg.VirtctlDir, "virtctl-dir", "/usr/local/share/nodevirt/virtctl", "directory of the virtctl builds served for download")
 	flag.DurationVar(&cfg.LeaseDuration, "lease-duration", 0, "leader lease duration (default 10s)")
@@ -45,7 +45,7 @@ func main() {
 			fmt.Fprintln(os.Stderr, "clusterbrain:", err)
 			os.Exit(1)
 		}
-		fmt.Printf("installed: brain user %s (group %s), nodes system:node:<name> (group %s)\n", rbac.BrainUser, rbac.BrainGroup, rbac.NodesGroup)
+		fmt.Printf("installed: brain user %s (group %s), nodes system:node:<name> (group %s)\n", identity.BrainUser, identity.BrainGroup, identity.NodesGroup)
 		return
 	}
 

@@ -9,8 +9,8 @@ import (
 	"os/signal"
 	"syscall"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/daemon/buildinfo"
-	"github.com/nodevirt/nodevirt/clusterbrain/virtctl"
+	"github.com/nodevirt/nodevirt/clusterbrain/client/virtctl"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon/buildinfo"
 )
 
 func main() {

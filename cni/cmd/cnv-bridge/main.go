@@ -10,7 +10,7 @@ import (
 
 	"github.com/containernetworking/cni/pkg/skel"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/daemon/buildinfo"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon/buildinfo"
 	"github.com/nodevirt/nodevirt/cni/bridge"
 )
 

@@ -12,7 +12,7 @@ import (
 	"strings"
 	"syscall"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/daemon/buildinfo"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon/buildinfo"
 	"github.com/nodevirt/nodevirt/csi"
 )
 

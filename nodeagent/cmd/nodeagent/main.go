@@ -12,8 +12,8 @@ import (
 
 	"k8s.io/apimachinery/pkg/api/resource"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/daemon"
-	"github.com/nodevirt/nodevirt/clusterbrain/daemon/buildinfo"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon/buildinfo"
 	"github.com/nodevirt/nodevirt/nodeagent/agent"
 	"github.com/nodevirt/nodevirt/nodeagent/hostdisk"
 	nodemetrics "github.com/nodevirt/nodevirt/nodeagent/metrics"

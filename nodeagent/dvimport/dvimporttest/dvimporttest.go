@@ -26,7 +26,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
 )
 
 // DirResolver keeps each volume in Root/<handle>/disk.img.

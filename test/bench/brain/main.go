@@ -36,7 +36,8 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/macpool"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
@@ -190,7 +191,7 @@ func bench(ctx context.Context, nVMs, nNodes int, share bool) error {
 		return fmt.Errorf("daemon roles: %w", err)
 	}
 	brainKC := filepath.Join(dir, "clusterbrain.kubeconfig")
-	if err := cp.WriteKubeconfig(brainKC, rbac.BrainUser, rbac.BrainGroup); err != nil {
+	if err := cp.WriteKubeconfig(brainKC, identity.BrainUser, identity.BrainGroup); err != nil {
 		return err
 	}
 	child := exec.CommandContext(ctx, self, "-run-brain", "-kubeconfig", brainKC, fmt.Sprintf("-share-informers=%t", share))

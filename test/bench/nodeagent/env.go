@@ -27,9 +27,10 @@ import (
 	"k8s.io/client-go/kubernetes"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
-	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
-	"github.com/nodevirt/nodevirt/clusterbrain/featuregate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/featuregate"
+	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/launcher/libvirttest"
 	"github.com/nodevirt/nodevirt/test/controlplane"
@@ -122,10 +123,10 @@ func (e *env) start(ctx context.Context) error {
 		return fmt.Errorf("daemon roles: %w", err)
 	}
 	brainKC, agentKC := e.path("clusterbrain.kubeconfig"), e.path("nodeagent.kubeconfig")
-	if err := e.cp.WriteKubeconfig(brainKC, rbac.BrainUser, rbac.BrainGroup); err != nil {
+	if err := e.cp.WriteKubeconfig(brainKC, identity.BrainUser, identity.BrainGroup); err != nil {
 		return err
 	}
-	if err := e.cp.WriteKubeconfig(agentKC, rbac.NodeUser(e.node), rbac.NodesGroup); err != nil {
+	if err := e.cp.WriteKubeconfig(agentKC, identity.NodeUser(e.node), identity.NodesGroup); err != nil {
 		return err
 	}
 	if e.brain, err = e.daemon("clusterbrain", "--kubeconfig="+brainKC, "--health-addr="+freeAddr("127.0.0.1"),

@@ -13,7 +13,7 @@ import (
 	"os/signal"
 	"syscall"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/daemon/buildinfo"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon/buildinfo"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 	"github.com/nodevirt/nodevirt/test/lab"
 	"github.com/nodevirt/nodevirt/test/upstreamvirtctl"
