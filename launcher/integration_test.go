@@ -124,7 +124,7 @@ func TestBootRealGuest(t *testing.T) {
 		Emulation: true,
 		StateDir:  libvirttest.StateDir(t),
 		Disks:     map[string]domain.DiskSource{"boot": {Path: bootDisk, Format: domain.FormatRaw}},
-		Taps:      map[string]string{"lan": tap},
+		Taps:      map[string]domain.Tap{"lan": {Dev: tap}},
 	}
 	dom, err := domain.Convert(vmi, env)
 	if err != nil {

@@ -43,7 +43,7 @@ func testEnv(vmi *v1.VirtualMachineInstance) Env {
 		Emulation: vmi.Annotations["nodevirt-test/kvm"] != "true",
 		StateDir:  "/var/lib/nodevirt/vms/" + Name(vmi.Namespace, vmi.Name),
 		Disks:     map[string]DiskSource{},
-		Taps:      map[string]string{},
+		Taps:      map[string]Tap{},
 	}
 	for _, v := range vmi.Spec.Volumes {
 		claim := ""
@@ -72,7 +72,7 @@ func testEnv(vmi *v1.VirtualMachineInstance) Env {
 		}
 	}
 	for i, iface := range vmi.Spec.Domain.Devices.Interfaces {
-		env.Taps[iface.Name] = "nvtap" + string(rune('0'+i))
+		env.Taps[iface.Name] = Tap{Dev: "nvtap" + string(rune('0'+i))}
 	}
 	return env
 }
@@ -343,5 +343,53 @@ func TestEnvValidation(t *testing.T) {
 	env.Disks["root"] = DiskSource{Path: "/x", Format: "vmdk"}
 	if _, err := Convert(vmi, env); err == nil || !strings.Contains(err.Error(), `unknown format "vmdk"`) {
 		t.Fatalf("vmdk accepted: %v", err)
+	}
+}
+
+// The tap the node attached is what the NIC gets: its device, its MTU
+// (<mtu size=>, so the guest's link matches the bridge's) and, when the
+// spec names no MAC, the MAC the port was made for; a spec MAC the tap was
+// not made for is refused.
+func TestTapFeedsInterface(t *testing.T) {
+	vmi := loadVMI(t, "testdata/minimal.yaml")
+	vmi.Spec.Domain.Devices.Interfaces[0].MacAddress = ""
+	env := testEnv(vmi)
+	env.Taps["lan"] = Tap{Dev: "nvtlan", MAC: "02:aa:bb:cc:dd:ee", MTU: 1400}
+	d, err := Convert(vmi, env)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(d.Devices.Interfaces) != 1 {
+		t.Fatalf("interfaces %+v", d.Devices.Interfaces)
+	}
+	got := d.Devices.Interfaces[0]
+	if got.Target == nil || got.Target.Dev != "nvtlan" {
+		t.Errorf("target %+v, want nvtlan", got.Target)
+	}
+	if got.MTU == nil || got.MTU.Size != 1400 {
+		t.Errorf("mtu %+v, want 1400", got.MTU)
+	}
+	if got.MAC == nil || got.MAC.Address != "02:aa:bb:cc:dd:ee" {
+		t.Errorf("mac %+v, want the tap's 02:aa:bb:cc:dd:ee", got.MAC)
+	}
+	x, err := d.Marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(x, `<mtu size="1400"></mtu>`) {
+		t.Errorf("domain XML lacks the MTU:\n%s", x)
+	}
+
+	vmi.Spec.Domain.Devices.Interfaces[0].MacAddress = "02:00:00:00:00:01"
+	if _, err := Convert(vmi, env); err == nil || !strings.Contains(err.Error(), "tap nvtlan was attached for MAC 02:aa:bb:cc:dd:ee, not the spec's 02:00:00:00:00:01") {
+		t.Errorf("a tap made for another MAC: %v", err)
+	}
+	env.Taps["lan"] = Tap{Dev: "nvtlan"}
+	d, err = Convert(vmi, env)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if i := d.Devices.Interfaces[0]; i.MTU != nil || i.MAC == nil || i.MAC.Address != "02:00:00:00:00:01" {
+		t.Errorf("a tap without MTU or MAC: mtu %+v mac %+v", i.MTU, i.MAC)
 	}
 }

@@ -74,13 +74,13 @@ func (c *converter) interfaces(d *libvirtxml.Domain) {
 			model = "virtio-transitional"
 		}
 		tap, ok := c.env.Taps[iface.Name]
-		if !ok || tap == "" {
+		if !ok || tap.Dev == "" {
 			c.fail(fmt.Errorf("%s: no tap device for interface %q on this node", path, iface.Name))
 			continue
 		}
 		di := libvirtxml.DomainInterface{
 			Source: &libvirtxml.DomainInterfaceSource{Ethernet: &libvirtxml.DomainInterfaceSourceEthernet{}},
-			Target: &libvirtxml.DomainInterfaceTarget{Dev: tap, Managed: "no"},
+			Target: &libvirtxml.DomainInterfaceTarget{Dev: tap.Dev, Managed: "no"},
 			Model:  &libvirtxml.DomainInterfaceModel{Type: model},
 			Alias:  userAlias(iface.Name),
 		}
@@ -91,6 +91,20 @@ func (c *converter) interfaces(d *libvirtxml.Domain) {
 			} else {
 				di.MAC = &libvirtxml.DomainInterfaceMAC{Address: mac.String()}
 			}
+		}
+		if tap.MAC != "" {
+			mac, err := net.ParseMAC(tap.MAC)
+			switch {
+			case err != nil || len(mac) != 6:
+				c.fail(fmt.Errorf("%s: tap %s has MAC %q, not a MAC-48 address", path, tap.Dev, tap.MAC))
+			case di.MAC != nil && di.MAC.Address != mac.String():
+				c.fail(fmt.Errorf("%s: tap %s was attached for MAC %s, not the spec's %s", path, tap.Dev, mac, di.MAC.Address))
+			default:
+				di.MAC = &libvirtxml.DomainInterfaceMAC{Address: mac.String()}
+			}
+		}
+		if tap.MTU > 0 {
+			di.MTU = &libvirtxml.DomainInterfaceMTU{Size: uint(tap.MTU)}
 		}
 		if iface.BootOrder != nil {
 			if *iface.BootOrder == 0 {

@@ -58,8 +58,8 @@ type Env struct {
 	// volumes.
 	Disks map[string]DiskSource
 	// Taps maps an interface name (spec.domain.devices.interfaces[].name) to
-	// the tap device the node prepared for it.
-	Taps map[string]string
+	// the tap the node attached for it.
+	Taps map[string]Tap
 	// Secrets holds the data of the Secrets the VMI refers to, by Secret name
 	// then key (secret volumes, cloud-init secretRef and
 	// networkDataSecretRef).
@@ -74,6 +74,19 @@ type Env struct {
 	// MemoryOverhead is added to resources.limits.memory to make the domain's
 	// memtune hard limit; 0 means DefaultMemoryOverhead.
 	MemoryOverhead int64
+}
+
+// Tap is what the node made for one interface (the result of
+// cni/bridge.AttachTap, or of the pod network's attach), and all the domain
+// takes from the host side of a NIC: the interface's target is Dev; the
+// guest's MAC is MAC, the address the port's spoof-check rules and the pod
+// network's lease were made for, and must agree with the spec's when the
+// spec names one; the guest's link MTU is MTU (<mtu size=>, so the guest
+// sees the bridge's MTU, not 1500), 0 leaving QEMU's default.
+type Tap struct {
+	Dev string
+	MAC string
+	MTU int
 }
 
 func (e *Env) defaulted() Env {

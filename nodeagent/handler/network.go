@@ -1,7 +1,6 @@
 package handler
 
 import (
-	"cmp"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -18,6 +17,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/metrics"
 	"github.com/nodevirt/nodevirt/cni/bridge"
+	"github.com/nodevirt/nodevirt/launcher/domain"
 )
 
 // tapName is the deterministic tap of a VMI's interface: an agent restart
@@ -109,38 +109,54 @@ func (h *Handler) netConf(raw []byte) (*bridge.NetConf, error) {
 	return conf, nil
 }
 
-// attachTaps makes (or re-adopts) every planned tap on its bridge with the
-// interface's MAC, or on the pod network.
-func (h *Handler) attachTaps(ctx context.Context, vmi *v1.VirtualMachineInstance, taps []tapRecord) error {
-	macs := map[string]string{}
-	for _, iface := range vmi.Spec.Domain.Devices.Interfaces {
-		macs[iface.Name] = iface.MacAddress
+// plannedDomainTaps is what the domain would get from the planned taps
+// before any is attached (no MTU yet): enough to check the spec before
+// anything is made on the host.
+func plannedDomainTaps(taps []tapRecord) map[string]domain.Tap {
+	out := make(map[string]domain.Tap, len(taps))
+	for _, t := range taps {
+		out[t.Interface] = domain.Tap{Dev: t.Tap, MAC: t.MAC}
 	}
+	return out
+}
+
+// attachTaps makes (or re-adopts) every planned tap on its bridge with the
+// MAC the plan recorded, or on the pod network, and returns what each
+// attach made, by interface name, for the domain: the tap device, the MAC
+// its port was made for and (bridge networks) the port's MTU.
+func (h *Handler) attachTaps(ctx context.Context, vmi *v1.VirtualMachineInstance, taps []tapRecord) (map[string]domain.Tap, error) {
+	out := make(map[string]domain.Tap, len(taps))
 	for _, t := range taps {
 		if t.Pod {
 			if err := h.attachPodTap(ctx, podKey(vmi.Namespace, vmi.Name, vmi.UID), t); err != nil {
-				return err
+				return nil, err
 			}
+			out[t.Interface] = domain.Tap{Dev: t.Tap, MAC: t.MAC}
 			continue
 		}
 		conf, err := h.netConf(t.NetConf)
 		if err != nil {
-			return fmt.Errorf("interface %s: %w", t.Interface, err)
+			return nil, fmt.Errorf("interface %s: %w", t.Interface, err)
 		}
 		var mac net.HardwareAddr
-		if s := cmp.Or(macs[t.Interface], t.MAC); s != "" {
-			if mac, err = net.ParseMAC(s); err != nil {
-				return fmt.Errorf("interface %s: mac %q: %w", t.Interface, s, err)
+		if t.MAC != "" {
+			if mac, err = net.ParseMAC(t.MAC); err != nil {
+				return nil, fmt.Errorf("interface %s: recorded mac %q: %w", t.Interface, t.MAC, err)
 			}
 		}
 		start := time.Now()
-		_, err = bridge.AttachTap(ctx, conf, t.Tap, mac, -1)
+		a, err := bridge.AttachTap(ctx, conf, t.Tap, mac, -1)
 		observeTap("attach", start, err)
 		if err != nil {
-			return fmt.Errorf("interface %s: %w", t.Interface, err)
+			return nil, fmt.Errorf("interface %s: %w", t.Interface, err)
 		}
+		dt := domain.Tap{Dev: a.Port, MTU: a.MTU}
+		if a.MAC != nil {
+			dt.MAC = a.MAC.String()
+		}
+		out[t.Interface] = dt
 	}
-	return nil
+	return out, nil
 }
 
 // detachTaps removes the taps of a record; gone taps are fine.

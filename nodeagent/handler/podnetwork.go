@@ -83,31 +83,6 @@ func (h *Handler) podTap(vmi *v1.VirtualMachineInstance, iface *v1.Interface, pa
 	return tapRecord{Interface: iface.Name, Tap: tapName(vmi.UID, iface.Name), Pod: true, MAC: mac.String()}, nil
 }
 
-// withDerivedMACs returns vmi with the derived MAC of every interface that
-// has none, so the domain uses the MAC its tap (and the pod network's lease,
-// and the spoof-check rules) were made for; vmi itself when nothing is
-// missing.
-func withDerivedMACs(vmi *v1.VirtualMachineInstance, taps []tapRecord) *v1.VirtualMachineInstance {
-	out := vmi
-	for _, t := range taps {
-		if t.MAC == "" {
-			continue
-		}
-		for i := range out.Spec.Domain.Devices.Interfaces {
-			iface := &out.Spec.Domain.Devices.Interfaces[i]
-			if iface.Name != t.Interface || iface.MacAddress != "" {
-				continue
-			}
-			if out == vmi {
-				out = vmi.DeepCopy()
-				iface = &out.Spec.Domain.Devices.Interfaces[i]
-			}
-			iface.MacAddress = t.MAC
-		}
-	}
-	return out
-}
-
 // attachPodTap attaches one planned pod network tap.
 func (h *Handler) attachPodTap(ctx context.Context, key string, t tapRecord) error {
 	if h.cfg.PodNetwork == nil {

@@ -129,24 +129,28 @@ func (h *Handler) start(ctx context.Context, lv *launcher.Manager, vmi *v1.Virtu
 		Emulation: h.emulation(),
 		StateDir:  h.vmDir(vmi.UID),
 		Disks:     disks,
-		Taps:      map[string]string{},
+		Taps:      plannedDomainTaps(taps),
 		Secrets:   secrets,
 	}
-	for _, t := range taps {
-		env.Taps[t.Interface] = t.Tap
-	}
-	dom, err := domain.Convert(withDerivedMACs(vmi, taps), env)
-	if err != nil {
+	// The spec is checked against the plan before anything is made on the
+	// host; the domain itself is built from what the attaches made.
+	if _, err := domain.Convert(vmi, env); err != nil {
 		return nil, err
 	}
 	if vmi, err = h.ensureFinalizer(ctx, vmi); err != nil {
 		return nil, err
 	}
-	rec := &record{UID: vmi.UID, Namespace: vmi.Namespace, Name: vmi.Name, Domain: dom.Name, Taps: taps}
+	// The taps are recorded once, as planned, before any exists: whatever
+	// happens next, the record is what removes them.
+	rec := &record{UID: vmi.UID, Namespace: vmi.Namespace, Name: vmi.Name, Domain: domain.Name(vmi.Namespace, vmi.Name), Taps: taps}
 	if err := h.writeRecord(rec); err != nil {
 		return nil, err
 	}
-	if err := h.attachTaps(ctx, vmi, taps); err != nil {
+	if env.Taps, err = h.attachTaps(ctx, vmi, taps); err != nil {
+		return nil, err
+	}
+	dom, err := domain.Convert(vmi, env)
+	if err != nil {
 		return nil, err
 	}
 	h.markAdopted(vmi.UID, true)

@@ -169,7 +169,7 @@ func TestNodeMetrics(t *testing.T) {
 	if err := os.Chmod(stateDir, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	env := domain.Env{Emulation: true, StateDir: stateDir, Taps: map[string]string{"net0": tap}}
+	env := domain.Env{Emulation: true, StateDir: stateDir, Taps: map[string]domain.Tap{"net0": {Dev: tap}}}
 	dom, err := domain.Convert(vmi, env)
 	if err != nil {
 		t.Fatal(err)
