@@ -56,7 +56,7 @@ func TestDecideSpreadsAndAssumes(t *testing.T) {
 		vmi := &kubevirtv1.VirtualMachineInstance{ObjectMeta: metav1.ObjectMeta{Namespace: "x", Name: fmt.Sprint(i), UID: types.UID(fmt.Sprint("uid-", i))},
 			Spec: kubevirtv1.VirtualMachineInstanceSpec{NodeSelector: map[string]string{"pool": "decide"}}}
 		vmi.Spec.Domain.Resources.Requests = corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("1Gi")}
-		node, _, p, err := s.decide(vmi)
+		node, _, p, err := s.decide(vmi, nil)
 		if err != nil {
 			t.Fatalf("vmi %d: %v", i, err)
 		}

@@ -45,7 +45,7 @@ func (s *Scheduler) Reserve(vmi *kubevirtv1.VirtualMachineInstance) string {
 	// rules tell it from other reserved VMIs.
 	v := *vmi
 	v.UID = types.UID("reserved:" + key)
-	node, _, p, err := s.decide(&v)
+	node, _, p, err := s.decide(&v, nil) // no claims: no snapshot to locate
 	if err != nil {
 		return ""
 	}

@@ -65,8 +65,17 @@ type Config struct {
 	// Snapshots locates the VolumeSnapshots unbound claims restore from,
 	// whose node the VMI must land on. Nil: made from RestConfig when set,
 	// else such claims are placed like any other.
-	Snapshots *snapshotv1.Client
+	Snapshots SnapshotLocator
 }
+
+// SnapshotLocator finds the node keeping a VolumeSnapshot: an API read,
+// which the scheduler makes before it takes its decision lock, never
+// under it.
+type SnapshotLocator interface {
+	Locate(ctx context.Context, ns, name string) (snapshotv1.Location, error)
+}
+
+var _ SnapshotLocator = (*snapshotv1.Client)(nil)
 
 // Scheduler places VMIs.
 type Scheduler struct {
@@ -330,13 +339,14 @@ func (s *Scheduler) Sync(ctx context.Context, key string, wg *sync.WaitGroup) er
 	if binding {
 		return nil
 	}
+	snaps := s.locateSnapshots(ctx, vmi) // API reads: before the lock
 	s.decideMu.Lock()
 	var wffc []*corev1.PersistentVolumeClaim
 	node := s.claimReservation(key, vmi) // decided before creation
 	if node == "" {
 		var p placed
 		var err error
-		node, wffc, p, err = s.decide(vmi)
+		node, wffc, p, err = s.decide(vmi, snaps)
 		var fe *FitError
 		if errors.As(err, &fe) {
 			s.decideMu.Unlock()
@@ -379,11 +389,14 @@ func (e *FitError) Error() string { return e.msg }
 
 // Decide returns the node vmi should go to, or a *FitError.
 func (s *Scheduler) Decide(vmi *kubevirtv1.VirtualMachineInstance) (string, error) {
-	node, _, _, err := s.decide(vmi)
+	node, _, _, err := s.decide(vmi, s.locateSnapshots(context.Background(), vmi))
 	return node, err
 }
 
-func (s *Scheduler) decide(vmi *kubevirtv1.VirtualMachineInstance) (string, []*corev1.PersistentVolumeClaim, placed, error) {
+// decide places vmi from the informers' caches and snaps (where the
+// snapshots its claims restore from are kept, looked up beforehand); it
+// makes no API call, so it may run under decideMu.
+func (s *Scheduler) decide(vmi *kubevirtv1.VirtualMachineInstance, snaps snapshotNodes) (string, []*corev1.PersistentVolumeClaim, placed, error) {
 	states := s.snapshot()
 	fail := func(prefix string, reasons map[string]int) (string, []*corev1.PersistentVolumeClaim, placed, error) {
 		return "", nil, placed{}, &FitError{msg: fitMessage(len(states), reasons, prefix)}
@@ -399,7 +412,7 @@ func (s *Scheduler) decide(vmi *kubevirtv1.VirtualMachineInstance) (string, []*c
 			break
 		}
 	}
-	wffc, err := s.volumeConstraints(vmi, req)
+	wffc, err := s.volumeConstraints(vmi, req, snaps)
 	if err != nil {
 		return fail(err.Error(), nil)
 	}

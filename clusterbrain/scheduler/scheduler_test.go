@@ -38,7 +38,10 @@ type env struct {
 	sched *Scheduler
 }
 
-func setup(t *testing.T) env {
+func setup(t *testing.T) env { t.Helper(); return setupWith(t, nil) }
+
+// setupWith is setup with edit applied to the scheduler's Config.
+func setupWith(t *testing.T, edit func(*Config)) env {
 	t.Helper()
 	cp := controlplane.Shared(t)
 	if err := crds.Install(context.Background(), apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.Catalog()); err != nil {
@@ -61,8 +64,12 @@ func setup(t *testing.T) env {
 			_ = virt.VMIs.Delete(context.Background(), e.ns, v.Name, metav1.DeleteOptions{})
 		}
 	})
-	s, err := New(Config{Kube: kube, Virt: virt, Retry: time.Second, Snapshots: snapshotv1.NewClient(dynamic.NewForConfigOrDie(rc)),
-		Log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
+	cfg := Config{Kube: kube, Virt: virt, Retry: time.Second, Snapshots: snapshotv1.NewClient(dynamic.NewForConfigOrDie(rc)),
+		Log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
+	if edit != nil {
+		edit(&cfg)
+	}
+	s, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -19,7 +19,7 @@ import (
 // WaitForFirstConsumer class are returned so the decision can be written
 // into them (and respect the class's allowed topologies). A claim that is
 // missing or waits for immediate binding returns an error saying so.
-func (s *Scheduler) volumeConstraints(vmi *kubevirtv1.VirtualMachineInstance, req *request) ([]*corev1.PersistentVolumeClaim, error) {
+func (s *Scheduler) volumeConstraints(vmi *kubevirtv1.VirtualMachineInstance, req *request, snaps snapshotNodes) ([]*corev1.PersistentVolumeClaim, error) {
 	var wffc []*corev1.PersistentVolumeClaim
 	for _, v := range vmi.Spec.Volumes {
 		var claim, what string
@@ -61,7 +61,7 @@ func (s *Scheduler) volumeConstraints(vmi *kubevirtv1.VirtualMachineInstance, re
 		} else {
 			// A claim restored from a snapshot is provisioned where the
 			// snapshot is kept: the VMI goes there.
-			node, err := s.snapshotNode(pvc)
+			node, err := snaps.nodeOf(pvc)
 			if err != nil {
 				return nil, fmt.Errorf("persistentvolumeclaim %s: %w", claim, err)
 			}
@@ -111,25 +111,73 @@ func (s *Scheduler) classOf(pvc *corev1.PersistentVolumeClaim) *storagev1.Storag
 	return nil
 }
 
-// snapshotNode is the node keeping the VolumeSnapshot pvc restores from, ""
-// when it restores from none. A snapshot not ready yet is an error: the VMI
-// waits.
-func (s *Scheduler) snapshotNode(pvc *corev1.PersistentVolumeClaim) (string, error) {
-	name, sameNamespace := snapshotv1.ClaimSource(pvc)
-	if name == "" || s.cfg.Snapshots == nil {
+// snapshotNodes are the nodes keeping the VolumeSnapshots a VMI's unbound
+// claims restore from, by claim name, looked up before the decision.
+type snapshotNodes map[string]snapshotNode
+
+type snapshotNode struct {
+	node string
+	err  error
+}
+
+// nodeOf is the node keeping the VolumeSnapshot pvc restores from, "" when
+// it restores from none. A snapshot not ready yet, or not looked up before
+// the decision (the claim changed since), is an error: the VMI waits.
+func (sn snapshotNodes) nodeOf(pvc *corev1.PersistentVolumeClaim) (string, error) {
+	name, _ := snapshotv1.ClaimSource(pvc)
+	if name == "" {
 		return "", nil
 	}
-	if !sameNamespace {
-		return "", fmt.Errorf("restores volumesnapshot %s of another namespace", name)
+	r, ok := sn[pvc.Name]
+	if !ok {
+		return "", fmt.Errorf("volumesnapshot %s is not located yet", name)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	return r.node, r.err
+}
+
+// locateSnapshots looks up (API reads, 10 s at most each) where the
+// VolumeSnapshots that vmi's unbound claims restore from are kept. Without
+// a locator such claims are placed like any other.
+func (s *Scheduler) locateSnapshots(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance) snapshotNodes {
+	out := snapshotNodes{}
+	for _, v := range vmi.Spec.Volumes {
+		var claim string
+		switch {
+		case v.PersistentVolumeClaim != nil:
+			claim = v.PersistentVolumeClaim.ClaimName
+		case v.DataVolume != nil:
+			claim = v.DataVolume.Name
+		default:
+			continue
+		}
+		pvc, err := s.pvcs.PersistentVolumeClaims(vmi.Namespace).Get(claim)
+		if err != nil || pvc.Spec.VolumeName != "" {
+			continue
+		}
+		name, sameNamespace := snapshotv1.ClaimSource(pvc)
+		switch {
+		case name == "":
+			continue
+		case s.cfg.Snapshots == nil:
+			out[claim] = snapshotNode{}
+		case !sameNamespace:
+			out[claim] = snapshotNode{err: fmt.Errorf("restores volumesnapshot %s of another namespace", name)}
+		default:
+			out[claim] = s.locate(ctx, pvc.Namespace, name)
+		}
+	}
+	return out
+}
+
+func (s *Scheduler) locate(ctx context.Context, namespace, name string) snapshotNode {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	loc, err := s.cfg.Snapshots.Locate(ctx, pvc.Namespace, name)
+	loc, err := s.cfg.Snapshots.Locate(ctx, namespace, name)
 	if err != nil {
-		return "", err
+		return snapshotNode{err: err}
 	}
 	if !loc.Ready || loc.Node == "" {
-		return "", fmt.Errorf("volumesnapshot %s is not ready to restore yet", name)
+		return snapshotNode{err: fmt.Errorf("volumesnapshot %s is not ready to restore yet", name)}
 	}
-	return loc.Node, nil
+	return snapshotNode{node: loc.Node}
 }
