@@ -136,3 +136,21 @@ func (m *Manager) DomainXML(ctx context.Context, name string) (*libvirtxml.Domai
 	}
 	return &dom, nil
 }
+
+// AllDomainStats returns libvirt's statistics of every domain flags select
+// (virConnectGetAllDomainStats), read over one of the Manager's
+// connections: whoever reads statistics of the node's domains shares them
+// instead of opening connections of its own. The caller frees each
+// DomainStats.Domain.
+func (m *Manager) AllDomainStats(stats libvirt.DomainStatsTypes, flags libvirt.ConnectGetAllDomainStatsFlags) ([]libvirt.DomainStats, error) {
+	conn, err := m.connection()
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close()
+	all, err := conn.GetAllDomainStats(nil, stats, flags)
+	if err != nil {
+		return nil, fmt.Errorf("get domain statistics: %w", err)
+	}
+	return all, nil
+}

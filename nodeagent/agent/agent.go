@@ -212,6 +212,10 @@ type Deps struct {
 	PodNetworkErr error
 	// Cert is the node's own certificate (nil when no endpoint needs it).
 	Cert *nodecert.Source
+	// Handler is the virt-handler role, set when it is built; the roles
+	// built after it reach the node's libvirt through it (one set of
+	// connections per agent).
+	Handler *handler.Handler
 }
 
 // Role is one job of the node agent.

@@ -14,8 +14,8 @@ var nodeRoles = []RoleFactory{
 	newBridgeMarkerRole,
 	newImportRole,
 	newPodNetworkRole,
-	newMetricsRole,
 	newHandlerRole,
+	newMetricsRole, // after the handler: reads statistics over its connections
 }
 
 // NetStateDir is where the agent's bridge attachments (taps, spoof-check
@@ -32,5 +32,10 @@ func newHandlerRole(d *Deps) (Role, error) {
 	if d.PodNetwork != nil {
 		cfg.PodNetwork, cfg.PodNetworkErr = d.PodNetwork, d.PodNetworkErr
 	}
-	return handler.New(cfg)
+	h, err := handler.New(cfg)
+	if err != nil {
+		return nil, err
+	}
+	d.Handler = h
+	return h, nil
 }

@@ -53,6 +53,7 @@ import (
 	eventrecord "k8s.io/client-go/tools/record"
 	"k8s.io/client-go/util/workqueue"
 	v1 "kubevirt.io/api/core/v1"
+	"libvirt.org/go/libvirt"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/launcher"
@@ -263,6 +264,20 @@ func (h *Handler) ConsoleAddr() string {
 		return ""
 	}
 	return h.console.Addr()
+}
+
+// AllDomainStats reads libvirt's statistics of the node's domains over the
+// handler's launcher connections, so the node's metrics share them; before
+// Run has connected (and after it returned) it fails with
+// launcher.ErrDisconnected.
+func (h *Handler) AllDomainStats(stats libvirt.DomainStatsTypes, flags libvirt.ConnectGetAllDomainStatsFlags) ([]libvirt.DomainStats, error) {
+	h.mu.Lock()
+	lv := h.lv
+	h.mu.Unlock()
+	if lv == nil {
+		return nil, launcher.ErrDisconnected
+	}
+	return lv.AllDomainStats(stats, flags)
 }
 
 // Ready is closed once Run has connected to libvirtd, synced its caches and

@@ -5,8 +5,8 @@
 // VMIs, and whatever the process registers in the shared registry
 // (clusterbrain/kit/metrics.Default).
 //
-// The statistics come from virConnectGetAllDomainStats on a read-only
-// connection of its own to the node's libvirtd, taken at scrape time. A
+// The statistics come from virConnectGetAllDomainStats over the node
+// agent's own libvirt connections (Config.Domains), taken at scrape time. A
 // domain counts when its name (<namespace>_<name>) names a VMI bound to
 // this node and the VMI UID in its metadata is that VMI's; other domains of
 // the same libvirtd (another agent's, a hand-made one) are left out. NIC and
@@ -44,8 +44,10 @@ type Config struct {
 	NodeName string
 	// Addr is the listen address (DefaultAddr when empty).
 	Addr string
-	// LibvirtURI of the node's libvirtd (qemu:///system when empty).
-	LibvirtURI string
+	// Domains reads the statistics of the node's domains (the handler's
+	// launcher connections); nil exposes no per-VMI statistics, only the
+	// phase counts and the shared registry.
+	Domains DomainStatsSource
 	// Virt is the API client for the node's VMIs; required.
 	Virt *client.Set
 	// VMIs is the informer of this node's VMIs, shared with other roles
@@ -59,9 +61,6 @@ type Config struct {
 func (c *Config) defaults() {
 	if c.Addr == "" {
 		c.Addr = DefaultAddr
-	}
-	if c.LibvirtURI == "" {
-		c.LibvirtURI = "qemu:///system"
 	}
 	if c.Log == nil {
 		c.Log = slog.Default()
@@ -84,7 +83,6 @@ type Server struct {
 	log      *slog.Logger
 	vmis     cache.SharedIndexInformer
 	ownVMIs  bool
-	stats    *domainStats
 	registry *prom.Registry
 
 	mu   sync.Mutex
@@ -106,9 +104,11 @@ func New(cfg Config) (*Server, error) {
 			o.LabelSelector = selector
 		})
 	}
-	s.stats = newDomainStats(cfg.LibvirtURI, cfg.NodeName, s.nodeVMI, s.log)
 	s.registry = prom.NewRegistry()
-	s.registry.Register(DomainCollector(s.stats.collect))
+	if cfg.Domains != nil {
+		stats := newDomainStats(cfg.Domains, cfg.NodeName, s.nodeVMI, s.log)
+		s.registry.Register(DomainCollector(stats.collect))
+	}
 	s.registry.Register(phaseCounts(prom.VMICollector(s.nodeVMIs)))
 	s.registry.Register(prom.CollectorFunc(prom.Default().Gather))
 	return s, nil
@@ -129,7 +129,6 @@ func (s *Server) Handler() http.Handler { return s.registry.Handler() }
 
 // Run serves /metrics until ctx ends.
 func (s *Server) Run(ctx context.Context) error {
-	defer s.stats.close()
 	if s.ownVMIs {
 		go s.vmis.Run(ctx.Done())
 	}

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"regexp"
@@ -187,7 +188,15 @@ func TestNodeMetrics(t *testing.T) {
 	}
 	defer lv.Undefine(context.Background(), dom.Name)
 
-	s, err := New(Config{NodeName: node, Addr: "127.0.0.1:0", LibvirtURI: uri, Virt: virt,
+	// The statistics are read over connections the server is given (the
+	// handler's in the agent): here a Manager of their own, so the test can
+	// take it away.
+	shared, err := launcher.Open(launcher.Config{URI: uri, Connections: 1, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer shared.Close()
+	s, err := New(Config{NodeName: node, Addr: "127.0.0.1:0", Domains: shared, Virt: virt,
 		Log: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	if err != nil {
 		t.Fatal(err)
@@ -281,13 +290,37 @@ func TestNodeMetrics(t *testing.T) {
 		t.Errorf("kubevirt_vmi_info is the brain's, the node exposes %d series", len(got["kubevirt_vmi_info"]))
 	}
 
-	// A stopped domain leaves the per-VMI series.
+	// The server opens no libvirt connection of its own: without the one
+	// it was given, the running domain's series are gone.
+	shared.Close()
+	if ss := find(scrape(t, "http://"+s.Addr()+"/metrics"), "kubevirt_vmi_cpu_usage_seconds_total", id); len(ss) != 0 {
+		t.Errorf("cpu usage read without the given libvirt connection: %+v", ss)
+	}
+
+	// A stopped domain leaves the per-VMI series (through a live
+	// connection again).
+	s2, err := New(Config{NodeName: node, Addr: "127.0.0.1:0", Domains: lv, Virt: virt, VMIs: s.vmis,
+		Log: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ss := find(scrapeHandler(t, s2), "kubevirt_vmi_cpu_usage_seconds_total", id); len(ss) != 1 {
+		t.Errorf("cpu usage of the running domain over the creating connection: %+v", ss)
+	}
 	if err := lv.Destroy(ctx, dom.Name); err != nil {
 		t.Fatal(err)
 	}
-	if ss := find(scrape(t, "http://"+s.Addr()+"/metrics"), "kubevirt_vmi_cpu_usage_seconds_total", id); len(ss) != 0 {
+	if ss := find(scrapeHandler(t, s2), "kubevirt_vmi_cpu_usage_seconds_total", id); len(ss) != 0 {
 		t.Errorf("cpu usage of a stopped domain: %+v", ss)
 	}
+}
+
+// scrapeHandler scrapes s's handler without a listener.
+func scrapeHandler(t *testing.T, s *Server) map[string][]sample {
+	t.Helper()
+	srv := httptest.NewServer(s.Handler())
+	defer srv.Close()
+	return scrape(t, srv.URL)
 }
 
 func keys(m map[string][]sample) []string {

@@ -11,6 +11,7 @@ import (
 	"libvirt.org/go/libvirt"
 	"libvirt.org/go/libvirtxml"
 
+	"github.com/nodevirt/nodevirt/launcher"
 	"github.com/nodevirt/nodevirt/launcher/domain"
 )
 
@@ -18,17 +19,25 @@ import (
 const statsTypes = libvirt.DOMAIN_STATS_STATE | libvirt.DOMAIN_STATS_CPU_TOTAL | libvirt.DOMAIN_STATS_BALLOON |
 	libvirt.DOMAIN_STATS_VCPU | libvirt.DOMAIN_STATS_INTERFACE | libvirt.DOMAIN_STATS_BLOCK
 
-// domainStats gathers the statistics of this node's VMIs' domains over a
-// read-only libvirt connection, made when first needed and again after it
-// broke.
+// DomainStatsSource reads libvirt's statistics of the node's domains: the
+// node agent's own libvirt connections (launcher.Manager, opened by the
+// handler), so the metrics open none of their own. When it fails (libvirtd
+// unreachable, not connected yet) a scrape exposes no per-VMI series.
+type DomainStatsSource interface {
+	AllDomainStats(stats libvirt.DomainStatsTypes, flags libvirt.ConnectGetAllDomainStatsFlags) ([]libvirt.DomainStats, error)
+}
+
+var _ DomainStatsSource = (*launcher.Manager)(nil)
+
+// domainStats gathers the statistics of this node's VMIs' domains from src.
 type domainStats struct {
-	uri, node string
+	src  DomainStatsSource
+	node string
 	// vmi returns the node's VMI namespace/name, nil when there is none.
 	vmi func(namespace, name string) *v1.VirtualMachineInstance
 	log *slog.Logger
 
 	mu      sync.Mutex
-	conn    *libvirt.Connect
 	devices map[string]*domainDevices // by domain UUID and ID: one run of a domain
 }
 
@@ -40,17 +49,8 @@ type domainDevices struct {
 	drives map[string]string
 }
 
-func newDomainStats(uri, node string, vmi func(namespace, name string) *v1.VirtualMachineInstance, log *slog.Logger) *domainStats {
-	return &domainStats{uri: uri, node: node, vmi: vmi, log: log, devices: map[string]*domainDevices{}}
-}
-
-func (d *domainStats) close() {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	if d.conn != nil {
-		_, _ = d.conn.Close()
-		d.conn = nil
-	}
+func newDomainStats(src DomainStatsSource, node string, vmi func(namespace, name string) *v1.VirtualMachineInstance, log *slog.Logger) *domainStats {
+	return &domainStats{src: src, node: node, vmi: vmi, log: log, devices: map[string]*domainDevices{}}
 }
 
 // collect is the DomainCollector's source: a failed gathering is logged
@@ -63,35 +63,15 @@ func (d *domainStats) collect() []DomainStats {
 	return out
 }
 
-func (d *domainStats) connection() (*libvirt.Connect, error) {
-	if d.conn != nil {
-		if alive, err := d.conn.IsAlive(); err == nil && alive {
-			return d.conn, nil
-		}
-		_, _ = d.conn.Close()
-		d.conn = nil
-	}
-	c, err := libvirt.NewConnectReadOnly(d.uri)
-	if err != nil {
-		return nil, fmt.Errorf("connect to %s read-only: %w", d.uri, err)
-	}
-	d.conn = c
-	return c, nil
-}
-
 // gather returns the statistics of every active domain of a VMI of this
 // node.
 func (d *domainStats) gather() ([]DomainStats, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	conn, err := d.connection()
-	if err != nil {
-		return nil, err
-	}
-	all, err := conn.GetAllDomainStats(nil, statsTypes,
+	all, err := d.src.AllDomainStats(statsTypes,
 		libvirt.CONNECT_GET_ALL_DOMAINS_STATS_ACTIVE|libvirt.CONNECT_GET_ALL_DOMAINS_STATS_NOWAIT)
 	if err != nil {
-		return nil, fmt.Errorf("get domain statistics: %w", err)
+		return nil, err
 	}
 	defer func() {
 		for _, s := range all {
