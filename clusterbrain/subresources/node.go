@@ -38,8 +38,6 @@ import (
 // An error answer carries a Kubernetes Status (its code and message are
 // passed to the caller) or plain text.
 const (
-	// DefaultNodePort is virt-handler's console server port.
-	DefaultNodePort = 8186
 	// PlainStreamProtocol is KubeVirt's websocket subprotocol for raw
 	// binary streams.
 	PlainStreamProtocol = plainstream.Protocol
@@ -127,7 +125,7 @@ func (c *HTTPSNodeClient) address(ctx context.Context, node string) (string, err
 	}
 	for _, a := range n.Status.Addresses {
 		if a.Type == corev1.NodeInternalIP {
-			return net.JoinHostPort(a.Address, strconv.Itoa(DefaultNodePort)), nil
+			return net.JoinHostPort(a.Address, strconv.Itoa(identity.HandlerPort)), nil
 		}
 	}
 	return "", apierrors.NewBadRequest(fmt.Sprintf("node %s publishes no address for its nodeagent", node))

@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"time"
 
 	"google.golang.org/grpc/codes"
@@ -117,7 +118,7 @@ func (c *Config) defaults() {
 		c.LibvirtURI = "qemu:///system"
 	}
 	if c.Console.Addr == "" {
-		c.Console.Addr = ":8186"
+		c.Console.Addr = DefaultConsoleAddr
 	}
 	if c.Console.Addr == "-" {
 		c.Console.Addr = ""
@@ -186,6 +187,10 @@ func (c *Config) validate() error {
 	}
 	return nil
 }
+
+// DefaultConsoleAddr is where the console server listens by default: every
+// address, on the port the brain assumes for a Node that publishes none.
+var DefaultConsoleAddr = ":" + strconv.Itoa(identity.HandlerPort)
 
 // Deps is what every node role gets.
 type Deps struct {

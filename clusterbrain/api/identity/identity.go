@@ -42,9 +42,11 @@ const NodeSignerName = "nodevirt.io/node"
 // The names of the node agent's subresource server.
 const (
 	// NodeAddressAnnotation on a Node holds host:port of its nodeagent's
-	// console server; without it the Node's InternalIP and the default
-	// port are used.
+	// console server; without it the Node's InternalIP and HandlerPort
+	// are used.
 	NodeAddressAnnotation = "nodevirt.io/console-server"
+	// HandlerPort is the console server's default port (virt-handler's).
+	HandlerPort = 8186
 	// HandlerServerName is the DNS name the nodeagents' console server
 	// certificates carry and the brain verifies.
 	HandlerServerName = "nodevirt-handler"

@@ -37,7 +37,7 @@ func main() {
 	flag.StringVar(&pools, "pools", "", "storage pools as name=path,name=path (default: default=<state-dir>/pools/default)")
 	flag.StringVar(&cfg.UploadAddr, "upload-addr", ":8447", "listen address of the upload receiver for the brain's upload proxy (- for none)")
 	flag.StringVar(&cfg.BrainNamespace, "brain-namespace", "kubevirt-hyperconverged", "namespace of the brain's Secrets (node CA)")
-	flag.StringVar(&cfg.Console.Addr, "console-addr", ":8186", "listen address of the mTLS console/VNC/control server for the brain (- for none)")
+	flag.StringVar(&cfg.Console.Addr, "console-addr", agent.DefaultConsoleAddr, "listen address of the mTLS console/VNC/control server for the brain (- for none)")
 	flag.StringVar(&cfg.Console.CertFile, "console-cert", "", "console server certificate (PEM)")
 	flag.StringVar(&cfg.Console.KeyFile, "console-key", "", "console server key (PEM)")
 	flag.StringVar(&cfg.Console.ClientCAFile, "console-client-ca", "", "CA bundle that client (brain) certificates must chain to")
