@@ -7,6 +7,10 @@
 // they outlive the process that started them and survive a libvirtd
 // restart, and a guest that powered off stays visible (shut off) until it is
 // undefined.
+//
+// It is a library inside the node agent, not a process per VM (KubeVirt's
+// virt-launcher pod): the agent's handler opens one Manager, and the node's
+// metrics read domain statistics over its connections (AllDomainStats).
 package launcher
 
 import (
