@@ -123,15 +123,16 @@ func plannedDomainTaps(taps []tapRecord) map[string]domain.Tap {
 // attachTaps makes (or re-adopts) every planned tap on its bridge with the
 // MAC the plan recorded, or on the pod network, and returns what each
 // attach made, by interface name, for the domain: the tap device, the MAC
-// its port was made for and (bridge networks) the port's MTU.
+// its port was made for and the port's MTU.
 func (h *Handler) attachTaps(ctx context.Context, vmi *v1.VirtualMachineInstance, taps []tapRecord) (map[string]domain.Tap, error) {
 	out := make(map[string]domain.Tap, len(taps))
 	for _, t := range taps {
 		if t.Pod {
-			if err := h.attachPodTap(ctx, podKey(vmi.Namespace, vmi.Name, vmi.UID), t); err != nil {
+			a, err := h.attachPodTap(ctx, podKey(vmi.Namespace, vmi.Name, vmi.UID), t)
+			if err != nil {
 				return nil, err
 			}
-			out[t.Interface] = domain.Tap{Dev: t.Tap, MAC: t.MAC}
+			out[t.Interface] = domainTap(a)
 			continue
 		}
 		conf, err := h.netConf(t.NetConf)
@@ -150,13 +151,18 @@ func (h *Handler) attachTaps(ctx context.Context, vmi *v1.VirtualMachineInstance
 		if err != nil {
 			return nil, fmt.Errorf("interface %s: %w", t.Interface, err)
 		}
-		dt := domain.Tap{Dev: a.Port, MTU: a.MTU}
-		if a.MAC != nil {
-			dt.MAC = a.MAC.String()
-		}
-		out[t.Interface] = dt
+		out[t.Interface] = domainTap(a)
 	}
 	return out, nil
+}
+
+// domainTap is what the domain's NIC takes from an attach.
+func domainTap(a *bridge.Attachment) domain.Tap {
+	t := domain.Tap{Dev: a.Port, MTU: a.MTU}
+	if a.MAC != nil {
+		t.MAC = a.MAC.String()
+	}
+	return t
 }
 
 // detachTaps removes the taps of a record; gone taps are fine.

@@ -238,6 +238,12 @@ func TestPodNetwork(t *testing.T) {
 	if br, err := netlink.LinkByName(hp.cfg.Bridge); err != nil || tap.Attrs().MasterIndex != br.Attrs().Index {
 		t.Errorf("tap %s is not on the pod network bridge %s (%v)", tapDev, hp.cfg.Bridge, err)
 	}
+	// The domain's NIC takes what the attach made: the tap's MTU.
+	if x, err := n.lv.DomainXML(ctx, n.ns+"_podguest"); err != nil || len(x.Devices.Interfaces) != 1 {
+		t.Errorf("domain interfaces: %v", err)
+	} else if m := x.Devices.Interfaces[0].MTU; m == nil || int(m.Size) != tap.Attrs().MTU {
+		t.Errorf("domain NIC mtu %+v, want the tap's %d", m, tap.Attrs().MTU)
+	}
 
 	cc := n.consoleClient(h)
 	conn, err := cc.Console(ctx, n.ns, "podguest")

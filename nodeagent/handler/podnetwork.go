@@ -12,6 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	v1 "kubevirt.io/api/core/v1"
 
+	"github.com/nodevirt/nodevirt/cni/bridge"
 	"github.com/nodevirt/nodevirt/nodeagent/podnet"
 )
 
@@ -23,8 +24,9 @@ import (
 // that error.
 type PodNetwork interface {
 	// Attach makes (or re-adopts) tap on the network for mac and returns
-	// the address the network's DHCP server hands that MAC.
-	Attach(ctx context.Context, vmiKey, tap string, mac net.HardwareAddr, ownerUID int) (net.IP, error)
+	// what the tap attach made (for the domain's NIC) and the address the
+	// network's DHCP server hands that MAC.
+	Attach(ctx context.Context, vmiKey, tap string, mac net.HardwareAddr, ownerUID int) (*bridge.Attachment, net.IP, error)
 	// Detach removes tap and releases its address; gone is success.
 	Detach(ctx context.Context, vmiKey, tap string) error
 	// Lease is mac's address, nil when mac is not attached.
@@ -83,22 +85,24 @@ func (h *Handler) podTap(vmi *v1.VirtualMachineInstance, iface *v1.Interface, pa
 	return tapRecord{Interface: iface.Name, Tap: tapName(vmi.UID, iface.Name), Pod: true, MAC: mac.String()}, nil
 }
 
-// attachPodTap attaches one planned pod network tap.
-func (h *Handler) attachPodTap(ctx context.Context, key string, t tapRecord) error {
+// attachPodTap attaches one planned pod network tap and returns what the
+// attach made.
+func (h *Handler) attachPodTap(ctx context.Context, key string, t tapRecord) (*bridge.Attachment, error) {
 	if h.cfg.PodNetwork == nil {
-		return fmt.Errorf("interface %s: %w", t.Interface, errPodNetwork)
+		return nil, fmt.Errorf("interface %s: %w", t.Interface, errPodNetwork)
 	}
 	if err := h.cfg.PodNetworkErr; err != nil {
-		return fmt.Errorf("%w: interface %s: the pod network is not available: %w", errWaiting, t.Interface, err)
+		return nil, fmt.Errorf("%w: interface %s: the pod network is not available: %w", errWaiting, t.Interface, err)
 	}
 	mac, err := net.ParseMAC(t.MAC)
 	if err != nil {
-		return fmt.Errorf("interface %s: recorded mac %q: %w", t.Interface, t.MAC, err)
+		return nil, fmt.Errorf("interface %s: recorded mac %q: %w", t.Interface, t.MAC, err)
 	}
-	if _, err := h.cfg.PodNetwork.Attach(ctx, key, t.Tap, mac, -1); err != nil {
-		return fmt.Errorf("interface %s: %w", t.Interface, err)
+	a, _, err := h.cfg.PodNetwork.Attach(ctx, key, t.Tap, mac, -1)
+	if err != nil {
+		return nil, fmt.Errorf("interface %s: %w", t.Interface, err)
 	}
-	return nil
+	return a, nil
 }
 
 // detachPodTap removes a pod network tap. Without a pod network (the agent
@@ -141,7 +145,7 @@ func (h *Handler) readoptPodTaps(ctx context.Context, vmi *v1.VirtualMachineInst
 		if !t.Pod {
 			continue
 		}
-		if err := h.attachPodTap(ctx, key, t); err != nil {
+		if _, err := h.attachPodTap(ctx, key, t); err != nil {
 			return fmt.Errorf("re-adopt pod network interface of %s/%s: %w", vmi.Namespace, vmi.Name, err)
 		}
 		h.log.Info("re-adopted pod network interface", "vmi", vmi.Namespace+"/"+vmi.Name, "interface", t.Interface, "tap", t.Tap)

@@ -24,7 +24,9 @@ func (n *Network) tapConf() *bridge.NetConf {
 
 // Attach creates (or re-adopts, after an agent restart) the persistent tap
 // `tap` on the bridge, owned by ownerUID (negative: root) so QEMU can open
-// it, and allocates mac an address, the same one across agent restarts.
+// it, and allocates mac an address, the same one across agent restarts. It
+// returns what the tap attach made (device, MAC, MTU: what the domain's
+// NIC needs) and the address.
 // vmiKey names the VMI ("namespace/name", optionally more: "/uid"); its
 // name part becomes the hostname the DHCP server offers. From now on the
 // DHCP server answers mac. Ensure must have run. On failure nothing is
@@ -32,25 +34,26 @@ func (n *Network) tapConf() *bridge.NetConf {
 //
 // libvirt gets the tap as `<interface type='ethernet'><target dev=tap
 // managed='no'/><mac address=mac/>`.
-func (n *Network) Attach(ctx context.Context, vmiKey, tap string, mac net.HardwareAddr, ownerUID int) (_ net.IP, retErr error) {
+func (n *Network) Attach(ctx context.Context, vmiKey, tap string, mac net.HardwareAddr, ownerUID int) (_ *bridge.Attachment, _ net.IP, retErr error) {
 	if len(mac) != 6 {
-		return nil, fmt.Errorf("attach %s to pod network: MAC %q is not an Ethernet MAC", vmiKey, mac)
+		return nil, nil, fmt.Errorf("attach %s to pod network: MAC %q is not an Ethernet MAC", vmiKey, mac)
 	}
 	if mac[0]&1 != 0 {
-		return nil, fmt.Errorf("attach %s to pod network: MAC %s is multicast", vmiKey, mac)
+		return nil, nil, fmt.Errorf("attach %s to pod network: MAC %s is multicast", vmiKey, mac)
 	}
 	if vmiKey == "" {
-		return nil, errors.New("attach to pod network: empty VMI key")
+		return nil, nil, errors.New("attach to pod network: empty VMI key")
 	}
 	if _, err := netlink.LinkByName(n.bridge); err != nil {
-		return nil, fmt.Errorf("attach %s to pod network: bridge %s: %w (Ensure not run?)", vmiKey, n.bridge, err)
+		return nil, nil, fmt.Errorf("attach %s to pod network: bridge %s: %w (Ensure not run?)", vmiKey, n.bridge, err)
 	}
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	_, lookupErr := netlink.LinkByName(tap)
 	existed := lookupErr == nil // a re-adopted tap belongs to a running guest
-	if _, err := bridge.AttachTap(ctx, n.tapConf(), tap, mac, ownerUID); err != nil {
-		return nil, fmt.Errorf("attach %s to pod network: %w", vmiKey, err)
+	att, err := bridge.AttachTap(ctx, n.tapConf(), tap, mac, ownerUID)
+	if err != nil {
+		return nil, nil, fmt.Errorf("attach %s to pod network: %w", vmiKey, err)
 	}
 	defer func() {
 		if retErr != nil && !existed {
@@ -60,16 +63,16 @@ func (n *Network) Attach(ctx context.Context, vmiKey, tap string, mac net.Hardwa
 	isNew := n.allocs.get(mac) == nil
 	ip, err := n.allocs.assign(vmiKey, tap, mac)
 	if err != nil {
-		return nil, fmt.Errorf("attach %s to pod network: %w", vmiKey, err)
+		return nil, nil, fmt.Errorf("attach %s to pod network: %w", vmiKey, err)
 	}
 	if err := runNFT(ctx, n.nftGuardScript(tap, mac, ip)); err != nil {
 		if isNew {
 			_, _ = n.allocs.release(vmiKey, tap)
 		}
-		return nil, fmt.Errorf("attach %s to pod network: anti-spoofing rules for %s: %w", vmiKey, tap, err)
+		return nil, nil, fmt.Errorf("attach %s to pod network: anti-spoofing rules for %s: %w", vmiKey, tap, err)
 	}
 	n.log.Info("attached to pod network", "vmi", vmiKey, "tap", tap, "mac", mac.String(), "ip", ip)
-	return ip, nil
+	return att, ip, nil
 }
 
 // Detach removes the tap and releases the addresses vmiKey's tap held (all

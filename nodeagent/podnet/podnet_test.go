@@ -114,7 +114,7 @@ func TestPodNetwork(t *testing.T) {
 	// The guest: a namespace whose NIC reaches the tap through a relay.
 	mac, _ := net.ParseMAC("02:00:0a:f4:00:01")
 	start = time.Now()
-	ip, err := n.Attach(ctx, "default/vm-one", "pntap1", mac, -1)
+	_, ip, err := n.Attach(ctx, "default/vm-one", "pntap1", mac, -1)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -230,7 +230,7 @@ func TestPodNetwork(t *testing.T) {
 	if err := n2.Ensure(ctx); err != nil {
 		t.Fatal(err)
 	}
-	again, err := n2.Attach(ctx, "default/vm-one", "pntap1", mac, -1)
+	_, again, err := n2.Attach(ctx, "default/vm-one", "pntap1", mac, -1)
 	if err != nil || !again.Equal(ip) {
 		t.Fatalf("re-Attach after restart = %v, %v; want %s", again, err, ip)
 	}
@@ -242,7 +242,7 @@ func TestPodNetwork(t *testing.T) {
 
 	// A second guest gets another address; an unattached MAC gets none.
 	mac2, _ := net.ParseMAC("02:00:0a:f4:00:02")
-	ip2, err := n2.Attach(ctx, "default/vm-two", "pntap2", mac2, 107)
+	_, ip2, err := n2.Attach(ctx, "default/vm-two", "pntap2", mac2, 107)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -308,7 +308,7 @@ func TestPodNetwork(t *testing.T) {
 	if _, err := os.Stat(stateDir); !os.IsNotExist(err) {
 		t.Errorf("state dir left after Teardown: %v", err)
 	}
-	if _, err := n2.Attach(ctx, "default/vm-three", "pntap3", mac, -1); err == nil || linkExists("pntap3") {
+	if _, _, err := n2.Attach(ctx, "default/vm-three", "pntap3", mac, -1); err == nil || linkExists("pntap3") {
 		t.Errorf("Attach without Ensure: err %v, tap made %v", err, linkExists("pntap3"))
 	}
 }
@@ -378,7 +378,7 @@ func TestConcurrentAttach(t *testing.T) {
 	for i := range count {
 		wg.Go(func() {
 			mac := net.HardwareAddr{2, 0, 0, 0, 2, byte(i)}
-			ips[i], errs[i] = n.Attach(ctx, fmt.Sprintf("ns/vm%d", i), fmt.Sprintf("pnc%d", i), mac, -1)
+			_, ips[i], errs[i] = n.Attach(ctx, fmt.Sprintf("ns/vm%d", i), fmt.Sprintf("pnc%d", i), mac, -1)
 		})
 	}
 	wg.Wait()
