@@ -117,6 +117,10 @@ func (q *Queue) Retry(key string) { q.queue.AddRateLimited(key) }
 // Len is the number of keys waiting.
 func (q *Queue) Len() int { return q.queue.Len() }
 
+// ShutDown stops the queue; for a Run that returns before Queue.Run
+// (which shuts the queue down itself).
+func (q *Queue) ShutDown() { q.queue.ShutDown() }
+
 // Enqueue queues the namespace/name key of obj (a tombstone's object
 // included); it suits OnChange.
 func (q *Queue) Enqueue(obj any) {
