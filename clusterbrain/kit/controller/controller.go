@@ -130,7 +130,7 @@ func (q *Queue) Enqueue(obj any) {
 }
 
 // Run waits for the caches of synced, then syncs keys with the configured
-// workers until ctx ends. It shuts the queue down and returns once every
+// workers until ctx ends or ShutDown is called. It shuts the queue down and returns once every
 // worker has; the error says the caches did not sync before ctx ended.
 func (q *Queue) Run(ctx context.Context, synced ...cache.InformerSynced) error {
 	defer q.queue.ShutDown()
@@ -144,9 +144,14 @@ func (q *Queue) Run(ctx context.Context, synced ...cache.InformerSynced) error {
 			}
 		})
 	}
-	<-ctx.Done()
-	q.queue.ShutDown()
-	wg.Wait()
+	stopped := make(chan struct{})
+	go func() { wg.Wait(); close(stopped) }()
+	select {
+	case <-ctx.Done():
+		q.queue.ShutDown()
+		<-stopped
+	case <-stopped: // ShutDown was called
+	}
 	return nil
 }
 

@@ -187,3 +187,18 @@ func TestOwnerKey(t *testing.T) {
 		}
 	}
 }
+
+func TestShutDownEndsRun(t *testing.T) {
+	q, _ := New(Config{Name: "test", Backoff: BackoffAPI, Sync: NoRequeue(func(context.Context, string) error { return nil })})
+	done := make(chan error, 1)
+	go func() { done <- q.Run(t.Context()) }()
+	q.ShutDown()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run still running after ShutDown")
+	}
+}
