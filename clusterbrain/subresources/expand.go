@@ -12,41 +12,37 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	instancetypev1beta1 "kubevirt.io/api/instancetype/v1beta1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/aggregated"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/httperr"
 )
 
 // expandVMSpec answers virtualmachines/{name}/expand-spec.
-func (s *Server) expandVMSpec(w http.ResponseWriter, r *http.Request, req request, _ *slog.Logger) {
+func (s *Server) expandVMSpec(w http.ResponseWriter, r *http.Request, req request, _ *slog.Logger) error {
 	vm, err := s.getVM(r.Context(), req.namespace, req.name)
 	if err == nil {
 		err = s.expand(r.Context(), vm)
 	}
 	if err != nil {
-		aggregated.WriteError(w, err)
-		return
+		return err
 	}
-	aggregated.WriteJSON(w, http.StatusOK, vm)
+	return httperr.WriteJSON(w, http.StatusOK, vm)
 }
 
 // expandSpecBody answers PUT expand-vm-spec with the VM of the body.
-func (s *Server) expandSpecBody(w http.ResponseWriter, r *http.Request, req request, _ *slog.Logger) {
+func (s *Server) expandSpecBody(w http.ResponseWriter, r *http.Request, req request, _ *slog.Logger) error {
 	vm := &kubevirtv1.VirtualMachine{}
 	if err := decodeBody(r, vm); err != nil {
-		aggregated.WriteError(w, err)
-		return
+		return err
 	}
 	if vm.Namespace == "" {
 		vm.Namespace = req.namespace
 	}
 	if vm.Namespace != req.namespace {
-		aggregated.WriteError(w, apierrors.NewBadRequest(fmt.Sprintf("VM namespace must be empty or %s", req.namespace)))
-		return
+		return apierrors.NewBadRequest(fmt.Sprintf("VM namespace must be empty or %s", req.namespace))
 	}
 	if err := s.expand(r.Context(), vm); err != nil {
-		aggregated.WriteError(w, err)
-		return
+		return err
 	}
-	aggregated.WriteJSON(w, http.StatusOK, vm)
+	return httperr.WriteJSON(w, http.StatusOK, vm)
 }
 
 // expand writes the referenced instancetype's CPU and memory into the VM's
