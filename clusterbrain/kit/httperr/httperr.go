@@ -10,10 +10,10 @@
 //		return httperr.WriteJSON(w, http.StatusOK, vm)
 //	}
 //
-// The status of an error is, in order: the Kubernetes status it carries
-// (an apierrors.APIStatus anywhere in its %w chain, what the aggregated
-// APIs answer with and virtctl reads), the code of an *Error in its chain
-// (NotFound, Conflict, ... below), else 500.
+// The status of an error is decided by the outermost error of its %w chain
+// that says one: a Kubernetes status (apierrors.APIStatus, what the
+// aggregated APIs answer with and virtctl reads) or an *Error (NotFound,
+// Conflict, ... below). An error with neither is a 500.
 //
 // Two writers answer with it: WriteStatus as a Kubernetes Status object
 // (aggregated APIs), WriteText as http.Error's plain text (node and upload
@@ -22,7 +22,6 @@ package httperr
 
 import (
 	"encoding/json"
-	"errors"
 	"fmt"
 	"net/http"
 
@@ -103,18 +102,41 @@ func Code(err error) int {
 	if err == nil {
 		return http.StatusOK
 	}
-	var se apierrors.APIStatus
-	if errors.As(err, &se) {
-		if c := int(se.Status().Code); c != 0 {
-			return c
+	switch c := classify(err).(type) {
+	case apierrors.APIStatus:
+		if code := int(c.Status().Code); code != 0 {
+			return code
 		}
-		return http.StatusInternalServerError
-	}
-	var e *Error
-	if errors.As(err, &e) {
-		return e.Code
+	case *Error:
+		return c.Code
 	}
 	return http.StatusInternalServerError
+}
+
+// classify returns the outermost error of err's chain that says how it is
+// answered (an *Error or an apierrors.APIStatus), or nil: the context a
+// caller wraps around an error decides over what the error said.
+func classify(err error) error {
+	for err != nil {
+		switch err.(type) {
+		case *Error, apierrors.APIStatus:
+			return err
+		}
+		switch u := err.(type) {
+		case interface{ Unwrap() error }:
+			err = u.Unwrap()
+		case interface{ Unwrap() []error }:
+			for _, e := range u.Unwrap() {
+				if c := classify(e); c != nil {
+					return c
+				}
+			}
+			return nil
+		default:
+			return nil
+		}
+	}
+	return nil
 }
 
 // Status is the Kubernetes Status object err answers with: the one it
@@ -123,13 +145,11 @@ func Code(err error) int {
 // error is an InternalError, its message prefixed as apierrors does).
 func Status(err error) metav1.Status {
 	var st metav1.Status
-	var se apierrors.APIStatus
-	var e *Error
-	switch {
-	case errors.As(err, &se):
-		st = se.Status()
-	case errors.As(err, &e):
-		st = metav1.Status{Status: metav1.StatusFailure, Code: int32(e.Code), Message: err.Error(), Reason: reasonOf(e.Code)}
+	switch c := classify(err).(type) {
+	case apierrors.APIStatus:
+		st = c.Status()
+	case *Error:
+		st = metav1.Status{Status: metav1.StatusFailure, Code: int32(c.Code), Message: err.Error(), Reason: reasonOf(c.Code)}
 	default:
 		st = apierrors.NewInternalError(err).Status()
 	}

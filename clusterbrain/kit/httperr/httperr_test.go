@@ -61,6 +61,19 @@ func TestMapping(t *testing.T) {
 			status: `{"kind":"Status","apiVersion":"v1","metadata":{},"status":"Failure","message":"upload: node n1 has no endpoint","reason":"ServiceUnavailable","code":503}`,
 			text:   "upload: node n1 has no endpoint\n",
 		},
+		{
+			name: "typed around a kubernetes error", err: Unavailable("pvc a/b: %w", apierrors.NewForbidden(vm, "b", errors.New("rbac"))),
+			code: 503, reason: metav1.StatusReasonServiceUnavailable,
+			text: "pvc a/b: virtualmachine.kubevirt.io \"b\" is forbidden: rbac\n",
+		},
+		{
+			name: "kubernetes error around a typed one", err: apierrors.NewInternalError(NotFound("gone")), code: 500,
+			reason: metav1.StatusReasonInternalError, text: "Internal error occurred: gone\n",
+		},
+		{
+			name: "joined", err: errors.Join(errors.New("first"), Conflict("second")), code: 409,
+			reason: metav1.StatusReasonConflict, text: "first\nsecond\n",
+		},
 		{name: "bad request", err: BadRequest("bad"), code: 400, reason: metav1.StatusReasonBadRequest, text: "bad\n"},
 		{name: "unauthorized", err: Unauthorized("who"), code: 401, reason: metav1.StatusReasonUnauthorized, text: "who\n"},
 		{name: "forbidden", err: Forbidden("no"), code: 403, reason: metav1.StatusReasonForbidden, text: "no\n"},
