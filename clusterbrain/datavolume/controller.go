@@ -54,6 +54,18 @@ type Config struct {
 	// Namespace is the brain's namespace, where it writes the clone
 	// requests nodes read (default kubevirt-hyperconverged).
 	Namespace string
+	// Placer picks the node of a claim placed immediately (no clone or
+	// snapshot source deciding it): the scheduler, so volumes follow the
+	// VMIs' placement policy. Nil: the first eligible node by name (a
+	// brain without a scheduler, as in tests).
+	Placer VolumePlacer
+}
+
+// VolumePlacer picks a node for a volume nothing consumes yet.
+type VolumePlacer interface {
+	// PlaceVolume returns the best node eligible accepts ("" for none),
+	// or false when it cannot decide yet.
+	PlaceVolume(eligible func(*corev1.Node) bool) (string, bool)
 }
 
 func (c *Config) defaults() {

@@ -25,6 +25,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
 	"github.com/nodevirt/nodevirt/clusterbrain/featuregate"
+	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport/dvimporttest"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
@@ -92,7 +93,14 @@ func setup(t *testing.T) env {
 		if _, err := kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: brainNamespace}}, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}
-		c, err := New(Config{Kube: kube, Virt: virt, Snapshots: snaps, Log: log, Namespace: brainNamespace})
+		// Immediately bound claims are placed by a real scheduler, as in
+		// the brain.
+		sched, err := scheduler.New(scheduler.Config{Kube: kube, Virt: virt, Snapshots: snaps, Log: log})
+		if err != nil {
+			t.Fatal(err)
+		}
+		go func() { _ = sched.Run(ctx) }()
+		c, err := New(Config{Kube: kube, Virt: virt, Snapshots: snaps, Log: log, Namespace: brainNamespace, Placer: sched})
 		if err != nil {
 			t.Fatal(err)
 		}

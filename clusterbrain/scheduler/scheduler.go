@@ -13,7 +13,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -386,21 +385,15 @@ func (s *Scheduler) decide(vmi *kubevirtv1.VirtualMachineInstance) (string, []*c
 		return fail(err.Error(), nil)
 	}
 	reasons := map[string]int{}
-	best, bestScore, bestCount := -1, math.Inf(-1), 0
-	for i, st := range states {
+	best := pick(states, func(st *nodeState) (float64, bool) {
 		if why := filter(req, st, states); len(why) > 0 {
 			for _, w := range why {
 				reasons[w]++
 			}
-			continue
+			return 0, false
 		}
-		sc := score(req, st, states)
-		// Ties go to the node with fewer VMIs, then by name.
-		if sc > bestScore || (sc == bestScore && (len(st.placed) < bestCount ||
-			(len(st.placed) == bestCount && st.node.Name < states[best].node.Name))) {
-			best, bestScore, bestCount = i, sc, len(st.placed)
-		}
-	}
+		return score(req, st, states), true
+	})
 	if best < 0 {
 		return fail("", reasons)
 	}

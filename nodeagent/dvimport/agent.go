@@ -356,8 +356,10 @@ func (a *Agent) target(dv *cdiv1.DataVolume, ns, name string) (*target, error) {
 	}
 	usable := importstate.UsableSize(pvc)
 	if usable == 0 && !isBlock {
+		// A claim the brain wrote no usable size on: the volume's,
+		// net of the default overhead (the CDI CR is the brain's).
 		if q, ok := pv.Spec.Capacity[corev1.ResourceStorage]; ok {
-			usable = q.Value() * 94 / 100
+			usable = importstate.UsableOf(q.Value(), importstate.DefaultFilesystemOverhead)
 		}
 	}
 	if capacity > 0 && (usable == 0 || capacity < usable) {
