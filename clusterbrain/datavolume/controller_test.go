@@ -11,7 +11,6 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -22,12 +21,12 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
 	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
-	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
 	"github.com/nodevirt/nodevirt/clusterbrain/featuregate"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport/dvimporttest"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestMain(m *testing.M) {
@@ -54,13 +53,8 @@ func setup(t *testing.T) env {
 	cp := controlplane.Shared(t)
 	setupOnce.Do(func() {
 		ctx := context.Background()
-		ext := apiextensionsclient.NewForConfigOrDie(cp.RestConfig)
-		if err := crds.Install(ctx, ext, crds.Catalog()); err != nil {
-			t.Fatal(err)
-		}
-		if err := crds.InstallAbsent(ctx, ext, crds.SnapshotCatalog()); err != nil {
-			t.Fatal(err)
-		}
+		testkit.InstallCRDs(t, cp)
+		testkit.InstallSnapshotCRDs(t, cp)
 		kube := cp.Clientset(t)
 		virt, err := client.NewSet(cp.RestConfig)
 		if err != nil {

@@ -30,6 +30,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/upload/uploadtls"
 	"github.com/nodevirt/nodevirt/clusterbrain/virtctl"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
@@ -556,17 +557,6 @@ func (s *syncBuffer) String() string {
 	return s.b.String()
 }
 
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
 // TestCLI drives nodevirt's virtctl verbs with a kubeconfig file, as a user
 // would.
 func TestCLI(t *testing.T) {
@@ -614,12 +604,12 @@ func TestCLI(t *testing.T) {
 	go func() {
 		code <- virtctl.Run(ctx, []string{"--kubeconfig", cp.Kubeconfig, "-n", ns, "console", "cli"}, virtctl.IO{In: inR, Out: &out, Err: &errb})
 	}()
-	waitFor(t, "console banner", func() bool { return strings.Contains(out.String(), "standin console ready") })
+	testkit.Until(t, 10*time.Second, "console banner", func() bool { return strings.Contains(out.String(), "standin console ready") })
 	if !strings.Contains(errb.String(), "Successfully connected to cli console") {
 		t.Fatalf("console banner: %q", errb.String())
 	}
 	_, _ = inW.Write([]byte("echo cli-$((2+3))\n"))
-	waitFor(t, "command output", func() bool { return strings.Contains(out.String(), "cli-5") })
+	testkit.Until(t, 10*time.Second, "command output", func() bool { return strings.Contains(out.String(), "cli-5") })
 	_, _ = inW.Write([]byte{29})
 	select {
 	case c := <-code:
@@ -645,7 +635,7 @@ func TestCLIVNCProxyOnly(t *testing.T) {
 	go func() {
 		code <- virtctl.Run(ctx, []string{"--kubeconfig", cp.Kubeconfig, "-n", ns, "vnc", "v", "--proxy-only"}, virtctl.IO{In: strings.NewReader(""), Out: &out, Err: &errb})
 	}()
-	waitFor(t, "proxy port", func() bool { return strings.Contains(out.String(), `{"port":`) })
+	testkit.Until(t, 10*time.Second, "proxy port", func() bool { return strings.Contains(out.String(), `{"port":`) })
 	var p struct{ Port int }
 	if err := json.Unmarshal([]byte(strings.TrimSpace(out.String())), &p); err != nil || p.Port == 0 {
 		t.Fatalf("proxy-only output %q: %v", out.String(), err)
