@@ -239,76 +239,79 @@ func TestStartStopRestart(t *testing.T) {
 	ns := controlplane.Shared(t).Namespace(t)
 	c := adminIn(t, ns)
 
-	// Halted: start flips runStrategy to Always, stop back to Halted.
-	newVM(t, ns, "halted", kubevirtv1.RunStrategyHalted)
-	if err := c.VM(ctx, "halted", "start", &kubevirtv1.StartOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	vm, _ := env.virt.VMs.Get(ctx, ns, "halted")
-	if *vm.Spec.RunStrategy != kubevirtv1.RunStrategyAlways {
-		t.Fatalf("after start runStrategy %s", *vm.Spec.RunStrategy)
-	}
-	vmi := newVMI(t, ns, "halted", kubevirtv1.Running)
-	wantStatus(t, "second start", c.VM(ctx, "halted", "start", nil), http.StatusConflict, "VM is already running")
-	grace := int64(7)
-	if err := c.VM(ctx, "halted", "stop", &kubevirtv1.StopOptions{GracePeriod: &grace}); err != nil {
-		t.Fatal(err)
-	}
-	vm, _ = env.virt.VMs.Get(ctx, ns, "halted")
-	vmi, _ = env.virt.VMIs.Get(ctx, ns, vmi.Name)
-	if *vm.Spec.RunStrategy != kubevirtv1.RunStrategyHalted || *vmi.Spec.TerminationGracePeriodSeconds != 7 {
-		t.Fatalf("after stop: runStrategy %s, vmi grace %d", *vm.Spec.RunStrategy, *vmi.Spec.TerminationGracePeriodSeconds)
-	}
-
-	// Manual: start and restart are state change requests for the VM controller.
-	newVM(t, ns, "manual", kubevirtv1.RunStrategyManual)
-	if err := c.VM(ctx, "manual", "start", nil); err != nil {
-		t.Fatal(err)
-	}
-	vm, _ = env.virt.VMs.Get(ctx, ns, "manual")
-	if r := vm.Status.StateChangeRequests; len(r) != 1 || r[0].Action != kubevirtv1.StartRequest {
-		t.Fatalf("after manual start: %+v", r)
-	}
-	wantStatus(t, "start while a start is pending", c.VM(ctx, "manual", "restart", nil), http.StatusConflict, "")
-	vm.Status.StateChangeRequests = nil
-	if _, err := env.virt.VMs.UpdateStatus(ctx, vm); err != nil {
-		t.Fatal(err)
-	}
-	mvmi := newVMI(t, ns, "manual", kubevirtv1.Running)
-	five := int64(5)
-	wantStatus(t, "restart with grace 5", c.VM(ctx, "manual", "restart", &kubevirtv1.RestartOptions{GracePeriodSeconds: &five}),
-		http.StatusBadRequest, "only gracePeriod=0")
-	zero := int64(0)
-	if err := c.VM(ctx, "manual", "restart", &kubevirtv1.RestartOptions{GracePeriodSeconds: &zero}); err != nil {
-		t.Fatal(err)
-	}
-	vm, _ = env.virt.VMs.Get(ctx, ns, "manual")
-	r := vm.Status.StateChangeRequests
-	if len(r) != 2 || r[0].Action != kubevirtv1.StopRequest || r[0].UID == nil || *r[0].UID != mvmi.UID || r[1].Action != kubevirtv1.StartRequest {
-		t.Fatalf("after restart: %+v", r)
-	}
-	mvmi, _ = env.virt.VMIs.Get(ctx, ns, "manual")
-	if *mvmi.Spec.TerminationGracePeriodSeconds != 1 {
-		t.Fatalf("forced restart left grace %d, want 1", *mvmi.Spec.TerminationGracePeriodSeconds)
-	}
-	// A stop request replaces the pending ones.
-	if err := c.VM(ctx, "manual", "stop", nil); err != nil {
-		t.Fatal(err)
-	}
-	vm, _ = env.virt.VMs.Get(ctx, ns, "manual")
-	if r := vm.Status.StateChangeRequests; len(r) != 1 || r[0].Action != kubevirtv1.StopRequest {
-		t.Fatalf("after stop: %+v", r)
-	}
-	wantStatus(t, "start of a missing vm", c.VM(ctx, "nope", "start", nil), http.StatusNotFound, "nope")
-
-	// Dry run changes nothing.
-	newVM(t, ns, "dry", kubevirtv1.RunStrategyHalted)
-	if err := c.VM(ctx, "dry", "start", &kubevirtv1.StartOptions{DryRun: []string{metav1.DryRunAll}}); err != nil {
-		t.Fatal(err)
-	}
-	if vm, _ = env.virt.VMs.Get(ctx, ns, "dry"); *vm.Spec.RunStrategy != kubevirtv1.RunStrategyHalted {
-		t.Fatalf("dry-run start changed runStrategy to %s", *vm.Spec.RunStrategy)
-	}
+	t.Run("halted: start and stop flip runStrategy", func(t *testing.T) {
+		newVM(t, ns, "halted", kubevirtv1.RunStrategyHalted)
+		if err := c.VM(ctx, "halted", "start", &kubevirtv1.StartOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		vm, _ := env.virt.VMs.Get(ctx, ns, "halted")
+		if *vm.Spec.RunStrategy != kubevirtv1.RunStrategyAlways {
+			t.Fatalf("after start runStrategy %s", *vm.Spec.RunStrategy)
+		}
+		vmi := newVMI(t, ns, "halted", kubevirtv1.Running)
+		wantStatus(t, "second start", c.VM(ctx, "halted", "start", nil), http.StatusConflict, "VM is already running")
+		grace := int64(7)
+		if err := c.VM(ctx, "halted", "stop", &kubevirtv1.StopOptions{GracePeriod: &grace}); err != nil {
+			t.Fatal(err)
+		}
+		vm, _ = env.virt.VMs.Get(ctx, ns, "halted")
+		vmi, _ = env.virt.VMIs.Get(ctx, ns, vmi.Name)
+		if *vm.Spec.RunStrategy != kubevirtv1.RunStrategyHalted || *vmi.Spec.TerminationGracePeriodSeconds != 7 {
+			t.Fatalf("after stop: runStrategy %s, vmi grace %d", *vm.Spec.RunStrategy, *vmi.Spec.TerminationGracePeriodSeconds)
+		}
+	})
+	t.Run("manual: start and restart are state change requests", func(t *testing.T) {
+		newVM(t, ns, "manual", kubevirtv1.RunStrategyManual)
+		if err := c.VM(ctx, "manual", "start", nil); err != nil {
+			t.Fatal(err)
+		}
+		vm, _ := env.virt.VMs.Get(ctx, ns, "manual")
+		if r := vm.Status.StateChangeRequests; len(r) != 1 || r[0].Action != kubevirtv1.StartRequest {
+			t.Fatalf("after manual start: %+v", r)
+		}
+		wantStatus(t, "start while a start is pending", c.VM(ctx, "manual", "restart", nil), http.StatusConflict, "")
+		vm.Status.StateChangeRequests = nil
+		if _, err := env.virt.VMs.UpdateStatus(ctx, vm); err != nil {
+			t.Fatal(err)
+		}
+		mvmi := newVMI(t, ns, "manual", kubevirtv1.Running)
+		five := int64(5)
+		wantStatus(t, "restart with grace 5", c.VM(ctx, "manual", "restart", &kubevirtv1.RestartOptions{GracePeriodSeconds: &five}),
+			http.StatusBadRequest, "only gracePeriod=0")
+		zero := int64(0)
+		if err := c.VM(ctx, "manual", "restart", &kubevirtv1.RestartOptions{GracePeriodSeconds: &zero}); err != nil {
+			t.Fatal(err)
+		}
+		vm, _ = env.virt.VMs.Get(ctx, ns, "manual")
+		r := vm.Status.StateChangeRequests
+		if len(r) != 2 || r[0].Action != kubevirtv1.StopRequest || r[0].UID == nil || *r[0].UID != mvmi.UID || r[1].Action != kubevirtv1.StartRequest {
+			t.Fatalf("after restart: %+v", r)
+		}
+		mvmi, _ = env.virt.VMIs.Get(ctx, ns, "manual")
+		if *mvmi.Spec.TerminationGracePeriodSeconds != 1 {
+			t.Fatalf("forced restart left grace %d, want 1", *mvmi.Spec.TerminationGracePeriodSeconds)
+		}
+		// A stop request replaces the pending ones.
+		if err := c.VM(ctx, "manual", "stop", nil); err != nil {
+			t.Fatal(err)
+		}
+		vm, _ = env.virt.VMs.Get(ctx, ns, "manual")
+		if r := vm.Status.StateChangeRequests; len(r) != 1 || r[0].Action != kubevirtv1.StopRequest {
+			t.Fatalf("after stop: %+v", r)
+		}
+	})
+	t.Run("start of a missing vm", func(t *testing.T) {
+		wantStatus(t, "start of a missing vm", c.VM(ctx, "nope", "start", nil), http.StatusNotFound, "nope")
+	})
+	t.Run("dry run changes nothing", func(t *testing.T) {
+		newVM(t, ns, "dry", kubevirtv1.RunStrategyHalted)
+		if err := c.VM(ctx, "dry", "start", &kubevirtv1.StartOptions{DryRun: []string{metav1.DryRunAll}}); err != nil {
+			t.Fatal(err)
+		}
+		if vm, _ := env.virt.VMs.Get(ctx, ns, "dry"); *vm.Spec.RunStrategy != kubevirtv1.RunStrategyHalted {
+			t.Fatalf("dry-run start changed runStrategy to %s", *vm.Spec.RunStrategy)
+		}
+	})
 }
 
 func TestMigrateAndExpand(t *testing.T) {
