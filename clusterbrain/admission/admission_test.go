@@ -10,7 +10,6 @@ import (
 	"testing"
 	"time"
 
-	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
@@ -18,9 +17,9 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
-	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/certs"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
@@ -34,9 +33,7 @@ type env struct {
 func setup(t *testing.T) env {
 	t.Helper()
 	cp := controlplane.Shared(t)
-	if err := crds.Install(context.Background(), apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.Catalog()); err != nil {
-		t.Fatal(err)
-	}
+	testkit.InstallCRDs(t, cp)
 	virt, err := client.NewSet(cp.RestConfig)
 	if err != nil {
 		t.Fatal(err)

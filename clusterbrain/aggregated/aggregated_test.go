@@ -17,6 +17,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/httperr"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
 
@@ -38,20 +39,20 @@ func TestProxiedRequestCarriesUser(t *testing.T) {
 	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		u, ok := UserFrom(r.Context())
 		if !ok {
-			WriteJSON(w, 200, map[string]any{"anonymous": true, "path": r.URL.Path})
+			_ = httperr.WriteJSON(w, 200, map[string]any{"anonymous": true, "path": r.URL.Path})
 			return
 		}
 		attrs := authv1.ResourceAttributes{Namespace: ns, Verb: "get", Group: group, Resource: "things"}
 		allowed, reason, err := Authorize(r.Context(), kube, u, attrs)
 		if err != nil {
-			WriteError(w, err)
+			httperr.WriteStatus(w, err)
 			return
 		}
 		if !allowed {
-			WriteError(w, Forbidden(u, attrs, reason))
+			httperr.WriteStatus(w, Forbidden(u, attrs, reason))
 			return
 		}
-		WriteJSON(w, 200, map[string]any{"user": u.Name, "groups": u.Groups, "path": r.URL.Path})
+		_ = httperr.WriteJSON(w, 200, map[string]any{"user": u.Name, "groups": u.Groups, "path": r.URL.Path})
 	})
 	srv, err := NewServer(Config{
 		Kube: kube, Dynamic: dyn, Addr: ":0", Handler: handler,

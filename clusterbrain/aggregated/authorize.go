@@ -2,10 +2,8 @@ package aggregated
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"net/http"
 
 	authv1 "k8s.io/api/authorization/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -47,35 +45,4 @@ func Forbidden(u User, attrs authv1.ResourceAttributes, reason string) *apierror
 	err := apierrors.NewForbidden(schema.GroupResource{Group: attrs.Group, Resource: res}, attrs.Name, errors.New(msg))
 	err.ErrStatus.Message = msg
 	return err
-}
-
-// WriteError writes err as a Kubernetes Status; errors that are not API
-// status errors become 500 Internal Error.
-func WriteError(w http.ResponseWriter, err error) {
-	var se apierrors.APIStatus
-	if !errors.As(err, &se) {
-		se = apierrors.NewInternalError(err)
-	}
-	st := se.Status()
-	st.Kind, st.APIVersion = "Status", "v1"
-	if st.Status == "" {
-		st.Status = metav1.StatusFailure
-	}
-	code := int(st.Code)
-	if code == 0 {
-		code = http.StatusInternalServerError
-	}
-	WriteJSON(w, code, &st)
-}
-
-// WriteJSON writes v as JSON with status code.
-func WriteJSON(w http.ResponseWriter, code int, v any) {
-	data, err := json.Marshal(v)
-	if err != nil {
-		http.Error(w, err.Error(), http.StatusInternalServerError)
-		return
-	}
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(code)
-	_, _ = w.Write(data)
 }

@@ -17,6 +17,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/certs"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/httperr"
 )
 
 // Config configures a Server.
@@ -188,7 +189,7 @@ func (s *Server) authenticate(next http.Handler) http.Handler {
 			return
 		}
 		s.cfg.Log.Debug("refused unauthenticated request", "path", r.URL.Path, "err", err)
-		WriteError(w, apierrors.NewUnauthorized(err.Error()))
+		httperr.WriteStatus(w, apierrors.NewUnauthorized(err.Error()))
 	})
 }
 

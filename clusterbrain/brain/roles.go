@@ -46,7 +46,10 @@ var everyBrainRoles = []RoleFactory{
 	},
 }
 
-var _ vmcontroller.Placer = (*scheduler.Scheduler)(nil)
+var (
+	_ vmcontroller.Placer     = (*scheduler.Scheduler)(nil)
+	_ datavolume.VolumePlacer = (*scheduler.Scheduler)(nil)
+)
 
 // leaderRoles run only on the elected brain: controllers that write.
 var leaderRoles = []RoleFactory{
@@ -55,13 +58,6 @@ var leaderRoles = []RoleFactory{
 		// VMIs failed over (package fencing's timeline).
 		return nodefailure.New(nodefailure.Config{Kube: d.Kube, Virt: d.Virt, Window: d.Config.FencingWindow,
 			Log: d.Log.With("role", "node-failure")})
-	},
-	func(d *Deps) (Role, error) {
-		dyn, err := dynamic.NewForConfig(d.RestConfig)
-		if err != nil {
-			return nil, err
-		}
-		return datavolume.New(datavolume.Config{Kube: d.Kube, Virt: d.Virt, Log: d.Log, Snapshots: snapshotv1.NewClient(dyn), Namespace: d.Config.Namespace})
 	},
 	func(d *Deps) (Role, error) {
 		return hco.New(hco.Config{Namespace: d.Config.Namespace, Kube: d.Kube, Virt: d.Virt, Log: d.Log.With("role", "hco"), BrainHealth: d.Health.Ready})
@@ -73,6 +69,16 @@ var leaderRoles = []RoleFactory{
 		s, err := scheduler.New(scheduler.Config{RestConfig: d.RestConfig, Log: d.Log.With("role", "scheduler"), VMIInformer: d.vmis})
 		d.scheduler = s
 		return s, err
+	},
+	func(d *Deps) (Role, error) {
+		dyn, err := dynamic.NewForConfig(d.RestConfig)
+		if err != nil {
+			return nil, err
+		}
+		// Volumes bound before any consumer go where the scheduler would
+		// put a VMI.
+		return datavolume.New(datavolume.Config{Kube: d.Kube, Virt: d.Virt, Log: d.Log, Snapshots: snapshotv1.NewClient(dyn),
+			Namespace: d.Config.Namespace, Placer: d.scheduler})
 	},
 	func(d *Deps) (Role, error) {
 		// The scheduler places each VMI before it is created, so the VMI is

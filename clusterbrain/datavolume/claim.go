@@ -5,9 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"hash/fnv"
-	"math"
-	"sort"
+	"slices"
 	"strconv"
 
 	corev1 "k8s.io/api/core/v1"
@@ -21,9 +19,6 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
 )
-
-// defaultOverhead is CDI's filesystem overhead when the CDI CR sets none.
-const defaultOverhead = 0.06
 
 // claimError is a reason the PVC cannot be made (yet), shown as the Bound
 // condition of the DataVolume.
@@ -191,11 +186,9 @@ func (c *Controller) buildClaim(ctx context.Context, dv *cdiv1.DataVolume, src *
 	if *spec.VolumeMode == corev1.PersistentVolumeFilesystem {
 		overhead := c.filesystemOverhead(ctx, className)
 		if inflate {
-			need := int64(math.Ceil(float64(usable) / (1 - overhead)))
-			need = (need + 1<<20 - 1) &^ (1<<20 - 1)
-			size = *resource.NewQuantity(need, resource.BinarySI)
+			size = *resource.NewQuantity(importstate.SizeFor(usable, overhead), resource.BinarySI)
 		} else {
-			usable = int64(float64(usable) * (1 - overhead))
+			usable = importstate.UsableOf(usable, overhead)
 		}
 	}
 	if size.Value() < restore {
@@ -296,7 +289,7 @@ func (c *Controller) applyProfile(ctx context.Context, spec *corev1.PersistentVo
 func (c *Controller) filesystemOverhead(ctx context.Context, className string) float64 {
 	cfg, err := c.virt.CDIConfig(ctx)
 	if err != nil || cfg == nil || cfg.FilesystemOverhead == nil {
-		return defaultOverhead
+		return importstate.DefaultFilesystemOverhead
 	}
 	fo := cfg.FilesystemOverhead
 	value := fo.Global
@@ -305,16 +298,16 @@ func (c *Controller) filesystemOverhead(ctx context.Context, className string) f
 	}
 	f, err := strconv.ParseFloat(string(value), 64)
 	if err != nil || f < 0 || f >= 1 {
-		return defaultOverhead
+		return importstate.DefaultFilesystemOverhead
 	}
 	return f
 }
 
 // placeImmediately gives a pending WaitForFirstConsumer claim a node when
 // nothing will consume it soon: a clone goes to its source's node, a
-// snapshot restore to the node holding the snapshot, any
-// other claim to a node picked from the claim's UID among the nodes that
-// can take it (for an upload, nodes with an upload endpoint).
+// snapshot restore to the node holding the snapshot, any other claim to
+// the node the Placer picks among those that can take it (for an upload,
+// nodes with an upload endpoint).
 func (c *Controller) placeImmediately(ctx context.Context, pvc *corev1.PersistentVolumeClaim, src *cdiv1.DataVolumeSource) error {
 	node := ""
 	if src != nil && src.Snapshot != nil {
@@ -333,23 +326,16 @@ func (c *Controller) placeImmediately(ctx context.Context, pvc *corev1.Persisten
 		}
 		node = n
 	} else {
-		nodes, err := c.kube.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+		upload := sourceKind(src) == importstate.SourceUpload
+		eligible := func(n *corev1.Node) bool { return usableNode(n, upload) }
+		n, err := c.pickNode(ctx, eligible)
 		if err != nil {
-			return fmt.Errorf("list nodes: %w", err)
+			return err
 		}
-		var names []string
-		for _, n := range nodes.Items {
-			if usableNode(&n, sourceKind(src) == importstate.SourceUpload) {
-				names = append(names, n.Name)
-			}
-		}
-		if len(names) == 0 {
+		if n == "" {
 			return claimErrorf("NoNodeAvailable", "no node can take pvc %s/%s", pvc.Namespace, pvc.Name)
 		}
-		sort.Strings(names)
-		h := fnv.New32a()
-		_, _ = h.Write([]byte(pvc.UID))
-		node = names[int(h.Sum32()%uint32(len(names)))]
+		node = n
 	}
 	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": map[string]string{importstate.AnnSelectedNode: node}}})
 	_, err := c.kube.CoreV1().PersistentVolumeClaims(pvc.Namespace).Patch(ctx, pvc.Name, types.MergePatchType, patch, metav1.PatchOptions{})
@@ -358,6 +344,32 @@ func (c *Controller) placeImmediately(ctx context.Context, pvc *corev1.Persisten
 	}
 	c.log.Info("selected node for immediate binding", "namespace", pvc.Namespace, "pvc", pvc.Name, "node", node)
 	return nil
+}
+
+// pickNode asks the Placer for a node eligible accepts; without one, the
+// first eligible node by name.
+func (c *Controller) pickNode(ctx context.Context, eligible func(*corev1.Node) bool) (string, error) {
+	if c.cfg.Placer != nil {
+		node, ok := c.cfg.Placer.PlaceVolume(eligible)
+		if !ok {
+			return "", claimErrorf("SchedulerNotReady", "the scheduler cannot place volumes yet")
+		}
+		return node, nil
+	}
+	nodes, err := c.kube.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return "", fmt.Errorf("list nodes: %w", err)
+	}
+	names := []string{}
+	for _, n := range nodes.Items {
+		if eligible(&n) {
+			names = append(names, n.Name)
+		}
+	}
+	if len(names) == 0 {
+		return "", nil
+	}
+	return slices.Min(names), nil
 }
 
 // claimNode is the node holding the volume of a claim: its PV's hostpath

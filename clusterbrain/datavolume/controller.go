@@ -13,27 +13,25 @@ import (
 	"fmt"
 	"log/slog"
 	"strings"
+	"sync"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
-	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	corelisters "k8s.io/client-go/listers/core/v1"
 	storagelisters "k8s.io/client-go/listers/storage/v1"
 	"k8s.io/client-go/tools/cache"
-	"k8s.io/client-go/tools/record"
-	"k8s.io/client-go/util/workqueue"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
 	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/metrics"
 )
 
@@ -56,6 +54,18 @@ type Config struct {
 	// Namespace is the brain's namespace, where it writes the clone
 	// requests nodes read (default kubevirt-hyperconverged).
 	Namespace string
+	// Placer picks the node of a claim placed immediately (no clone or
+	// snapshot source deciding it): the scheduler, so volumes follow the
+	// VMIs' placement policy. Nil: the first eligible node by name (a
+	// brain without a scheduler, as in tests).
+	Placer VolumePlacer
+}
+
+// VolumePlacer picks a node for a volume nothing consumes yet.
+type VolumePlacer interface {
+	// PlaceVolume returns the best node eligible accepts ("" for none),
+	// or false when it cannot decide yet.
+	PlaceVolume(eligible func(*corev1.Node) bool) (string, bool)
 }
 
 func (c *Config) defaults() {
@@ -86,7 +96,7 @@ type Controller struct {
 	log      *slog.Logger
 	kube     kubernetes.Interface
 	virt     *client.Set
-	recorder record.EventRecorder
+	recorder *controller.Recorder
 
 	dvInformer cache.SharedIndexInformer
 	factory    informers.SharedInformerFactory
@@ -94,8 +104,8 @@ type Controller struct {
 	classes    storagelisters.StorageClassLister
 	synced     []cache.InformerSynced
 
-	queue        workqueue.TypedRateLimitingInterface[string]
-	profileQueue workqueue.TypedRateLimitingInterface[string]
+	queue        *controller.Queue // DataVolumes and bare upload claims
+	profileQueue *controller.Queue // StorageClasses, whose profiles follow them
 }
 
 // New validates cfg and builds the controller; Run starts it.
@@ -106,10 +116,21 @@ func New(cfg Config) (*Controller, error) {
 	}
 	c := &Controller{
 		cfg: cfg, log: cfg.Log.With("role", "datavolume"), kube: cfg.Kube, virt: cfg.Virt,
-		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[string](),
-			workqueue.TypedRateLimitingQueueConfig[string]{Name: "datavolumes"}),
-		profileQueue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[string](),
-			workqueue.TypedRateLimitingQueueConfig[string]{Name: "storageprofiles"}),
+		recorder: controller.NewRecorder(client.NewScheme(), "nodevirt-datavolume"),
+	}
+	var err error
+	c.queue, err = controller.New(controller.Config{Name: "datavolumes", Sync: c.syncKey, Backoff: controller.BackoffAPI,
+		Workers: cfg.Workers, Log: c.log, KeyAttr: "datavolume",
+		Observe: func(err error) { metrics.Reconciled("datavolume", err) },
+		Quiet:   apierrors.IsConflict, // the cache was behind; the retry sees the new version
+	})
+	if err != nil {
+		return nil, err
+	}
+	c.profileQueue, err = controller.New(controller.Config{Name: "storageprofiles", Sync: controller.NoRequeue(c.syncProfile),
+		Backoff: controller.BackoffAPI, Log: c.log, KeyAttr: "storageclass"})
+	if err != nil {
+		return nil, err
 	}
 	c.dvInformer = cfg.Virt.DataVolumes.Informer("", cfg.Resync, nil)
 	c.factory = informers.NewSharedInformerFactory(cfg.Kube, cfg.Resync)
@@ -118,39 +139,20 @@ func New(cfg Config) (*Controller, error) {
 	c.pvcs, c.classes = pvcInformer.Lister(), classInformer.Lister()
 	c.synced = []cache.InformerSynced{c.dvInformer.HasSynced, pvcInformer.Informer().HasSynced, classInformer.Informer().HasSynced}
 
-	enqueueDV := func(obj any) {
-		if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
-			c.queue.Add(key)
-		}
-	}
-	_, _ = c.dvInformer.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc: enqueueDV, UpdateFunc: func(_, obj any) { enqueueDV(obj) }, DeleteFunc: enqueueDV,
-	})
+	_, _ = c.dvInformer.AddEventHandler(controller.OnChange(c.queue.Enqueue))
 	enqueueOwner := func(obj any) {
-		if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
-			obj = tomb.Obj
-		}
 		pvc, ok := obj.(*corev1.PersistentVolumeClaim)
 		if !ok {
 			return
 		}
-		if ref := metav1.GetControllerOf(pvc); ref != nil && ref.Kind == "DataVolume" {
-			c.queue.Add(pvc.Namespace + "/" + ref.Name)
+		if key, ok := controller.OwnerKey(pvc, "DataVolume"); ok {
+			c.queue.Add(key)
 		} else if importstate.IsBareUploadClaim(pvc) {
 			c.queue.Add(uploadClaimKey + pvc.Namespace + "/" + pvc.Name)
 		}
 	}
-	_, _ = pvcInformer.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc: enqueueOwner, UpdateFunc: func(_, obj any) { enqueueOwner(obj) }, DeleteFunc: enqueueOwner,
-	})
-	enqueueClass := func(obj any) {
-		if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
-			c.profileQueue.Add(key)
-		}
-	}
-	_, _ = classInformer.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc: enqueueClass, UpdateFunc: func(_, obj any) { enqueueClass(obj) }, DeleteFunc: enqueueClass,
-	})
+	_, _ = pvcInformer.Informer().AddEventHandler(controller.OnChange(enqueueOwner))
+	_, _ = classInformer.Informer().AddEventHandler(controller.OnChange(c.profileQueue.Enqueue))
 	return c, nil
 }
 
@@ -162,11 +164,7 @@ func (c *Controller) Run(ctx context.Context) error {
 	defer utilruntime.HandleCrash()
 	defer c.queue.ShutDown()
 	defer c.profileQueue.ShutDown()
-
-	broadcaster := record.NewBroadcaster(record.WithContext(ctx))
-	broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: c.kube.CoreV1().Events("")})
-	defer broadcaster.Shutdown()
-	c.recorder = broadcaster.NewRecorder(client.NewScheme(), corev1.EventSource{Component: "nodevirt-datavolume"})
+	defer c.recorder.Start(c.kube)()
 
 	if !c.cfg.SkipStorageClass {
 		if err := c.ensureStorageClass(ctx); err != nil {
@@ -183,13 +181,11 @@ func (c *Controller) Run(ctx context.Context) error {
 		return fmt.Errorf("datavolume: caches did not sync: %w", ctx.Err())
 	}
 	c.log.Info("started", "workers", c.cfg.Workers)
-	for range c.cfg.Workers {
-		go wait.UntilWithContext(ctx, c.worker, time.Second)
-	}
-	go wait.UntilWithContext(ctx, c.profileWorker, time.Second)
 	go c.collectCloneRequests(ctx, time.Minute)
-	<-ctx.Done()
-	return nil
+	var profiles sync.WaitGroup
+	defer profiles.Wait()
+	profiles.Go(func() { _ = c.profileQueue.Run(ctx) })
+	return c.queue.Run(ctx)
 }
 
 // keepSnapshotClass creates the default VolumeSnapshotClass once the
@@ -204,50 +200,12 @@ func (c *Controller) keepSnapshotClass(ctx context.Context) {
 	})
 }
 
-func (c *Controller) worker(ctx context.Context) {
-	for {
-		key, quit := c.queue.Get()
-		if quit {
-			return
-		}
-		sync := c.sync
-		if strings.HasPrefix(key, uploadClaimKey) {
-			sync = c.syncUploadClaim
-		}
-		after, err := sync(ctx, key)
-		metrics.Reconciled("datavolume", err)
-		switch {
-		case err != nil:
-			level := slog.LevelWarn
-			if apierrors.IsConflict(err) {
-				level = slog.LevelDebug // the cache was behind; the retry sees the new version
-			}
-			c.log.Log(ctx, level, "sync failed", "datavolume", key, "err", err)
-			c.queue.AddRateLimited(key)
-		case after > 0:
-			c.queue.Forget(key)
-			c.queue.AddAfter(key, after)
-		default:
-			c.queue.Forget(key)
-		}
-		c.queue.Done(key)
+// syncKey syncs a DataVolume, or a bare upload claim when key says so.
+func (c *Controller) syncKey(ctx context.Context, key string) (time.Duration, error) {
+	if strings.HasPrefix(key, uploadClaimKey) {
+		return c.syncUploadClaim(ctx, key)
 	}
-}
-
-func (c *Controller) profileWorker(ctx context.Context) {
-	for {
-		key, quit := c.profileQueue.Get()
-		if quit {
-			return
-		}
-		if err := c.syncProfile(ctx, key); err != nil {
-			c.log.Warn("storage profile sync failed", "storageclass", key, "err", err)
-			c.profileQueue.AddRateLimited(key)
-		} else {
-			c.profileQueue.Forget(key)
-		}
-		c.profileQueue.Done(key)
-	}
+	return c.sync(ctx, key)
 }
 
 // dataVolume returns the cached DataVolume of key, or nil.

@@ -11,7 +11,6 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -24,9 +23,10 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/featuregate"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
 	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
-	"github.com/nodevirt/nodevirt/clusterbrain/crds"
+	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport/dvimporttest"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestMain(m *testing.M) {
@@ -53,13 +53,8 @@ func setup(t *testing.T) env {
 	cp := controlplane.Shared(t)
 	setupOnce.Do(func() {
 		ctx := context.Background()
-		ext := apiextensionsclient.NewForConfigOrDie(cp.RestConfig)
-		if err := crds.Install(ctx, ext, crds.Catalog()); err != nil {
-			t.Fatal(err)
-		}
-		if err := crds.InstallAbsent(ctx, ext, crds.SnapshotCatalog()); err != nil {
-			t.Fatal(err)
-		}
+		testkit.InstallCRDs(t, cp)
+		testkit.InstallSnapshotCRDs(t, cp)
 		kube := cp.Clientset(t)
 		virt, err := client.NewSet(cp.RestConfig)
 		if err != nil {
@@ -92,7 +87,14 @@ func setup(t *testing.T) env {
 		if _, err := kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: brainNamespace}}, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}
-		c, err := New(Config{Kube: kube, Virt: virt, Snapshots: snaps, Log: log, Namespace: brainNamespace})
+		// Immediately bound claims are placed by a real scheduler, as in
+		// the brain.
+		sched, err := scheduler.New(scheduler.Config{Kube: kube, Virt: virt, Snapshots: snaps, Log: log})
+		if err != nil {
+			t.Fatal(err)
+		}
+		go func() { _ = sched.Run(ctx) }()
+		c, err := New(Config{Kube: kube, Virt: virt, Snapshots: snaps, Log: log, Namespace: brainNamespace, Placer: sched})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -25,6 +25,7 @@ import (
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport/dvimporttest"
 	"github.com/nodevirt/nodevirt/nodeagent/provisioner"
 	"github.com/nodevirt/nodevirt/nodeagent/snapshotter"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // snapNode runs real node roles in the snapshot test; it has no Node object,
@@ -111,7 +112,7 @@ func TestDataVolumeFromSnapshot(t *testing.T) {
 	d := startSnapNode(t, e)
 
 	var vc *snapshotv1.VolumeSnapshotClass
-	waitUntil(t, "default volumesnapshotclass", func() bool {
+	testkit.Until(t, 30*time.Second, "default volumesnapshotclass", func() bool {
 		var err error
 		vc, err = e.snaps.Classes.Get(ctx, "", HostpathSnapshotClass)
 		return err == nil
@@ -149,7 +150,7 @@ func TestDataVolumeFromSnapshot(t *testing.T) {
 		Spec: snapshotv1.VolumeSnapshotSpec{Source: snapshotv1.VolumeSnapshotSource{PersistentVolumeClaimName: &pvcName}}}); err != nil {
 		t.Fatal(err)
 	}
-	waitUntil(t, "snapshot ready", func() bool {
+	testkit.Until(t, 30*time.Second, "snapshot ready", func() bool {
 		vs, err := e.snaps.Snapshots.Get(ctx, e.ns, "golden")
 		return err == nil && vs.Status != nil && vs.Status.ReadyToUse != nil && *vs.Status.ReadyToUse
 	})
@@ -222,16 +223,5 @@ func TestDataVolumeFromSnapshot(t *testing.T) {
 	})
 	if missing.Status.Phase != cdiv1.Pending || !strings.Contains(dvimporttest.Condition(missing, cdiv1.DataVolumeBound).Message, "nope") {
 		t.Errorf("missing: %+v", missing.Status)
-	}
-}
-
-func waitUntil(t *testing.T, what string, ok func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !ok() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(100 * time.Millisecond)
 	}
 }

@@ -71,7 +71,7 @@ func (c *Controller) adoptUploadClaim(ctx context.Context, pvc *corev1.Persisten
 	}
 	usable := size.Value()
 	if pvc.Spec.VolumeMode == nil || *pvc.Spec.VolumeMode == corev1.PersistentVolumeFilesystem {
-		usable = int64(float64(usable) * (1 - c.filesystemOverhead(ctx, deref(pvc.Spec.StorageClassName))))
+		usable = importstate.UsableOf(usable, c.filesystemOverhead(ctx, deref(pvc.Spec.StorageClassName)))
 	}
 	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": map[string]string{
 		importstate.AnnSource:     importstate.SourceUpload,

@@ -23,13 +23,11 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
-	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/tools/cache"
-	"k8s.io/client-go/tools/record"
-	"k8s.io/client-go/util/workqueue"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/metrics"
 )
 
@@ -89,9 +87,8 @@ func moduleVersion() string {
 // Controller is the HyperConverged reconciliation role.
 type Controller struct {
 	cfg         Config
-	queue       workqueue.TypedRateLimitingInterface[string]
-	broadcaster record.EventBroadcaster
-	recorder    record.EventRecorder
+	queue       *controller.Queue
+	recorder    *controller.Recorder
 	overwritten *metrics.CounterVec
 
 	mu          sync.Mutex
@@ -105,15 +102,22 @@ func New(cfg Config) (*Controller, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	b := record.NewBroadcaster()
 	c := &Controller{
 		cfg:         cfg,
-		queue:       workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[string]()),
-		broadcaster: b,
-		recorder:    b.NewRecorder(client.NewScheme(), corev1.EventSource{Component: "nodevirt-hco"}),
+		recorder:    controller.NewRecorder(client.NewScheme(), "nodevirt-hco"),
 		overwritten: outOfBand,
 		lastApplied: map[string]string{},
 		reverts:     map[string]int{},
+	}
+	var err error
+	c.queue, err = controller.New(controller.Config{Name: "hyperconverged", Backoff: controller.BackoffAPI, Log: cfg.Log,
+		Sync: func(ctx context.Context, key string) (time.Duration, error) {
+			ns, name, _ := cache.SplitMetaNamespaceKey(key)
+			return c.Sync(ctx, ns, name)
+		},
+		Observe: func(err error) { metrics.Reconciled("hyperconverged", err) }})
+	if err != nil {
+		return nil, err
 	}
 	return c, nil
 }
@@ -138,24 +142,12 @@ func (c *Controller) singletonKey() string { return c.cfg.Namespace + "/" + hcov
 // reconciles until ctx ends.
 func (c *Controller) Run(ctx context.Context) error {
 	defer c.queue.ShutDown()
-	c.broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: c.cfg.Kube.CoreV1().Events("")})
-	defer c.broadcaster.Shutdown()
+	defer c.recorder.Start(c.cfg.Kube)()
 
-	toSingleton := cache.ResourceEventHandlerFuncs{
-		AddFunc:    func(any) { c.queue.Add(c.singletonKey()) },
-		UpdateFunc: func(any, any) { c.queue.Add(c.singletonKey()) },
-		DeleteFunc: func(any) { c.queue.Add(c.singletonKey()) },
-	}
-	byKey := func(obj any) {
-		if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
-			c.queue.Add(key)
-		}
-	}
+	toSingleton := controller.OnChange(func(any) { c.queue.Add(c.singletonKey()) })
 	v, ns, rs := c.cfg.Virt, c.cfg.Namespace, c.cfg.Resync
 	hcoInf := v.HyperConvergeds.Informer("", rs, nil)
-	if _, err := hcoInf.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc: byKey, UpdateFunc: func(_, o any) { byKey(o) }, DeleteFunc: byKey,
-	}); err != nil {
+	if _, err := hcoInf.AddEventHandler(controller.OnChange(c.queue.Enqueue)); err != nil {
 		return err
 	}
 	infs := []cache.SharedIndexInformer{hcoInf,
@@ -178,38 +170,11 @@ func (c *Controller) Run(ctx context.Context) error {
 		go inf.RunWithContext(ctx)
 		synced = append(synced, inf.HasSynced)
 	}
-	if !cache.WaitForCacheSync(ctx.Done(), synced...) {
+	c.queue.Add(c.singletonKey()) // the first sync, once the caches are filled
+	if err := c.queue.Run(ctx, synced...); err != nil {
 		return ctx.Err()
 	}
-	c.queue.Add(c.singletonKey())
-	go func() {
-		for c.processNext(ctx) {
-		}
-	}()
-	<-ctx.Done()
 	return nil
-}
-
-func (c *Controller) processNext(ctx context.Context) bool {
-	key, quit := c.queue.Get()
-	if quit {
-		return false
-	}
-	defer c.queue.Done(key)
-	ns, name, _ := cache.SplitMetaNamespaceKey(key)
-	requeue, err := c.Sync(ctx, ns, name)
-	metrics.Reconciled("hyperconverged", err)
-	switch {
-	case err != nil && ctx.Err() == nil:
-		c.cfg.Log.Warn("reconcile hyperconverged", "namespace", ns, "name", name, "err", err)
-		c.queue.AddRateLimited(key)
-	case requeue > 0:
-		c.queue.Forget(key)
-		c.queue.AddAfter(key, requeue)
-	default:
-		c.queue.Forget(key)
-	}
-	return true
 }
 
 // Sync reconciles one HyperConverged; a positive duration asks to be

@@ -15,6 +15,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/featuregate"
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 const wait = 20 * time.Second
@@ -33,7 +34,7 @@ func availableErr(hc *hcov1beta1.HyperConverged) error {
 func (e *env) waitAvailable() *hcov1beta1.HyperConverged {
 	e.t.Helper()
 	var hc *hcov1beta1.HyperConverged
-	eventually(e.t, wait, func() error {
+	testkit.Eventually(e.t, wait, "the expected state", func() error {
 		hc = e.get(hcov1beta1.Name)
 		return availableErr(hc)
 	})
@@ -154,7 +155,7 @@ func TestOtherNamesAreRefusedWithACondition(t *testing.T) {
 	e := newEnv(t)
 	e.node("node-a", true, "")
 	e.create("my-hco", "")
-	eventually(t, wait, func() error {
+	testkit.Eventually(t, wait, "the expected state", func() error {
 		hc := e.get("my-hco")
 		c := condition(hc, hcov1beta1.ConditionReconcileComplete)
 		if c == nil || c.Status != metav1.ConditionFalse || c.Reason != reasonInvalidRequest {

@@ -17,6 +17,7 @@ import (
 
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/metrics"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // A HyperConverged written as upstream's documentation writes one: each
@@ -129,7 +130,7 @@ func TestDocumentedFieldsReachTheirChildren(t *testing.T) {
 		delete(hc.Annotations, hcov1beta1.UseEmulationAnnotation)
 		hc.Spec.StoragePools = nil
 	})
-	eventually(t, wait, func() error {
+	testkit.Eventually(t, wait, "the expected state", func() error {
 		nac, err := e.virt.NetworkAddonsConfigs.Get(ctx, "", CNAOName)
 		if err != nil {
 			return err
@@ -166,7 +167,7 @@ func TestManualEditsOfChildrenAreReverted(t *testing.T) {
 	if _, err := e.virt.KubeVirts.Patch(ctx, e.ns, KubeVirtName, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, wait, func() error {
+	testkit.Eventually(t, wait, "the expected state", func() error {
 		kv, err := e.virt.KubeVirts.Get(ctx, e.ns, KubeVirtName)
 		if err != nil {
 			return err
@@ -187,7 +188,7 @@ func TestManualEditsOfChildrenAreReverted(t *testing.T) {
 	if _, err := e.virt.CDIs.Patch(ctx, "", CDIName, types.MergePatchType, []byte(label), metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, wait, func() error {
+	testkit.Eventually(t, wait, "the expected state", func() error {
 		nac, err := e.virt.NetworkAddonsConfigs.Get(ctx, "", CNAOName)
 		if err != nil {
 			return err
@@ -208,7 +209,7 @@ func TestManualEditsOfChildrenAreReverted(t *testing.T) {
 	if err := e.virt.SSPs.Delete(ctx, e.ns, SSPName, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, wait, func() error {
+	testkit.Eventually(t, wait, "the expected state", func() error {
 		_, err := e.virt.SSPs.Get(ctx, e.ns, SSPName)
 		return err
 	})
@@ -226,7 +227,7 @@ func TestManualEditsOfChildrenAreReverted(t *testing.T) {
 			t.Errorf("/metrics lacks %s", want)
 		}
 	}
-	eventually(t, wait, func() error {
+	testkit.Eventually(t, wait, "the expected state", func() error {
 		evs, err := e.kube.CoreV1().Events(e.ns).List(ctx, metav1.ListOptions{FieldSelector: "reason=Overwritten"})
 		if err != nil {
 			return err
@@ -272,7 +273,7 @@ func TestJSONPatchAnnotationsTaintTheConfiguration(t *testing.T) {
 		delete(hc.Annotations, hcov1beta1.JSONPatchKubeVirtAnnotation)
 		delete(hc.Annotations, hcov1beta1.JSONPatchCNAOAnnotation)
 	})
-	eventually(t, wait, func() error {
+	testkit.Eventually(t, wait, "the expected state", func() error {
 		hc := e.get(hcov1beta1.Name)
 		if condition(hc, hcov1beta1.ConditionTaintedConfiguration) != nil {
 			return errors.New("still tainted")
@@ -291,7 +292,7 @@ func TestJSONPatchAnnotationsTaintTheConfiguration(t *testing.T) {
 	e.update(hcov1beta1.Name, func(hc *hcov1beta1.HyperConverged) {
 		hc.Annotations = map[string]string{hcov1beta1.JSONPatchSSPAnnotation: `[{"op":"replace","path":"/spec/nothing/here","value":1}]`}
 	})
-	eventually(t, wait, func() error {
+	testkit.Eventually(t, wait, "the expected state", func() error {
 		hc := e.get(hcov1beta1.Name)
 		c := condition(hc, hcov1beta1.ConditionReconcileComplete)
 		if c == nil || c.Status != metav1.ConditionFalse || !strings.Contains(c.Message, "invalid jsonPatch in the ssp.kubevirt.io/jsonpatch annotation") {

@@ -8,10 +8,8 @@ import (
 	"os"
 	"sync"
 	"testing"
-	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -20,8 +18,8 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
-	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
@@ -55,9 +53,7 @@ func newEnv(t *testing.T) *env {
 	t.Helper()
 	cp := controlplane.Shared(t)
 	installOnce.Do(func() {
-		if err := crds.Install(context.Background(), apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.Catalog()); err != nil {
-			t.Fatalf("install crds: %v", err)
-		}
+		testkit.InstallCRDs(t, cp)
 	})
 	virt, err := client.NewSet(cp.RestConfig)
 	if err != nil {
@@ -156,22 +152,6 @@ func (e *env) get(name string) *hcov1beta1.HyperConverged {
 		e.t.Fatal(err)
 	}
 	return hc
-}
-
-// eventually polls f until it returns nil, failing with its last error.
-func eventually(t *testing.T, timeout time.Duration, f func() error) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for {
-		err := f()
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("after %v: %v", timeout, err)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
 }
 
 func condition(hc *hcov1beta1.HyperConverged, typ string) *metav1.Condition {

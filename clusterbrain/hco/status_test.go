@@ -13,6 +13,7 @@ import (
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func conditionIs(hc *hcov1beta1.HyperConverged, typ string, status metav1.ConditionStatus, msgPart string) error {
@@ -27,7 +28,7 @@ func TestConditionsFollowNodeAgentsAndBrainHealth(t *testing.T) {
 	e := newEnv(t)
 	// No nodeagent yet: the platform is not available, and says why.
 	e.create(hcov1beta1.Name, "")
-	eventually(t, wait, func() error {
+	testkit.Eventually(t, wait, "the expected state", func() error {
 		hc := e.get(hcov1beta1.Name)
 		if err := conditionIs(hc, hcov1beta1.ConditionAvailable, metav1.ConditionFalse, "KubeVirt is not available: no nodeagent is ready"); err != nil {
 			return err
@@ -47,7 +48,7 @@ func TestConditionsFollowNodeAgentsAndBrainHealth(t *testing.T) {
 
 	// One nodeagent fails: degraded with its message; the KubeVirt child says so too.
 	e.node("node-b", false, "nodeagent heartbeat stale for 45s")
-	eventually(t, wait, func() error {
+	testkit.Eventually(t, wait, "the expected state", func() error {
 		hc := e.get(hcov1beta1.Name)
 		if err := conditionIs(hc, hcov1beta1.ConditionDegraded, metav1.ConditionTrue, "node-b: nodeagent heartbeat stale for 45s"); err != nil {
 			return err
@@ -70,7 +71,7 @@ func TestConditionsFollowNodeAgentsAndBrainHealth(t *testing.T) {
 	// The brain's own failing check joins the message; every failure is kept.
 	e.setBrainErr(errors.New("webhooks: certificate not issued"))
 	e.node("node-a", true, "") // a Node event triggers the reconcile
-	eventually(t, wait, func() error {
+	testkit.Eventually(t, wait, "the expected state", func() error {
 		hc := e.get(hcov1beta1.Name)
 		if err := conditionIs(hc, hcov1beta1.ConditionDegraded, metav1.ConditionTrue, "webhooks: certificate not issued"); err != nil {
 			return err
@@ -128,7 +129,7 @@ func TestUninstallStrategies(t *testing.T) {
 	if err := e.virt.HyperConvergeds.Delete(ctx, e.ns, hcov1beta1.Name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, wait, func() error {
+	testkit.Eventually(t, wait, "the expected state", func() error {
 		hc := e.get(hcov1beta1.Name)
 		return conditionIs(hc, hcov1beta1.ConditionReconcileComplete, metav1.ConditionFalse, "DataVolumes present")
 	})
@@ -138,7 +139,7 @@ func TestUninstallStrategies(t *testing.T) {
 
 	// Switching to RemoveWorkloads lets it through and removes the workloads and children.
 	e.update(hcov1beta1.Name, func(hc *hcov1beta1.HyperConverged) { hc.Spec.UninstallStrategy = hcov1beta1.RemoveWorkloads })
-	eventually(t, wait, func() error {
+	testkit.Eventually(t, wait, "the expected state", func() error {
 		if _, err := e.virt.HyperConvergeds.Get(ctx, e.ns, hcov1beta1.Name); !apierrors.IsNotFound(err) {
 			return fmt.Errorf("hyperconverged still there: %v", err)
 		}

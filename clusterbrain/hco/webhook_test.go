@@ -13,6 +13,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func hcoFrom(t *testing.T, manifest string) *hcov1beta1.HyperConverged {
@@ -111,7 +112,7 @@ func serveWebhooks(t *testing.T, e *env) {
 	})
 	bad := hcoFrom(t, `{"spec":{"certConfig":{"ca":{"duration":"1h","renewBefore":"2h"}}}}`)
 	bad.Name, bad.Namespace = "probe", e.ns
-	eventually(t, 30*time.Second, func() error {
+	testkit.Eventually(t, 30*time.Second, "the expected state", func() error {
 		_, err := e.virt.HyperConvergeds.Create(context.Background(), bad)
 		if err == nil {
 			_ = e.virt.HyperConvergeds.Delete(context.Background(), e.ns, "probe", metav1.DeleteOptions{})
@@ -164,7 +165,7 @@ func TestWebhookGuardsUninstallAndNamespace(t *testing.T) {
 	if _, err := e.virt.VMs.Get(ctx, e.ns, "guest"); !apierrors.IsNotFound(err) {
 		t.Errorf("vm survived RemoveWorkloads: %v", err)
 	}
-	eventually(t, wait, func() error {
+	testkit.Eventually(t, wait, "the expected state", func() error {
 		_, err := e.virt.HyperConvergeds.Get(ctx, e.ns, hcov1beta1.Name)
 		if apierrors.IsNotFound(err) {
 			return nil

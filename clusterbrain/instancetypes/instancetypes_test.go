@@ -11,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/rest"
@@ -19,8 +18,8 @@ import (
 	instancetypev1beta1 "kubevirt.io/api/instancetype/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
-	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
@@ -122,9 +121,7 @@ func TestPreferencesComposeFromKnownFields(t *testing.T) {
 func TestRoleInstallsRestoresAndHonoursTheSwitch(t *testing.T) {
 	cp := controlplane.Shared(t)
 	ctx := context.Background()
-	if err := crds.Install(ctx, apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.Catalog()); err != nil {
-		t.Fatal(err)
-	}
+	testkit.InstallCRDs(t, cp)
 	rc := rest.CopyConfig(cp.RestConfig)
 	rc.QPS, rc.Burst = 200, 400 // as the brain sets it
 	virt, err := client.NewSet(rc)
@@ -161,7 +158,7 @@ func TestRoleInstallsRestoresAndHonoursTheSwitch(t *testing.T) {
 	if err := virt.ClusterPreferences.Delete(ctx, "", "rhel.9", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, func() error {
+	testkit.Eventually(t, 20*time.Second, "the expected catalog", func() error {
 		it, err := virt.ClusterInstancetypes.Get(ctx, "", "u1.medium")
 		if err != nil {
 			return err
@@ -180,7 +177,7 @@ func TestRoleInstallsRestoresAndHonoursTheSwitch(t *testing.T) {
 	if _, err := virt.KubeVirts.Create(ctx, kv); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, func() error {
+	testkit.Eventually(t, 20*time.Second, "the expected catalog", func() error {
 		its, err := virt.ClusterInstancetypes.List(ctx, "", metav1.ListOptions{LabelSelector: LabelManagedBy + "=" + ManagedBy})
 		if err != nil {
 			return err
@@ -190,19 +187,4 @@ func TestRoleInstallsRestoresAndHonoursTheSwitch(t *testing.T) {
 		}
 		return nil
 	})
-}
-
-func eventually(t *testing.T, f func() error) {
-	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for {
-		err := f()
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatal(err)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
 }

@@ -15,7 +15,6 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
@@ -27,9 +26,9 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	macv1alpha1 "github.com/nodevirt/nodevirt/clusterbrain/api/macpool/v1alpha1"
 	cnaov1 "github.com/nodevirt/nodevirt/clusterbrain/api/networkaddons/v1"
-	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/metrics"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
@@ -57,9 +56,7 @@ type env struct {
 func setup(t *testing.T) env {
 	t.Helper()
 	cp := controlplane.Shared(t)
-	if err := crds.Install(context.Background(), apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.Catalog()); err != nil {
-		t.Fatal(err)
-	}
+	testkit.InstallCRDs(t, cp)
 	rc := rest.CopyConfig(cp.RestConfig)
 	rc.QPS, rc.Burst = 500, 1000
 	virt, err := client.NewSet(rc)

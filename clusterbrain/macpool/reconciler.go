@@ -7,12 +7,11 @@ import (
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
-	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/tools/cache"
-	"k8s.io/client-go/util/workqueue"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	macv1alpha1 "github.com/nodevirt/nodevirt/clusterbrain/api/macpool/v1alpha1"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 )
 
 const macIndex = "mac"
@@ -26,7 +25,7 @@ type Reconciler struct {
 	store  *store
 	vms    cache.SharedIndexInformer
 	allocs cache.SharedIndexInformer
-	queue  workqueue.TypedRateLimitingInterface[string]
+	queue  *controller.Queue
 	ownVMs bool // the reconciler runs the VM informer
 }
 
@@ -42,8 +41,10 @@ func NewReconciler(cfg Config) (*Reconciler, error) {
 	r := &Reconciler{cfg: cfg, store: st,
 		vms:    cfg.VMInformer,
 		allocs: st.informer(5 * time.Minute),
-		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[string](),
-			workqueue.TypedRateLimitingQueueConfig[string]{Name: "macpool"}),
+	}
+	if r.queue, err = controller.New(controller.Config{Name: "macpool", Sync: r.Sync, Backoff: controller.BackoffAPI,
+		Workers: 4, Log: cfg.Log, KeyAttr: "allocation"}); err != nil {
+		return nil, err
 	}
 	if r.vms == nil {
 		r.vms, r.ownVMs = cfg.Virt.VMs.Informer("", 0, nil), true
@@ -54,9 +55,6 @@ func NewReconciler(cfg Config) (*Reconciler, error) {
 		return nil, err
 	}
 	enqueueVM := func(obj any) {
-		if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
-			obj = d.Obj
-		}
 		if vm, ok := obj.(*kubevirtv1.VirtualMachine); ok {
 			for _, m := range vmMACs(vm) {
 				if hw, err := ParseMAC(m); err == nil {
@@ -68,20 +66,10 @@ func NewReconciler(cfg Config) (*Reconciler, error) {
 			}
 		}
 	}
-	_, _ = r.vms.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    enqueueVM,
-		UpdateFunc: func(o, n any) { enqueueVM(o); enqueueVM(n) },
-		DeleteFunc: enqueueVM,
-	})
-	enqueueAlloc := func(obj any) {
-		if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
-			r.queue.Add(key)
-		}
-	}
-	_, _ = r.allocs.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    enqueueAlloc,
-		UpdateFunc: func(_, n any) { enqueueAlloc(n) },
-	})
+	vmHandlers := controller.OnChange(enqueueVM)
+	vmHandlers.UpdateFunc = func(o, n any) { enqueueVM(o); enqueueVM(n) } // a MAC removed frees its allocation
+	_, _ = r.vms.AddEventHandler(vmHandlers)
+	_, _ = r.allocs.AddEventHandler(controller.OnAddOrUpdate(r.queue.Enqueue))
 	return r, nil
 }
 
@@ -91,22 +79,11 @@ func (r *Reconciler) Name() string { return "macpool-reconciler" }
 // Run reconciles until ctx ends.
 func (r *Reconciler) Run(ctx context.Context) error {
 	defer utilruntime.HandleCrash()
-	defer r.queue.ShutDown()
 	if r.ownVMs {
 		go r.vms.RunWithContext(ctx)
 	}
 	go r.allocs.RunWithContext(ctx)
-	if !cache.WaitForCacheSync(ctx.Done(), r.vms.HasSynced, r.allocs.HasSynced) {
-		return ctx.Err()
-	}
-	for i := 0; i < 4; i++ {
-		go wait.UntilWithContext(ctx, func(ctx context.Context) {
-			for r.processNext(ctx) {
-			}
-		}, time.Second)
-	}
-	<-ctx.Done()
-	return nil
+	return r.queue.Run(ctx, r.vms.HasSynced, r.allocs.HasSynced)
 }
 
 // syncBlock records the owners of a block's entries and frees the entries
@@ -181,27 +158,6 @@ func (r *Reconciler) syncBlock(ctx context.Context, a *macv1alpha1.MACAllocation
 		r.cfg.Log.Info("mac freed", "mac", e.MAC, "namespace", e.Namespace, "name", e.VMName)
 	}
 	return after, nil
-}
-
-func (r *Reconciler) processNext(ctx context.Context) bool {
-	key, quit := r.queue.Get()
-	if quit {
-		return false
-	}
-	defer r.queue.Done(key)
-	after, err := r.Sync(ctx, key)
-	switch {
-	case err != nil && ctx.Err() != nil:
-	case err != nil:
-		r.cfg.Log.Warn("mac allocation sync", "allocation", key, "err", err)
-		r.queue.AddRateLimited(key)
-	case after > 0:
-		r.queue.Forget(key)
-		r.queue.AddAfter(key, after)
-	default:
-		r.queue.Forget(key)
-	}
-	return true
 }
 
 // Sync reconciles the allocation named key. It returns a positive

@@ -7,15 +7,14 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
-	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestMain(m *testing.M) {
@@ -30,9 +29,7 @@ func TestMigrationsFailWithTheirReason(t *testing.T) {
 	cp := controlplane.Shared(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	if err := crds.Install(ctx, apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.Catalog()); err != nil {
-		t.Fatal(err)
-	}
+	testkit.InstallCRDs(t, cp)
 	kube := cp.Clientset(t)
 	virt, err := client.NewSet(cp.RestConfig)
 	if err != nil {

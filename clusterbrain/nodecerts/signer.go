@@ -34,10 +34,10 @@ import (
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
-	"k8s.io/client-go/util/workqueue"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/certs"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/uploadtls"
 )
 
@@ -66,7 +66,7 @@ type Config struct {
 type Signer struct {
 	cfg   Config
 	log   *slog.Logger
-	queue workqueue.TypedRateLimitingInterface[string]
+	queue *controller.Queue
 	csrs  cache.SharedIndexInformer
 	ca    *uploadtls.CA
 }
@@ -85,21 +85,19 @@ func New(cfg Config) (*Signer, error) {
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
 	}
-	s := &Signer{cfg: cfg, log: cfg.Log.With("role", "node-certificates"),
-		queue: workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[string]())}
+	s := &Signer{cfg: cfg, log: cfg.Log.With("role", "node-certificates")}
+	var err error
+	s.queue, err = controller.New(controller.Config{Name: "node-certificates", Sync: controller.NoRequeue(s.sync),
+		Backoff: controller.BackoffAPI, Log: s.log, KeyAttr: "csr"})
+	if err != nil {
+		return nil, err
+	}
 	factory := informers.NewSharedInformerFactoryWithOptions(cfg.Kube, 10*time.Minute,
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
 			o.FieldSelector = fields.OneTermEqualSelector("spec.signerName", identity.NodeSignerName).String()
 		}))
 	s.csrs = factory.Certificates().V1().CertificateSigningRequests().Informer()
-	enqueue := func(obj any) {
-		if key, err := cache.MetaNamespaceKeyFunc(obj); err == nil {
-			s.queue.Add(key)
-		}
-	}
-	if _, err := s.csrs.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc: enqueue, UpdateFunc: func(_, o any) { enqueue(o) },
-	}); err != nil {
+	if _, err := s.csrs.AddEventHandler(controller.OnAddOrUpdate(s.queue.Enqueue)); err != nil {
 		return nil, err
 	}
 	return s, nil
@@ -117,31 +115,11 @@ func (s *Signer) Run(ctx context.Context) error {
 		return fmt.Errorf("node ca: %w", err)
 	}
 	go s.csrs.RunWithContext(ctx)
-	if !cache.WaitForCacheSync(ctx.Done(), s.csrs.HasSynced) {
-		return nil
-	}
 	s.log.Info("signing node certificates", "signer", identity.NodeSignerName)
-	go func() {
-		for s.next(ctx) {
-		}
-	}()
-	<-ctx.Done()
+	if err := s.queue.Run(ctx, s.csrs.HasSynced); err != nil && ctx.Err() == nil {
+		return err
+	}
 	return nil
-}
-
-func (s *Signer) next(ctx context.Context) bool {
-	key, quit := s.queue.Get()
-	if quit {
-		return false
-	}
-	defer s.queue.Done(key)
-	if err := s.sync(ctx, key); err != nil {
-		s.log.Warn("node certificate request", "csr", key, "err", err)
-		s.queue.AddRateLimited(key)
-		return true
-	}
-	s.queue.Forget(key)
-	return true
 }
 
 func hasCondition(csr *certificatesv1.CertificateSigningRequest, t certificatesv1.RequestConditionType) bool {

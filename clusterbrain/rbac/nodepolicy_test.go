@@ -11,7 +11,6 @@ import (
 
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
-	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -22,9 +21,9 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
-	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
@@ -102,9 +101,7 @@ func TestNodeWritesOnlyItsOwnObjects(t *testing.T) {
 	cp := controlplane.Shared(t)
 	ctx := context.Background()
 	admin := cp.Clientset(t)
-	if err := crds.Install(ctx, apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.Catalog()); err != nil {
-		t.Fatal(err)
-	}
+	testkit.InstallCRDs(t, cp)
 	if err := rbac.EnsureDaemons(ctx, admin); err != nil {
 		t.Fatal(err)
 	}

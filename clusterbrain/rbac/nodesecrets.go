@@ -13,9 +13,9 @@ import (
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
-	"k8s.io/client-go/util/workqueue"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 )
 
 // NodeSecretBinding is the RoleBinding NodeSecretAccess keeps in each
@@ -31,7 +31,7 @@ type NodeSecretAccess struct {
 	kube     kubernetes.Interface
 	excluded []string
 	log      *slog.Logger
-	queue    workqueue.TypedRateLimitingInterface[string]
+	queue    *controller.Queue
 	nss      cache.SharedIndexInformer
 }
 
@@ -44,15 +44,20 @@ func NewNodeSecretAccess(kube kubernetes.Interface, brainNamespace string, log *
 		log = slog.Default()
 	}
 	a := &NodeSecretAccess{kube: kube, log: log.With("role", "node-secret-access"),
-		excluded: []string{brainNamespace, "kube-system", "kube-public", NodeLeaseNamespace},
-		queue:    workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[string]())}
+		excluded: []string{brainNamespace, "kube-system", "kube-public", NodeLeaseNamespace}}
+	var err error
+	a.queue, err = controller.New(controller.Config{Name: "node-secret-access", Sync: controller.NoRequeue(a.sync),
+		Backoff: controller.BackoffAPI, Log: a.log, KeyAttr: "namespace"})
+	if err != nil {
+		return nil, err
+	}
 	a.nss = informers.NewSharedInformerFactory(kube, 10*time.Minute).Core().V1().Namespaces().Informer()
 	enqueue := func(obj any) {
 		if ns, ok := obj.(*corev1.Namespace); ok {
 			a.queue.Add(ns.Name)
 		}
 	}
-	if _, err := a.nss.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: enqueue, UpdateFunc: func(_, o any) { enqueue(o) }}); err != nil {
+	if _, err := a.nss.AddEventHandler(controller.OnAddOrUpdate(enqueue)); err != nil {
 		return nil, err
 	}
 	return a, nil
@@ -63,32 +68,15 @@ func (a *NodeSecretAccess) Name() string { return "node-secret-access" }
 
 // Run installs the daemons' roles and keeps the bindings until ctx ends.
 func (a *NodeSecretAccess) Run(ctx context.Context) error {
-	defer a.queue.ShutDown()
 	if err := EnsureDaemons(ctx, a.kube); err != nil {
 		// Without escalate/bind the brain cannot repair them; the
 		// administrator's installation stands.
 		a.log.Warn("daemon roles not ensured", "err", err)
 	}
 	go a.nss.RunWithContext(ctx)
-	if !cache.WaitForCacheSync(ctx.Done(), a.nss.HasSynced) {
-		return nil
+	if err := a.queue.Run(ctx, a.nss.HasSynced); err != nil && ctx.Err() == nil {
+		return err
 	}
-	go func() {
-		for {
-			ns, quit := a.queue.Get()
-			if quit {
-				return
-			}
-			if err := a.sync(ctx, ns); err != nil {
-				a.log.Warn("node secret binding", "namespace", ns, "err", err)
-				a.queue.AddRateLimited(ns)
-			} else {
-				a.queue.Forget(ns)
-			}
-			a.queue.Done(ns)
-		}
-	}()
-	<-ctx.Done()
 	return nil
 }
 

@@ -7,7 +7,6 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -16,8 +15,8 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
-	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestFitMessage(t *testing.T) {
@@ -33,9 +32,7 @@ func TestDecideSpreadsAndAssumes(t *testing.T) {
 	cp := controlplane.Shared(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	if err := crds.Install(ctx, apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.Catalog()); err != nil {
-		t.Fatal(err)
-	}
+	testkit.InstallCRDs(t, cp)
 	e := env{kube: kubernetes.NewForConfigOrDie(cp.RestConfig), t: t}
 	e.virt, _ = client.NewSet(cp.RestConfig)
 	for _, n := range []string{"dec-a", "dec-b", "dec-c"} {

@@ -13,7 +13,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -27,19 +26,17 @@ import (
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
-	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	corelisters "k8s.io/client-go/listers/core/v1"
 	storagelisters "k8s.io/client-go/listers/storage/v1"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
-	"k8s.io/client-go/tools/record"
-	"k8s.io/client-go/util/workqueue"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	nadv1 "github.com/k8snetworkplumbingwg/network-attachment-definition-client/pkg/apis/k8s.cni.cncf.io/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/metrics"
 )
 
@@ -88,11 +85,11 @@ type Scheduler struct {
 	pvcs     corelisters.PersistentVolumeClaimLister
 	pvs      corelisters.PersistentVolumeLister
 	scs      storagelisters.StorageClassLister
-	queue    workqueue.TypedRateLimitingInterface[string]
-	recorder record.EventRecorder
-	events   record.EventBroadcaster
+	queue    *controller.Queue
+	recorder *controller.Recorder
 	sem      chan struct{}
-	ownVMIs  bool // the scheduler runs the VMI informer
+	binds    sync.WaitGroup // bindings in flight
+	ownVMIs  bool           // the scheduler runs the VMI informer
 
 	memoMu sync.Mutex
 	memo   map[types.UID]placedMemo // bound VMIs' placements by UID
@@ -151,16 +148,14 @@ func New(cfg Config) (*Scheduler, error) {
 	f := informers.NewSharedInformerFactory(cfg.Kube, 0)
 	s := &Scheduler{
 		cfg: cfg, factory: f,
-		nodes: f.Core().V1().Nodes().Informer(),
-		vmis:  cfg.VMIInformer,
-		nads:  cfg.Virt.NADs.Informer("", 0, nil),
-		kvs:   cfg.Virt.KubeVirts.Informer("", 0, nil),
-		pvcs:  f.Core().V1().PersistentVolumeClaims().Lister(),
-		pvs:   f.Core().V1().PersistentVolumes().Lister(),
-		scs:   f.Storage().V1().StorageClasses().Lister(),
-		queue: workqueue.NewTypedRateLimitingQueueWithConfig(
-			workqueue.NewTypedItemExponentialFailureRateLimiter[string](50*time.Millisecond, 30*time.Second),
-			workqueue.TypedRateLimitingQueueConfig[string]{Name: "scheduler"}),
+		nodes:    f.Core().V1().Nodes().Informer(),
+		vmis:     cfg.VMIInformer,
+		nads:     cfg.Virt.NADs.Informer("", 0, nil),
+		kvs:      cfg.Virt.KubeVirts.Informer("", 0, nil),
+		pvcs:     f.Core().V1().PersistentVolumeClaims().Lister(),
+		pvs:      f.Core().V1().PersistentVolumes().Lister(),
+		scs:      f.Storage().V1().StorageClasses().Lister(),
+		recorder: controller.NewRecorder(client.NewScheme(), "nodevirt-scheduler"),
 		sem:      make(chan struct{}, cfg.Binders),
 		assumed:  map[types.UID]assumption{},
 		reserved: map[string]reservation{},
@@ -177,8 +172,13 @@ func New(cfg Config) (*Scheduler, error) {
 	f.Core().V1().PersistentVolumes().Informer()
 	f.Storage().V1().StorageClasses().Informer()
 
-	s.events = record.NewBroadcaster()
-	s.recorder = s.events.NewRecorder(client.NewScheme(), corev1.EventSource{Component: "nodevirt-scheduler"})
+	var err error
+	s.queue, err = controller.New(controller.Config{Name: "scheduler", Sync: controller.NoRequeue(s.Sync),
+		Backoff: controller.BackoffPlacement, Log: cfg.Log, KeyAttr: "vmi",
+		Observe: func(err error) { metrics.Reconciled("scheduler", err) }})
+	if err != nil {
+		return nil, err
+	}
 
 	if err := s.vmis.AddIndexers(cache.Indexers{nodeIndex: func(obj any) ([]string, error) {
 		vmi := obj.(*kubevirtv1.VirtualMachineInstance)
@@ -263,35 +263,16 @@ func (s *Scheduler) Name() string { return "scheduler" }
 // Run schedules until ctx ends.
 func (s *Scheduler) Run(ctx context.Context) error {
 	defer utilruntime.HandleCrash()
-	go func() { <-ctx.Done(); s.queue.ShutDown() }()
-	s.events.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: s.cfg.Kube.CoreV1().Events("")})
-	defer s.events.Shutdown()
+	defer s.queue.ShutDown()
+	defer s.recorder.Start(s.cfg.Kube)()
 	if !s.startInformers(ctx) {
 		return ctx.Err()
 	}
 	s.ready.Store(true)
 	defer s.ready.Store(false)
 	s.cfg.Log.Info("scheduler started")
-	var wg sync.WaitGroup
-	defer wg.Wait()
-	for {
-		key, quit := s.queue.Get()
-		if quit {
-			return nil
-		}
-		err := s.Sync(ctx, key, &wg)
-		metrics.Reconciled("scheduler", err)
-		if err != nil {
-			s.cfg.Log.Warn("schedule", "vmi", key, "err", err)
-			s.queue.AddRateLimited(key)
-		} else {
-			s.queue.Forget(key)
-		}
-		s.queue.Done(key)
-		if ctx.Err() != nil {
-			return nil
-		}
-	}
+	defer s.binds.Wait()
+	return s.queue.Run(ctx)
 }
 
 // startInformers fills the caches decisions read; it reports false when
@@ -312,8 +293,8 @@ func (s *Scheduler) startInformers(ctx context.Context) bool {
 }
 
 // Sync takes the placement decision for the VMI named key and starts its
-// binding (tracked by wg).
-func (s *Scheduler) Sync(ctx context.Context, key string, wg *sync.WaitGroup) error {
+// binding (tracked by s.binds).
+func (s *Scheduler) Sync(ctx context.Context, key string) error {
 	obj, ok, err := s.vmis.GetStore().GetByKey(key)
 	if err != nil {
 		return err
@@ -367,16 +348,16 @@ func (s *Scheduler) Sync(ctx context.Context, key string, wg *sync.WaitGroup) er
 	}
 	s.decideMu.Unlock()
 	s.sem <- struct{}{}
-	wg.Add(1)
+	s.binds.Add(1)
 	go func() {
-		defer wg.Done()
+		defer s.binds.Done()
 		defer func() { <-s.sem }()
 		if err := s.bind(ctx, vmi, node, wffc); err != nil {
 			s.mu.Lock()
 			delete(s.assumed, vmi.UID)
 			s.mu.Unlock()
 			s.cfg.Log.Warn("bind", "namespace", vmi.Namespace, "name", vmi.Name, "node", node, "err", err)
-			s.queue.AddRateLimited(key)
+			s.queue.Retry(key)
 		}
 	}()
 	return nil
@@ -417,21 +398,15 @@ func (s *Scheduler) decide(vmi *kubevirtv1.VirtualMachineInstance, snaps snapsho
 		return fail(err.Error(), nil)
 	}
 	reasons := map[string]int{}
-	best, bestScore, bestCount := -1, math.Inf(-1), 0
-	for i, st := range states {
+	best := pick(states, func(st *nodeState) (float64, bool) {
 		if why := filter(req, st, states); len(why) > 0 {
 			for _, w := range why {
 				reasons[w]++
 			}
-			continue
+			return 0, false
 		}
-		sc := score(req, st, states)
-		// Ties go to the node with fewer VMIs, then by name.
-		if sc > bestScore || (sc == bestScore && (len(st.placed) < bestCount ||
-			(len(st.placed) == bestCount && st.node.Name < states[best].node.Name))) {
-			best, bestScore, bestCount = i, sc, len(st.placed)
-		}
-	}
+		return score(req, st, states), true
+	})
 	if best < 0 {
 		return fail("", reasons)
 	}

@@ -13,7 +13,6 @@ import (
 	nadv1 "github.com/k8snetworkplumbingwg/network-attachment-definition-client/pkg/apis/k8s.cni.cncf.io/v1"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
-	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
@@ -24,8 +23,8 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
-	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
@@ -44,12 +43,8 @@ func setup(t *testing.T) env { t.Helper(); return setupWith(t, nil) }
 func setupWith(t *testing.T, edit func(*Config)) env {
 	t.Helper()
 	cp := controlplane.Shared(t)
-	if err := crds.Install(context.Background(), apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.Catalog()); err != nil {
-		t.Fatal(err)
-	}
-	if err := crds.InstallAbsent(context.Background(), apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.SnapshotCatalog()); err != nil {
-		t.Fatal(err)
-	}
+	testkit.InstallCRDs(t, cp)
+	testkit.InstallSnapshotCRDs(t, cp)
 	rc := rest.CopyConfig(cp.RestConfig)
 	rc.QPS, rc.Burst = 500, 1000
 	virt, err := client.NewSet(rc)

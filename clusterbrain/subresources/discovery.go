@@ -8,7 +8,7 @@ import (
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/aggregated"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/httperr"
 )
 
 // Info is the version document of /version, shaped like KubeVirt's.
@@ -89,24 +89,24 @@ func (s *Server) serveDiscovery(w http.ResponseWriter, r *http.Request) bool {
 		for _, v := range Versions {
 			paths = append(paths, "/apis/"+Group, "/apis/"+Group+"/"+v)
 		}
-		aggregated.WriteJSON(w, http.StatusOK, metav1.RootPaths{Paths: paths})
+		_ = httperr.WriteJSON(w, http.StatusOK, metav1.RootPaths{Paths: paths})
 		return true
 	case "/apis":
-		aggregated.WriteJSON(w, http.StatusOK, metav1.APIGroupList{
+		_ = httperr.WriteJSON(w, http.StatusOK, metav1.APIGroupList{
 			TypeMeta: metav1.TypeMeta{Kind: "APIGroupList", APIVersion: "v1"}, Groups: []metav1.APIGroup{apiGroup()}})
 		return true
 	case "/apis/" + Group:
-		aggregated.WriteJSON(w, http.StatusOK, apiGroup())
+		_ = httperr.WriteJSON(w, http.StatusOK, apiGroup())
 		return true
 	case "/healthz":
 		s.healthz(w, r)
 		return true
 	case "/openapi/v2":
-		aggregated.WriteJSON(w, http.StatusOK, map[string]any{"swagger": "2.0",
+		_ = httperr.WriteJSON(w, http.StatusOK, map[string]any{"swagger": "2.0",
 			"info": map[string]any{"title": "KubeVirt API", "version": s.cfg.Version.GitVersion}, "paths": map[string]any{}})
 		return true
 	case "/openapi/v3":
-		aggregated.WriteJSON(w, http.StatusOK, map[string]any{"paths": map[string]any{}})
+		_ = httperr.WriteJSON(w, http.StatusOK, map[string]any{"paths": map[string]any{}})
 		return true
 	}
 	for _, v := range Versions {
@@ -118,10 +118,10 @@ func (s *Server) serveDiscovery(w http.ResponseWriter, r *http.Request) bool {
 			for _, name := range resources {
 				list.APIResources = append(list.APIResources, metav1.APIResource{Name: name, Namespaced: true})
 			}
-			aggregated.WriteJSON(w, http.StatusOK, list)
+			_ = httperr.WriteJSON(w, http.StatusOK, list)
 			return true
 		case base + "/version":
-			aggregated.WriteJSON(w, http.StatusOK, s.cfg.Version)
+			_ = httperr.WriteJSON(w, http.StatusOK, s.cfg.Version)
 			return true
 		case base + "/healthz":
 			s.healthz(w, r)
@@ -134,8 +134,8 @@ func (s *Server) serveDiscovery(w http.ResponseWriter, r *http.Request) bool {
 // healthz answers like virt-api: healthy while kube-apiserver answers.
 func (s *Server) healthz(w http.ResponseWriter, r *http.Request) {
 	if _, err := s.cfg.Kube.Discovery().RESTClient().Get().AbsPath("/version").DoRaw(r.Context()); err != nil {
-		aggregated.WriteJSON(w, http.StatusInternalServerError, map[string]string{"apiserver": "failed", "error": err.Error()})
+		_ = httperr.WriteJSON(w, http.StatusInternalServerError, map[string]string{"apiserver": "failed", "error": err.Error()})
 		return
 	}
-	aggregated.WriteJSON(w, http.StatusOK, map[string]string{"apiserver": "ok", "restcontrollers": "ok"})
+	_ = httperr.WriteJSON(w, http.StatusOK, map[string]string{"apiserver": "ok", "restcontrollers": "ok"})
 }

@@ -13,7 +13,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/aggregated"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/httperr"
 )
 
 func hasCondition(vmi *kubevirtv1.VirtualMachineInstance, t kubevirtv1.VirtualMachineInstanceConditionType) bool {
@@ -38,8 +38,8 @@ func (s *Server) fetchVMI(ctx context.Context, ns, name string) (*kubevirtv1.Vir
 }
 
 // forward validates the VMI and sends action to its nodeagent.
-func (s *Server) forward(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger,
-	validate func(*kubevirtv1.VirtualMachineInstance) error, dryRun bool) {
+func (s *Server) forward(r *http.Request, req request, log *slog.Logger,
+	validate func(*kubevirtv1.VirtualMachineInstance) error, dryRun bool) error {
 	ctx := r.Context()
 	vmi, err := s.fetchVMI(ctx, req.namespace, req.name)
 	if err == nil {
@@ -49,30 +49,25 @@ func (s *Server) forward(w http.ResponseWriter, r *http.Request, req request, lo
 		err = apierrors.NewBadRequest(fmt.Sprintf("Unable to connect to VirtualMachineInstance because phase is %s instead of %s or %s",
 			vmi.Status.Phase, kubevirtv1.Running, kubevirtv1.Scheduled))
 	}
-	if err != nil {
-		aggregated.WriteError(w, err)
-		return
-	}
-	if dryRun {
-		return
+	if err != nil || dryRun {
+		return err
 	}
 	if _, err := s.cfg.Node.Call(ctx, vmi, http.MethodPut, req.subresource, nil); err != nil {
 		log.Error("nodeagent call", "node", vmi.Status.NodeName, "err", err)
-		aggregated.WriteError(w, err)
-		return
+		return err
 	}
 	log.Info("vmi "+req.subresource, "node", vmi.Status.NodeName)
+	return nil
 }
 
 func isDryRun(d []string) bool { return len(d) > 0 && d[0] == metav1.DryRunAll }
 
-func (s *Server) pauseVMI(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger) {
+func (s *Server) pauseVMI(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger) error {
 	opts := &kubevirtv1.PauseOptions{}
 	if err := decodeBody(r, opts); err != nil {
-		aggregated.WriteError(w, err)
-		return
+		return err
 	}
-	s.forward(w, r, req, log, func(vmi *kubevirtv1.VirtualMachineInstance) error {
+	return s.forward(r, req, log, func(vmi *kubevirtv1.VirtualMachineInstance) error {
 		if vmi.Status.Phase != kubevirtv1.Running {
 			return apierrors.NewConflict(vmiResource, vmi.Name, errors.New(msgVMNotRunning))
 		}
@@ -86,17 +81,15 @@ func (s *Server) pauseVMI(w http.ResponseWriter, r *http.Request, req request, l
 	}, isDryRun(opts.DryRun))
 }
 
-func (s *Server) unpauseVMI(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger) {
+func (s *Server) unpauseVMI(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger) error {
 	opts := &kubevirtv1.UnpauseOptions{}
 	if err := decodeBody(r, opts); err != nil {
-		aggregated.WriteError(w, err)
-		return
+		return err
 	}
 	if vm, err := s.cfg.Virt.VMs.Get(r.Context(), req.namespace, req.name); err == nil && vm.Status.SnapshotInProgress != nil {
-		aggregated.WriteError(w, apierrors.NewConflict(vmResource, req.name, errors.New("VM snapshot is in progress")))
-		return
+		return apierrors.NewConflict(vmResource, req.name, errors.New("VM snapshot is in progress"))
 	}
-	s.forward(w, r, req, log, func(vmi *kubevirtv1.VirtualMachineInstance) error {
+	return s.forward(r, req, log, func(vmi *kubevirtv1.VirtualMachineInstance) error {
 		if vmi.Status.Phase != kubevirtv1.Running {
 			return apierrors.NewConflict(vmiResource, vmi.Name, errors.New(msgVMINotRunning))
 		}
@@ -107,8 +100,8 @@ func (s *Server) unpauseVMI(w http.ResponseWriter, r *http.Request, req request,
 	}, isDryRun(opts.DryRun))
 }
 
-func (s *Server) softRebootVMI(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger) {
-	s.forward(w, r, req, log, func(vmi *kubevirtv1.VirtualMachineInstance) error {
+func (s *Server) softRebootVMI(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger) error {
+	return s.forward(r, req, log, func(vmi *kubevirtv1.VirtualMachineInstance) error {
 		if vmi.Status.Phase != kubevirtv1.Running {
 			return apierrors.NewConflict(vmiResource, vmi.Name, errors.New(msgVMNotRunning))
 		}
@@ -137,32 +130,27 @@ func (s *Server) guestAgentGet(action string) handler {
 			return &kubevirtv1.VirtualMachineInstanceGuestAgentInfo{}
 		}
 	}
-	return func(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger) {
+	return func(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger) error {
 		ctx := r.Context()
 		vmi, err := s.fetchVMI(ctx, req.namespace, req.name)
 		if err != nil {
-			aggregated.WriteError(w, err)
-			return
+			return err
 		}
 		if vmi.Status.Phase != kubevirtv1.Running {
-			aggregated.WriteError(w, apierrors.NewConflict(vmiResource, vmi.Name, errors.New(msgVMINotRunning)))
-			return
+			return apierrors.NewConflict(vmiResource, vmi.Name, errors.New(msgVMINotRunning))
 		}
 		if !hasCondition(vmi, kubevirtv1.VirtualMachineInstanceAgentConnected) {
-			aggregated.WriteError(w, apierrors.NewConflict(vmiResource, vmi.Name, errors.New(msgNoGuestAgent)))
-			return
+			return apierrors.NewConflict(vmiResource, vmi.Name, errors.New(msgNoGuestAgent))
 		}
 		data, err := s.cfg.Node.Call(ctx, vmi, http.MethodGet, action, nil)
 		if err != nil {
 			log.Error("nodeagent call", "node", vmi.Status.NodeName, "err", err)
-			aggregated.WriteError(w, err)
-			return
+			return err
 		}
 		v := decoded()
 		if err := json.Unmarshal(data, v); err != nil {
-			aggregated.WriteError(w, apierrors.NewInternalError(fmt.Errorf("nodeagent %s answer: %w", action, err)))
-			return
+			return apierrors.NewInternalError(fmt.Errorf("nodeagent %s answer: %w", action, err))
 		}
-		aggregated.WriteJSON(w, http.StatusOK, v)
+		return httperr.WriteJSON(w, http.StatusOK, v)
 	}
 }

@@ -16,7 +16,6 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/aggregated"
 	"github.com/nodevirt/nodevirt/clusterbrain/migration"
 )
 
@@ -169,28 +168,28 @@ func (s *Server) patchGracePeriod(ctx context.Context, vmi *kubevirtv1.VirtualMa
 	return old, err
 }
 
-func accepted(w http.ResponseWriter) { w.WriteHeader(http.StatusAccepted) }
+// accepted answers 202, the answer of a state change request.
+func accepted(w http.ResponseWriter) error {
+	w.WriteHeader(http.StatusAccepted)
+	return nil
+}
 
-func (s *Server) startVM(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger) {
+func (s *Server) startVM(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger) error {
 	ctx := r.Context()
 	opts := &kubevirtv1.StartOptions{}
 	if err := decodeBody(r, opts); err != nil {
-		aggregated.WriteError(w, err)
-		return
+		return err
 	}
 	vm, err := s.getVM(ctx, req.namespace, req.name)
 	if err != nil {
-		aggregated.WriteError(w, err)
-		return
+		return err
 	}
 	vmi, err := s.getVMI(ctx, req.namespace, req.name)
 	if err != nil {
-		aggregated.WriteError(w, err)
-		return
+		return err
 	}
 	if vmi != nil && !vmi.IsFinal() && vmi.Status.Phase != kubevirtv1.Unknown && vmi.Status.Phase != kubevirtv1.VmPhaseUnset {
-		aggregated.WriteError(w, apierrors.NewConflict(vmResource, req.name, errors.New("VM is already running")))
-		return
+		return apierrors.NewConflict(vmResource, req.name, errors.New("VM is already running"))
 	}
 	data := map[string]string{}
 	if opts.Paused {
@@ -198,8 +197,7 @@ func (s *Server) startVM(w http.ResponseWriter, r *http.Request, req request, lo
 	}
 	strategy, err := vm.RunStrategy()
 	if err != nil {
-		aggregated.WriteError(w, apierrors.NewInternalError(err))
-		return
+		return apierrors.NewInternalError(err)
 	}
 	var patchErr error
 	switch strategy {
@@ -207,22 +205,19 @@ func (s *Server) startVM(w http.ResponseWriter, r *http.Request, req request, lo
 		if opts.Paused {
 			p, err := changeRequestPatch(vm, kubevirtv1.VirtualMachineStateChangeRequest{Action: kubevirtv1.StartRequest, Data: data})
 			if err != nil {
-				aggregated.WriteError(w, err)
-				return
+				return err
 			}
 			patchErr = s.patchVM(ctx, vm, p, opts.DryRun, true)
 		} else {
 			p, err := runningPatch(vm, true)
 			if err != nil {
-				aggregated.WriteError(w, apierrors.NewInternalError(err))
-				return
+				return apierrors.NewInternalError(err)
 			}
 			patchErr = s.patchVM(ctx, vm, p, opts.DryRun, false)
 		}
 	case kubevirtv1.RunStrategyRerunOnFailure, kubevirtv1.RunStrategyManual:
 		if strategy == kubevirtv1.RunStrategyRerunOnFailure && vmi != nil && vmi.Status.Phase == kubevirtv1.Failed {
-			aggregated.WriteError(w, apierrors.NewConflict(vmResource, req.name, fmt.Errorf("%v does not support starting VM from failed state", strategy)))
-			return
+			return apierrors.NewConflict(vmResource, req.name, fmt.Errorf("%v does not support starting VM from failed state", strategy))
 		}
 		changes := []kubevirtv1.VirtualMachineStateChangeRequest{{Action: kubevirtv1.StartRequest, Data: data}}
 		if vmi != nil && ((strategy == kubevirtv1.RunStrategyRerunOnFailure && vmi.Status.Phase == kubevirtv1.Succeeded) ||
@@ -232,50 +227,42 @@ func (s *Server) startVM(w http.ResponseWriter, r *http.Request, req request, lo
 		}
 		p, err := changeRequestPatch(vm, changes...)
 		if err != nil {
-			aggregated.WriteError(w, err)
-			return
+			return err
 		}
 		patchErr = s.patchVM(ctx, vm, p, opts.DryRun, true)
 	default:
-		aggregated.WriteError(w, apierrors.NewConflict(vmResource, req.name, fmt.Errorf("%v does not support manual start requests", strategy)))
-		return
+		return apierrors.NewConflict(vmResource, req.name, fmt.Errorf("%v does not support manual start requests", strategy))
 	}
 	if patchErr != nil {
-		aggregated.WriteError(w, patchErr)
-		return
+		return patchErr
 	}
 	log.Info("vm start requested", "runStrategy", strategy, "paused", opts.Paused)
-	accepted(w)
+	return accepted(w)
 }
 
-func (s *Server) stopVM(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger) {
+func (s *Server) stopVM(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger) error {
 	ctx := r.Context()
 	opts := &kubevirtv1.StopOptions{}
 	if err := decodeBody(r, opts); err != nil {
-		aggregated.WriteError(w, err)
-		return
+		return err
 	}
 	vm, err := s.getVM(ctx, req.namespace, req.name)
 	if err != nil {
-		aggregated.WriteError(w, err)
-		return
+		return err
 	}
 	strategy, err := vm.RunStrategy()
 	if err != nil {
-		aggregated.WriteError(w, apierrors.NewInternalError(err))
-		return
+		return apierrors.NewInternalError(err)
 	}
 	vmi, err := s.getVMI(ctx, req.namespace, req.name)
 	if err != nil {
-		aggregated.WriteError(w, err)
-		return
+		return err
 	}
 	running := vmi != nil && !vmi.IsFinal()
 	var oldGrace int64
 	if running && opts.GracePeriod != nil {
 		if oldGrace, err = s.patchGracePeriod(ctx, vmi, *opts.GracePeriod, opts.DryRun); err != nil {
-			aggregated.WriteError(w, apierrors.NewInternalError(err))
-			return
+			return apierrors.NewInternalError(err)
 		}
 	}
 	stopRequest := func() error {
@@ -290,79 +277,65 @@ func (s *Server) stopVM(w http.ResponseWriter, r *http.Request, req request, log
 	switch strategy {
 	case kubevirtv1.RunStrategyHalted:
 		if !running {
-			aggregated.WriteError(w, apierrors.NewConflict(vmResource, req.name, errors.New(msgVMNotRunning)))
-			return
+			return apierrors.NewConflict(vmResource, req.name, errors.New(msgVMNotRunning))
 		}
 		if opts.GracePeriod == nil || (vmi.Spec.TerminationGracePeriodSeconds != nil && *opts.GracePeriod >= oldGrace) {
-			aggregated.WriteError(w, apierrors.NewConflict(vmResource, req.name, fmt.Errorf("%v only supports manual stop requests with a shorter graceperiod", strategy)))
-			return
+			return apierrors.NewConflict(vmResource, req.name, fmt.Errorf("%v only supports manual stop requests with a shorter graceperiod", strategy))
 		}
 		patchErr = stopRequest()
 	case kubevirtv1.RunStrategyRerunOnFailure, kubevirtv1.RunStrategyManual:
 		if !running {
-			aggregated.WriteError(w, apierrors.NewConflict(vmResource, req.name, errors.New(msgVMNotRunning)))
-			return
+			return apierrors.NewConflict(vmResource, req.name, errors.New(msgVMNotRunning))
 		}
 		patchErr = stopRequest()
 	default: // Always, Once
 		p, err := runningPatch(vm, false)
 		if err != nil {
-			aggregated.WriteError(w, apierrors.NewInternalError(err))
-			return
+			return apierrors.NewInternalError(err)
 		}
 		patchErr = s.patchVM(ctx, vm, p, opts.DryRun, false)
 	}
 	if patchErr != nil {
-		aggregated.WriteError(w, patchErr)
-		return
+		return patchErr
 	}
 	log.Info("vm stop requested", "runStrategy", strategy, "gracePeriod", opts.GracePeriod)
-	accepted(w)
+	return accepted(w)
 }
 
-func (s *Server) restartVM(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger) {
+func (s *Server) restartVM(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger) error {
 	ctx := r.Context()
 	opts := &kubevirtv1.RestartOptions{}
 	if err := decodeBody(r, opts); err != nil {
-		aggregated.WriteError(w, err)
-		return
+		return err
 	}
 	if g := opts.GracePeriodSeconds; g != nil && *g > 0 {
-		aggregated.WriteError(w, apierrors.NewBadRequest("For force restart, only gracePeriod=0 is supported for now"))
-		return
+		return apierrors.NewBadRequest("For force restart, only gracePeriod=0 is supported for now")
 	} else if g != nil && *g < 0 {
-		aggregated.WriteError(w, apierrors.NewBadRequest("gracePeriod has to be greater or equal to 0"))
-		return
+		return apierrors.NewBadRequest("gracePeriod has to be greater or equal to 0")
 	}
 	vm, err := s.getVM(ctx, req.namespace, req.name)
 	if err != nil {
-		aggregated.WriteError(w, err)
-		return
+		return err
 	}
 	strategy, err := vm.RunStrategy()
 	if err != nil {
-		aggregated.WriteError(w, apierrors.NewInternalError(err))
-		return
+		return apierrors.NewInternalError(err)
 	}
 	if strategy == kubevirtv1.RunStrategyHalted || strategy == kubevirtv1.RunStrategyOnce {
-		aggregated.WriteError(w, apierrors.NewConflict(vmResource, req.name, fmt.Errorf("RunStategy %v does not support manual restart requests", strategy)))
-		return
+		return apierrors.NewConflict(vmResource, req.name, fmt.Errorf("RunStategy %v does not support manual restart requests", strategy))
 	}
 	vmi, err := s.getVMI(ctx, req.namespace, req.name)
 	if err != nil {
-		aggregated.WriteError(w, err)
-		return
+		return err
 	}
 	if vmi == nil {
-		aggregated.WriteError(w, apierrors.NewConflict(vmResource, req.name, fmt.Errorf("VM is not running: %v", kubevirtv1.RunStrategyHalted)))
-		return
+		return apierrors.NewConflict(vmResource, req.name, fmt.Errorf("VM is not running: %v", kubevirtv1.RunStrategyHalted))
 	}
 	force := opts.GracePeriodSeconds != nil && *opts.GracePeriodSeconds == 0
 	var oldGrace int64
 	if force {
 		if oldGrace, err = s.patchGracePeriod(ctx, vmi, 1, opts.DryRun); err != nil {
-			aggregated.WriteError(w, apierrors.NewInternalError(err))
-			return
+			return apierrors.NewInternalError(err)
 		}
 		one := int64(1)
 		vmi.Spec.TerminationGracePeriodSeconds = &one
@@ -380,46 +353,39 @@ func (s *Server) restartVM(w http.ResponseWriter, r *http.Request, req request, 
 				log.Error("roll back termination grace period", "err", rerr)
 			}
 		}
-		aggregated.WriteError(w, err)
-		return
+		return err
 	}
 	log.Info("vm restart requested", "force", force)
-	accepted(w)
+	return accepted(w)
 }
 
-func (s *Server) migrateVM(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger) {
+func (s *Server) migrateVM(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger) error {
 	ctx := r.Context()
 	opts := &kubevirtv1.MigrateOptions{}
 	if err := decodeBody(r, opts); err != nil {
-		aggregated.WriteError(w, err)
-		return
+		return err
 	}
 	if _, err := s.getVM(ctx, req.namespace, req.name); err != nil {
-		aggregated.WriteError(w, err)
-		return
+		return err
 	}
 	vmi, err := s.getVMI(ctx, req.namespace, req.name)
 	if err != nil {
-		aggregated.WriteError(w, err)
-		return
+		return err
 	}
 	if vmi == nil {
-		aggregated.WriteError(w, apierrors.NewNotFound(vmiResource, req.name))
-		return
+		return apierrors.NewNotFound(vmiResource, req.name)
 	}
 	if vmi.Status.Phase != kubevirtv1.Running {
-		aggregated.WriteError(w, apierrors.NewConflict(vmResource, req.name, errors.New(msgVMNotRunning)))
-		return
+		return apierrors.NewConflict(vmResource, req.name, errors.New(msgVMNotRunning))
 	}
 	// Refused before a migration object exists: what KubeVirt's migration
 	// webhook refuses, and what nodevirt cannot do yet (the migration
 	// controller fails migrations created directly for the same reasons).
 	if ok, why := migration.Migratable(vmi); !ok {
 		log.Info("migration refused", "reason", why)
-		aggregated.WriteError(w, apierrors.NewConflict(vmResource, req.name, errors.New(why)))
-		return
+		return apierrors.NewConflict(vmResource, req.name, errors.New(why))
 	}
 	log.Info("migration refused", "reason", migration.NotImplemented)
-	aggregated.WriteError(w, &apierrors.StatusError{ErrStatus: metav1.Status{
-		Status: metav1.StatusFailure, Code: http.StatusNotImplemented, Message: migration.NotImplemented}})
+	return &apierrors.StatusError{ErrStatus: metav1.Status{
+		Status: metav1.StatusFailure, Code: http.StatusNotImplemented, Message: migration.NotImplemented}}
 }

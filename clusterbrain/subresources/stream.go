@@ -12,7 +12,6 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/aggregated"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/plainstream"
 )
 
@@ -51,23 +50,21 @@ func (s *Server) stream(action string) handler {
 	if action == "vnc" {
 		validate = validateVNC
 	}
-	return func(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger) {
+	return func(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger) error {
 		ctx := r.Context()
 		vmi, err := s.fetchVMI(ctx, req.namespace, req.name)
 		if err == nil {
 			err = validate(vmi)
 		}
 		if err != nil {
-			aggregated.WriteError(w, err)
-			return
+			return err
 		}
 		key := action + "/" + req.namespace + "/" + req.name
 		s.sessions.replace(key)
 		node, err := s.cfg.Node.Stream(ctx, vmi, action, r.URL.Query())
 		if err != nil {
 			log.Error("open node stream", "node", vmi.Status.NodeName, "err", err)
-			aggregated.WriteError(w, err)
-			return
+			return err
 		}
 		up := websocket.Upgrader{ReadBufferSize: wsBufferSize, WriteBufferSize: wsBufferSize,
 			HandshakeTimeout: handshakeTimeout, Subprotocols: []string{PlainStreamProtocol},
@@ -76,7 +73,7 @@ func (s *Server) stream(action string) handler {
 		if err != nil {
 			node.Close()
 			log.Info("websocket upgrade", "err", err) // the upgrader answered the client
-			return
+			return nil
 		}
 		client := plainstream.New(conn)
 		sess := s.sessions.add(key, func() { client.Close(); node.Close() })
@@ -84,6 +81,7 @@ func (s *Server) stream(action string) handler {
 		log.Info("stream opened", "kind", action, "node", vmi.Status.NodeName)
 		n1, n2, err := splice(client, node)
 		log.Info("stream closed", "kind", action, "toNode", n1, "toClient", n2, "err", err)
+		return nil
 	}
 }
 

@@ -24,6 +24,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/aggregated"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/httperr"
 )
 
 // Group is the API group served.
@@ -144,30 +145,38 @@ func parse(path string) (request, bool) {
 	return r, true
 }
 
-// ServeHTTP routes discovery, health and subresource requests.
+// ServeHTTP routes discovery, health and subresource requests; a failed
+// request is answered with its error's Kubernetes Status (httperr).
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if s.serveDiscovery(w, r) {
 		return
 	}
+	if err := s.serve(w, r); err != nil {
+		httperr.WriteStatus(w, err)
+	}
+}
+
+// serve authorizes and runs the subresource request r.
+func (s *Server) serve(w http.ResponseWriter, r *http.Request) error {
 	req, ok := parse(r.URL.Path)
 	if !ok || !validVersion(req.version) {
-		aggregated.WriteError(w, apierrors.NewNotFound(kubevirtv1.Resource("subresource"), r.URL.Path))
-		return
+		return apierrors.NewNotFound(kubevirtv1.Resource("subresource"), r.URL.Path)
 	}
 	h, verb := s.route(req, r.Method)
 	if h == nil {
-		aggregated.WriteError(w, apierrors.NewNotFound(kubevirtv1.Resource(req.resource+"/"+req.subresource), req.name))
-		return
+		return apierrors.NewNotFound(kubevirtv1.Resource(req.resource+"/"+req.subresource), req.name)
 	}
-	if !s.authorize(w, r, req, verb) {
-		return
+	if err := s.authorize(r, req, verb); err != nil {
+		return err
 	}
 	log := s.cfg.Log.With("namespace", req.namespace, "name", req.name, "subresource", req.subresource)
 	log.Debug("subresource request", "method", r.Method)
-	h(w, r, req, log)
+	return h(w, r, req, log)
 }
 
-type handler func(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger)
+// handler serves one subresource; it writes the answer of a success and
+// returns the error of a failure.
+type handler func(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger) error
 
 // route returns the handler and the RBAC verb of method on req.
 func (s *Server) route(req request, method string) (handler, string) {
@@ -202,26 +211,23 @@ func (s *Server) route(req request, method string) (handler, string) {
 
 // authorize runs the SubjectAccessReview virt-api runs: the verb of the
 // HTTP method on resource/subresource in the subresource group.
-func (s *Server) authorize(w http.ResponseWriter, r *http.Request, req request, verb string) bool {
+func (s *Server) authorize(r *http.Request, req request, verb string) error {
 	u, ok := aggregated.UserFrom(r.Context())
 	if !ok {
-		aggregated.WriteError(w, apierrors.NewUnauthorized("request not authenticated by the aggregator"))
-		return false
+		return apierrors.NewUnauthorized("request not authenticated by the aggregator")
 	}
 	attrs := authv1.ResourceAttributes{Namespace: req.namespace, Verb: verb, Group: Group, Version: req.version,
 		Resource: req.resource, Subresource: req.subresource, Name: req.name}
 	allowed, reason, err := aggregated.Authorize(r.Context(), s.cfg.Kube, u, attrs)
 	if err != nil {
-		aggregated.WriteError(w, apierrors.NewInternalError(err))
-		return false
+		return apierrors.NewInternalError(err)
 	}
 	if !allowed {
 		s.cfg.Log.Info("subresource refused", "user", u.Name, "namespace", req.namespace, "name", req.name,
 			"resource", req.resource, "subresource", req.subresource, "verb", verb)
-		aggregated.WriteError(w, aggregated.Forbidden(u, attrs, reason))
-		return false
+		return aggregated.Forbidden(u, attrs, reason)
 	}
-	return true
+	return nil
 }
 
 func validVersion(v string) bool {

@@ -31,6 +31,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/uploadtls"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
@@ -239,76 +240,79 @@ func TestStartStopRestart(t *testing.T) {
 	ns := controlplane.Shared(t).Namespace(t)
 	c := adminIn(t, ns)
 
-	// Halted: start flips runStrategy to Always, stop back to Halted.
-	newVM(t, ns, "halted", kubevirtv1.RunStrategyHalted)
-	if err := c.VM(ctx, "halted", "start", &kubevirtv1.StartOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	vm, _ := env.virt.VMs.Get(ctx, ns, "halted")
-	if *vm.Spec.RunStrategy != kubevirtv1.RunStrategyAlways {
-		t.Fatalf("after start runStrategy %s", *vm.Spec.RunStrategy)
-	}
-	vmi := newVMI(t, ns, "halted", kubevirtv1.Running)
-	wantStatus(t, "second start", c.VM(ctx, "halted", "start", nil), http.StatusConflict, "VM is already running")
-	grace := int64(7)
-	if err := c.VM(ctx, "halted", "stop", &kubevirtv1.StopOptions{GracePeriod: &grace}); err != nil {
-		t.Fatal(err)
-	}
-	vm, _ = env.virt.VMs.Get(ctx, ns, "halted")
-	vmi, _ = env.virt.VMIs.Get(ctx, ns, vmi.Name)
-	if *vm.Spec.RunStrategy != kubevirtv1.RunStrategyHalted || *vmi.Spec.TerminationGracePeriodSeconds != 7 {
-		t.Fatalf("after stop: runStrategy %s, vmi grace %d", *vm.Spec.RunStrategy, *vmi.Spec.TerminationGracePeriodSeconds)
-	}
-
-	// Manual: start and restart are state change requests for the VM controller.
-	newVM(t, ns, "manual", kubevirtv1.RunStrategyManual)
-	if err := c.VM(ctx, "manual", "start", nil); err != nil {
-		t.Fatal(err)
-	}
-	vm, _ = env.virt.VMs.Get(ctx, ns, "manual")
-	if r := vm.Status.StateChangeRequests; len(r) != 1 || r[0].Action != kubevirtv1.StartRequest {
-		t.Fatalf("after manual start: %+v", r)
-	}
-	wantStatus(t, "start while a start is pending", c.VM(ctx, "manual", "restart", nil), http.StatusConflict, "")
-	vm.Status.StateChangeRequests = nil
-	if _, err := env.virt.VMs.UpdateStatus(ctx, vm); err != nil {
-		t.Fatal(err)
-	}
-	mvmi := newVMI(t, ns, "manual", kubevirtv1.Running)
-	five := int64(5)
-	wantStatus(t, "restart with grace 5", c.VM(ctx, "manual", "restart", &kubevirtv1.RestartOptions{GracePeriodSeconds: &five}),
-		http.StatusBadRequest, "only gracePeriod=0")
-	zero := int64(0)
-	if err := c.VM(ctx, "manual", "restart", &kubevirtv1.RestartOptions{GracePeriodSeconds: &zero}); err != nil {
-		t.Fatal(err)
-	}
-	vm, _ = env.virt.VMs.Get(ctx, ns, "manual")
-	r := vm.Status.StateChangeRequests
-	if len(r) != 2 || r[0].Action != kubevirtv1.StopRequest || r[0].UID == nil || *r[0].UID != mvmi.UID || r[1].Action != kubevirtv1.StartRequest {
-		t.Fatalf("after restart: %+v", r)
-	}
-	mvmi, _ = env.virt.VMIs.Get(ctx, ns, "manual")
-	if *mvmi.Spec.TerminationGracePeriodSeconds != 1 {
-		t.Fatalf("forced restart left grace %d, want 1", *mvmi.Spec.TerminationGracePeriodSeconds)
-	}
-	// A stop request replaces the pending ones.
-	if err := c.VM(ctx, "manual", "stop", nil); err != nil {
-		t.Fatal(err)
-	}
-	vm, _ = env.virt.VMs.Get(ctx, ns, "manual")
-	if r := vm.Status.StateChangeRequests; len(r) != 1 || r[0].Action != kubevirtv1.StopRequest {
-		t.Fatalf("after stop: %+v", r)
-	}
-	wantStatus(t, "start of a missing vm", c.VM(ctx, "nope", "start", nil), http.StatusNotFound, "nope")
-
-	// Dry run changes nothing.
-	newVM(t, ns, "dry", kubevirtv1.RunStrategyHalted)
-	if err := c.VM(ctx, "dry", "start", &kubevirtv1.StartOptions{DryRun: []string{metav1.DryRunAll}}); err != nil {
-		t.Fatal(err)
-	}
-	if vm, _ = env.virt.VMs.Get(ctx, ns, "dry"); *vm.Spec.RunStrategy != kubevirtv1.RunStrategyHalted {
-		t.Fatalf("dry-run start changed runStrategy to %s", *vm.Spec.RunStrategy)
-	}
+	t.Run("halted: start and stop flip runStrategy", func(t *testing.T) {
+		newVM(t, ns, "halted", kubevirtv1.RunStrategyHalted)
+		if err := c.VM(ctx, "halted", "start", &kubevirtv1.StartOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		vm, _ := env.virt.VMs.Get(ctx, ns, "halted")
+		if *vm.Spec.RunStrategy != kubevirtv1.RunStrategyAlways {
+			t.Fatalf("after start runStrategy %s", *vm.Spec.RunStrategy)
+		}
+		vmi := newVMI(t, ns, "halted", kubevirtv1.Running)
+		wantStatus(t, "second start", c.VM(ctx, "halted", "start", nil), http.StatusConflict, "VM is already running")
+		grace := int64(7)
+		if err := c.VM(ctx, "halted", "stop", &kubevirtv1.StopOptions{GracePeriod: &grace}); err != nil {
+			t.Fatal(err)
+		}
+		vm, _ = env.virt.VMs.Get(ctx, ns, "halted")
+		vmi, _ = env.virt.VMIs.Get(ctx, ns, vmi.Name)
+		if *vm.Spec.RunStrategy != kubevirtv1.RunStrategyHalted || *vmi.Spec.TerminationGracePeriodSeconds != 7 {
+			t.Fatalf("after stop: runStrategy %s, vmi grace %d", *vm.Spec.RunStrategy, *vmi.Spec.TerminationGracePeriodSeconds)
+		}
+	})
+	t.Run("manual: start and restart are state change requests", func(t *testing.T) {
+		newVM(t, ns, "manual", kubevirtv1.RunStrategyManual)
+		if err := c.VM(ctx, "manual", "start", nil); err != nil {
+			t.Fatal(err)
+		}
+		vm, _ := env.virt.VMs.Get(ctx, ns, "manual")
+		if r := vm.Status.StateChangeRequests; len(r) != 1 || r[0].Action != kubevirtv1.StartRequest {
+			t.Fatalf("after manual start: %+v", r)
+		}
+		wantStatus(t, "start while a start is pending", c.VM(ctx, "manual", "restart", nil), http.StatusConflict, "")
+		vm.Status.StateChangeRequests = nil
+		if _, err := env.virt.VMs.UpdateStatus(ctx, vm); err != nil {
+			t.Fatal(err)
+		}
+		mvmi := newVMI(t, ns, "manual", kubevirtv1.Running)
+		five := int64(5)
+		wantStatus(t, "restart with grace 5", c.VM(ctx, "manual", "restart", &kubevirtv1.RestartOptions{GracePeriodSeconds: &five}),
+			http.StatusBadRequest, "only gracePeriod=0")
+		zero := int64(0)
+		if err := c.VM(ctx, "manual", "restart", &kubevirtv1.RestartOptions{GracePeriodSeconds: &zero}); err != nil {
+			t.Fatal(err)
+		}
+		vm, _ = env.virt.VMs.Get(ctx, ns, "manual")
+		r := vm.Status.StateChangeRequests
+		if len(r) != 2 || r[0].Action != kubevirtv1.StopRequest || r[0].UID == nil || *r[0].UID != mvmi.UID || r[1].Action != kubevirtv1.StartRequest {
+			t.Fatalf("after restart: %+v", r)
+		}
+		mvmi, _ = env.virt.VMIs.Get(ctx, ns, "manual")
+		if *mvmi.Spec.TerminationGracePeriodSeconds != 1 {
+			t.Fatalf("forced restart left grace %d, want 1", *mvmi.Spec.TerminationGracePeriodSeconds)
+		}
+		// A stop request replaces the pending ones.
+		if err := c.VM(ctx, "manual", "stop", nil); err != nil {
+			t.Fatal(err)
+		}
+		vm, _ = env.virt.VMs.Get(ctx, ns, "manual")
+		if r := vm.Status.StateChangeRequests; len(r) != 1 || r[0].Action != kubevirtv1.StopRequest {
+			t.Fatalf("after stop: %+v", r)
+		}
+	})
+	t.Run("start of a missing vm", func(t *testing.T) {
+		wantStatus(t, "start of a missing vm", c.VM(ctx, "nope", "start", nil), http.StatusNotFound, "nope")
+	})
+	t.Run("dry run changes nothing", func(t *testing.T) {
+		newVM(t, ns, "dry", kubevirtv1.RunStrategyHalted)
+		if err := c.VM(ctx, "dry", "start", &kubevirtv1.StartOptions{DryRun: []string{metav1.DryRunAll}}); err != nil {
+			t.Fatal(err)
+		}
+		if vm, _ := env.virt.VMs.Get(ctx, ns, "dry"); *vm.Spec.RunStrategy != kubevirtv1.RunStrategyHalted {
+			t.Fatalf("dry-run start changed runStrategy to %s", *vm.Spec.RunStrategy)
+		}
+	})
 }
 
 func TestMigrateAndExpand(t *testing.T) {
@@ -557,17 +561,6 @@ func (s *syncBuffer) String() string {
 	return s.b.String()
 }
 
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
 // TestCLI drives nodevirt's virtctl verbs with a kubeconfig file, as a user
 // would.
 func TestCLI(t *testing.T) {
@@ -615,12 +608,12 @@ func TestCLI(t *testing.T) {
 	go func() {
 		code <- virtctl.Run(ctx, []string{"--kubeconfig", cp.Kubeconfig, "-n", ns, "console", "cli"}, virtctl.IO{In: inR, Out: &out, Err: &errb})
 	}()
-	waitFor(t, "console banner", func() bool { return strings.Contains(out.String(), "standin console ready") })
+	testkit.Until(t, 10*time.Second, "console banner", func() bool { return strings.Contains(out.String(), "standin console ready") })
 	if !strings.Contains(errb.String(), "Successfully connected to cli console") {
 		t.Fatalf("console banner: %q", errb.String())
 	}
 	_, _ = inW.Write([]byte("echo cli-$((2+3))\n"))
-	waitFor(t, "command output", func() bool { return strings.Contains(out.String(), "cli-5") })
+	testkit.Until(t, 10*time.Second, "command output", func() bool { return strings.Contains(out.String(), "cli-5") })
 	_, _ = inW.Write([]byte{29})
 	select {
 	case c := <-code:
@@ -646,7 +639,7 @@ func TestCLIVNCProxyOnly(t *testing.T) {
 	go func() {
 		code <- virtctl.Run(ctx, []string{"--kubeconfig", cp.Kubeconfig, "-n", ns, "vnc", "v", "--proxy-only"}, virtctl.IO{In: strings.NewReader(""), Out: &out, Err: &errb})
 	}()
-	waitFor(t, "proxy port", func() bool { return strings.Contains(out.String(), `{"port":`) })
+	testkit.Until(t, 10*time.Second, "proxy port", func() bool { return strings.Contains(out.String(), `{"port":`) })
 	var p struct{ Port int }
 	if err := json.Unmarshal([]byte(strings.TrimSpace(out.String())), &p); err != nil || p.Port == 0 {
 		t.Fatalf("proxy-only output %q: %v", out.String(), err)

@@ -16,6 +16,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/httperr"
 )
 
 // The upload proxy's paths, as virtctl image-upload and CDI's clients use
@@ -36,57 +37,50 @@ func (s *Server) proxyHandler() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "OK") })
 	for path, form := range map[string]bool{PathUpload: false, PathUploadAsync: false, PathUploadForm: true, PathUploadFormAsync: true} {
-		mux.HandleFunc(path, func(w http.ResponseWriter, r *http.Request) { s.proxyUpload(w, r, form) })
+		mux.Handle(path, httperr.TextHandler(func(w http.ResponseWriter, r *http.Request) error { return s.proxyUpload(w, r, form) }))
 	}
 	return mux
 }
 
 // proxyUpload checks the token and the target and streams the body to the
 // node holding the volume.
-func (s *Server) proxyUpload(w http.ResponseWriter, r *http.Request, form bool) {
+func (s *Server) proxyUpload(w http.ResponseWriter, r *http.Request, form bool) error {
 	switch r.Method {
 	case http.MethodPost, http.MethodPut, http.MethodHead:
 	default:
-		http.Error(w, "method not allowed", http.StatusMethodNotAllowed)
-		return
+		return httperr.MethodNotAllowed()
 	}
 	h := r.Header.Get("Authorization")
 	if h == "" {
-		http.Error(w, "missing upload token: send it as Authorization: Bearer <token>", http.StatusUnauthorized)
-		return
+		return httperr.Unauthorized("missing upload token: send it as Authorization: Bearer <token>")
 	}
 	m := bearer.FindStringSubmatch(h)
 	if m == nil {
-		http.Error(w, "malformed authorization header: want Bearer <token>", http.StatusUnauthorized)
-		return
+		return httperr.Unauthorized("malformed authorization header: want Bearer <token>")
 	}
 	claims, err := s.signer.Verify(m[1])
 	if err != nil {
-		http.Error(w, err.Error(), http.StatusUnauthorized)
-		return
+		return httperr.With(http.StatusUnauthorized, err)
 	}
 	log := s.log.With("namespace", claims.Namespace, "pvc", claims.Name)
-	node, code, err := s.uploadTarget(r.Context(), claims.Namespace, claims.Name)
+	node, err := s.uploadTarget(r.Context(), claims.Namespace, claims.Name)
 	if err != nil {
-		log.Info("upload refused", "code", code, "err", err)
-		http.Error(w, err.Error(), code)
-		return
+		log.Info("upload refused", "code", httperr.Code(err), "err", err)
+		return err
 	}
 	if r.Method == http.MethodHead {
 		w.WriteHeader(http.StatusOK) // virtctl probes the async path this way
-		return
+		return nil
 	}
 	endpoint, err := s.nodeEndpoint(r.Context(), node)
 	if err != nil {
-		http.Error(w, err.Error(), http.StatusServiceUnavailable)
-		return
+		return httperr.With(http.StatusServiceUnavailable, err)
 	}
 	target := endpoint + nodeUploadPath + url.PathEscape(claims.Namespace) + "/" + url.PathEscape(claims.Name) +
 		"?form=" + strconv.FormatBool(form)
 	out, err := http.NewRequestWithContext(r.Context(), http.MethodPost, target, r.Body)
 	if err != nil {
-		http.Error(w, err.Error(), http.StatusInternalServerError)
-		return
+		return err
 	}
 	out.ContentLength = r.ContentLength
 	if ct := r.Header.Get("Content-Type"); ct != "" {
@@ -96,8 +90,7 @@ func (s *Server) proxyUpload(w http.ResponseWriter, r *http.Request, form bool) 
 	resp, err := s.toNode(node).Do(out)
 	if err != nil {
 		log.Warn("proxying upload failed", "node", node, "err", err)
-		http.Error(w, fmt.Sprintf("upload to node %s failed: %v", node, err), http.StatusBadGateway)
-		return
+		return httperr.BadGateway("upload to node %s failed: %v", node, err)
 	}
 	defer resp.Body.Close()
 	log.Info("upload proxied", "node", node, "status", resp.StatusCode, "bytes", r.ContentLength,
@@ -107,38 +100,40 @@ func (s *Server) proxyUpload(w http.ResponseWriter, r *http.Request, form bool) 
 	}
 	w.WriteHeader(resp.StatusCode)
 	_, _ = io.Copy(w, io.LimitReader(resp.Body, 1<<20))
+	return nil
 }
 
 // uploadTarget checks that ns/name waits for an upload and returns the
-// node holding it, waiting up to ReadyWait for the node to be ready.
-func (s *Server) uploadTarget(ctx context.Context, ns, name string) (string, int, error) {
+// node holding it, waiting up to ReadyWait for the node to be ready; its
+// errors say their HTTP status (httperr).
+func (s *Server) uploadTarget(ctx context.Context, ns, name string) (string, error) {
 	deadline := time.Now().Add(s.cfg.ReadyWait)
 	for {
 		pvc, err := s.kube.CoreV1().PersistentVolumeClaims(ns).Get(ctx, name, metav1.GetOptions{})
 		if apierrors.IsNotFound(err) {
-			return "", http.StatusNotFound, fmt.Errorf("pvc %s/%s not found", ns, name)
+			return "", httperr.NotFound("pvc %s/%s not found", ns, name)
 		}
 		if err != nil {
-			return "", http.StatusServiceUnavailable, fmt.Errorf("pvc %s/%s: %w", ns, name, err)
+			return "", httperr.Unavailable("pvc %s/%s: %w", ns, name, err)
 		}
 		if _, ok := pvc.Annotations[importstate.AnnUploadTarget]; !ok {
-			return "", http.StatusForbidden, fmt.Errorf("pvc %s/%s is not an upload target", ns, name)
+			return "", httperr.Forbidden("pvc %s/%s is not an upload target", ns, name)
 		}
 		rep := importstate.Read(pvc)
 		switch {
 		case rep.Phase == corev1.PodSucceeded:
-			return "", http.StatusConflict, fmt.Errorf("pvc %s/%s already finished uploading", ns, name)
+			return "", httperr.Conflict("pvc %s/%s already finished uploading", ns, name)
 		case rep.Phase == corev1.PodFailed:
-			return "", http.StatusConflict, fmt.Errorf("pvc %s/%s failed: %s", ns, name, rep.Message)
+			return "", httperr.Conflict("pvc %s/%s failed: %s", ns, name, rep.Message)
 		case rep.Phase == corev1.PodRunning && rep.Ready && rep.Node != "":
-			return rep.Node, 0, nil
+			return rep.Node, nil
 		}
 		if time.Now().After(deadline) {
-			return "", http.StatusServiceUnavailable, fmt.Errorf("pvc %s/%s is not ready for an upload yet", ns, name)
+			return "", httperr.Unavailable("pvc %s/%s is not ready for an upload yet", ns, name)
 		}
 		select {
 		case <-ctx.Done():
-			return "", http.StatusServiceUnavailable, ctx.Err()
+			return "", httperr.With(http.StatusServiceUnavailable, ctx.Err())
 		case <-time.After(500 * time.Millisecond):
 		}
 	}

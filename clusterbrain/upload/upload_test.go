@@ -20,7 +20,6 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
-	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	apiresource "k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -31,11 +30,11 @@ import (
 	uploadv1beta1 "kubevirt.io/containerized-data-importer-api/pkg/apis/upload/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
-	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume"
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport"
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport/dvimporttest"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestMain(m *testing.M) {
@@ -69,9 +68,7 @@ func setup(t *testing.T) env {
 	cp := controlplane.Shared(t)
 	setupOnce.Do(func() {
 		ctx := context.Background()
-		if err := crds.Install(ctx, apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.Catalog()); err != nil {
-			t.Fatal(err)
-		}
+		testkit.InstallCRDs(t, cp)
 		kube := cp.Clientset(t)
 		virt, err := client.NewSet(cp.RestConfig)
 		if err != nil {

@@ -20,17 +20,14 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
-	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
-	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
-	"k8s.io/client-go/tools/record"
-	"k8s.io/client-go/util/workqueue"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/metrics"
 )
 
@@ -77,9 +74,8 @@ type Controller struct {
 	vmis     cache.SharedIndexInformer
 	dvs      cache.SharedIndexInformer
 	own      []cache.SharedIndexInformer // the informers this controller runs
-	queue    workqueue.TypedRateLimitingInterface[string]
-	events   record.EventBroadcaster
-	recorder record.EventRecorder
+	queue    *controller.Queue
+	recorder *controller.Recorder
 	now      func() time.Time
 
 	// failures remembers each VM's latest start failure until its status
@@ -140,13 +136,19 @@ func New(cfg Config) (*Controller, error) {
 		cfg.BackoffMax = 5 * time.Minute
 	}
 	c := &Controller{
-		cfg:  cfg,
-		vms:  cfg.VMInformer,
-		vmis: cfg.VMIInformer,
-		dvs:  cfg.Virt.DataVolumes.Informer("", 0, nil),
-		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[string](),
-			workqueue.TypedRateLimitingQueueConfig[string]{Name: "virtualmachines"}),
-		now: time.Now,
+		cfg:      cfg,
+		vms:      cfg.VMInformer,
+		vmis:     cfg.VMIInformer,
+		dvs:      cfg.Virt.DataVolumes.Informer("", 0, nil),
+		recorder: controller.NewRecorder(client.NewScheme(), "nodevirt-vm-controller"),
+		now:      time.Now,
+	}
+	var err error
+	c.queue, err = controller.New(controller.Config{Name: "virtualmachines", Sync: c.Sync, Backoff: controller.BackoffAPI,
+		Workers: cfg.Workers, Log: cfg.Log, KeyAttr: "vm",
+		Observe: func(err error) { metrics.Reconciled("vm", err) }})
+	if err != nil {
+		return nil, err
 	}
 	if c.vms == nil {
 		c.vms = cfg.Virt.VMs.Informer("", 0, nil)
@@ -157,36 +159,19 @@ func New(cfg Config) (*Controller, error) {
 		c.own = append(c.own, c.vmis)
 	}
 	c.own = append(c.own, c.dvs)
-	c.events = record.NewBroadcaster()
-	c.recorder = c.events.NewRecorder(client.NewScheme(), corev1.EventSource{Component: "nodevirt-vm-controller"})
-	enqueue := func(obj any) {
-		if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
-			c.queue.Add(key)
-		}
-	}
-	_, _ = c.vms.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc: enqueue, UpdateFunc: func(_, n any) { enqueue(n) }, DeleteFunc: enqueue,
-	})
+	_, _ = c.vms.AddEventHandler(controller.OnChange(c.queue.Enqueue))
 	owner := func(obj any) {
-		if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
-			obj = d.Obj
-		}
-		m, ok := obj.(metav1.Object)
+		key, ok := controller.OwnerKey(obj, "VirtualMachine")
 		if !ok {
 			return
 		}
-		if ref := metav1.GetControllerOf(m); ref != nil && ref.Kind == "VirtualMachine" {
-			key := m.GetNamespace() + "/" + ref.Name
-			if _, ok := obj.(*kubevirtv1.VirtualMachineInstance); ok {
-				c.creating.Delete(key) // the cache has seen it (or its end)
-			}
-			c.queue.Add(key)
+		if _, ok := obj.(*kubevirtv1.VirtualMachineInstance); ok {
+			c.creating.Delete(key) // the cache has seen it (or its end)
 		}
+		c.queue.Add(key)
 	}
 	for _, inf := range []cache.SharedIndexInformer{c.vmis, c.dvs} {
-		_, _ = inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
-			AddFunc: owner, UpdateFunc: func(_, n any) { owner(n) }, DeleteFunc: owner,
-		})
+		_, _ = inf.AddEventHandler(controller.OnChange(owner))
 	}
 	return c, nil
 }
@@ -197,26 +182,13 @@ func (c *Controller) Name() string { return "vm-controller" }
 // Run reconciles until ctx ends.
 func (c *Controller) Run(ctx context.Context) error {
 	defer utilruntime.HandleCrash()
-	go func() { <-ctx.Done(); c.queue.ShutDown() }()
-	c.events.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: c.cfg.Kube.CoreV1().Events("")})
-	defer c.events.Shutdown()
+	defer c.queue.ShutDown()
+	defer c.recorder.Start(c.cfg.Kube)()
 	if !c.startInformers(ctx) {
 		return ctx.Err()
 	}
 	c.cfg.Log.Info("vm controller started")
-	var wg sync.WaitGroup
-	for i := 0; i < c.cfg.Workers; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			wait.UntilWithContext(ctx, func(ctx context.Context) {
-				for c.processNext(ctx) {
-				}
-			}, time.Second)
-		}()
-	}
-	wg.Wait()
-	return nil
+	return c.queue.Run(ctx)
 }
 
 // startInformers fills the caches Sync reads; it reports false when ctx
@@ -226,28 +198,6 @@ func (c *Controller) startInformers(ctx context.Context) bool {
 		go inf.RunWithContext(ctx)
 	}
 	return cache.WaitForCacheSync(ctx.Done(), c.vms.HasSynced, c.vmis.HasSynced, c.dvs.HasSynced)
-}
-
-func (c *Controller) processNext(ctx context.Context) bool {
-	key, quit := c.queue.Get()
-	if quit {
-		return false
-	}
-	defer c.queue.Done(key)
-	after, err := c.Sync(ctx, key)
-	metrics.Reconciled("vm", err)
-	switch {
-	case err != nil && ctx.Err() != nil:
-	case err != nil:
-		c.cfg.Log.Warn("sync vm", "vm", key, "err", err)
-		c.queue.AddRateLimited(key)
-	default:
-		c.queue.Forget(key)
-		if after > 0 {
-			c.queue.AddAfter(key, after)
-		}
-	}
-	return true
 }
 
 // Sync reconciles the VM named key ("namespace/name") and returns when it

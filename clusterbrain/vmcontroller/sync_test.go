@@ -7,15 +7,14 @@ import (
 	"testing"
 	"time"
 
-	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/util/retry"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
-	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // TestSyncDirect drives Sync by hand against informers and the real API,
@@ -24,9 +23,7 @@ func TestSyncDirect(t *testing.T) {
 	cp := controlplane.Shared(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	if err := crds.Install(ctx, apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.Catalog()); err != nil {
-		t.Fatal(err)
-	}
+	testkit.InstallCRDs(t, cp)
 	virt, _ := client.NewSet(cp.RestConfig)
 	e := env{t: t, kube: cp.Clientset(t), virt: virt, ns: cp.Namespace(t)}
 	c, err := New(Config{Kube: e.kube, Virt: virt, Log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})

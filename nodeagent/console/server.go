@@ -68,6 +68,8 @@ import (
 	"time"
 
 	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/httperr"
 )
 
 // Backend runs the VMIs; the virt-handler role implements it. Errors wrap
@@ -96,13 +98,15 @@ type GuestAgentBackend interface {
 	FileSystemList(ctx context.Context, namespace, name string) (*kubevirtv1.VirtualMachineInstanceFileSystemList, error)
 }
 
+// The errors a Backend returns (wrapped or not) for the answers they name;
+// any other error answers 500.
 var (
-	// ErrNoGuestAgent: the VMI's guest agent is not connected.
-	ErrNoGuestAgent = errors.New("vmi does not have guest agent connected")
-	// ErrNotFound: no such VMI on this node.
-	ErrNotFound = errors.New("vmi not found on this node")
-	// ErrNotRunning: the VMI has no running domain.
-	ErrNotRunning = errors.New("vmi is not running")
+	// ErrNoGuestAgent: the VMI's guest agent is not connected (409).
+	ErrNoGuestAgent = httperr.Conflict("vmi does not have guest agent connected")
+	// ErrNotFound: no such VMI on this node (404).
+	ErrNotFound = httperr.NotFound("vmi not found on this node")
+	// ErrNotRunning: the VMI has no running domain (409).
+	ErrNotRunning = httperr.Conflict("vmi is not running")
 )
 
 // Config configures a Server. The TLS material is either files or TLS.
@@ -188,10 +192,10 @@ func New(cfg Config, backend Backend) (*Server, error) {
 	s := &Server{cfg: cfg, log: cfg.Log.With("server", "console"), backend: backend, sessions: map[string]io.Closer{}}
 	s.ln = tls.NewListener(ln, tc)
 	mux := http.NewServeMux()
-	mux.HandleFunc("GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/console", s.stream("console", backend.Console))
-	mux.HandleFunc("GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/vnc", s.stream("vnc", backend.VNC))
-	mux.HandleFunc("PUT /v1/namespaces/{namespace}/virtualmachineinstances/{name}/{action}", s.control)
-	mux.HandleFunc("GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/{info}", s.guestAgent)
+	mux.Handle("GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/console", s.stream("console", backend.Console))
+	mux.Handle("GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/vnc", s.stream("vnc", backend.VNC))
+	mux.Handle("PUT /v1/namespaces/{namespace}/virtualmachineinstances/{name}/{action}", httperr.TextHandler(s.control))
+	mux.Handle("GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/{info}", httperr.TextHandler(s.guestAgent))
 	s.srv = &http.Server{
 		Handler:           s.authorize(mux),
 		ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute,
@@ -225,10 +229,9 @@ func (s *Server) Run(ctx context.Context) error {
 
 // authorize checks the client certificate's names against AllowedClients.
 func (s *Server) authorize(next http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	return httperr.TextHandler(func(w http.ResponseWriter, r *http.Request) error {
 		if r.TLS == nil || len(r.TLS.PeerCertificates) == 0 {
-			http.Error(w, "client certificate required", http.StatusUnauthorized)
-			return
+			return httperr.Unauthorized("client certificate required")
 		}
 		if len(s.cfg.AllowedClients) > 0 {
 			// The subject names a client; its DNS names are server
@@ -237,15 +240,15 @@ func (s *Server) authorize(next http.Handler) http.Handler {
 			cn := r.TLS.PeerCertificates[0].Subject.CommonName
 			if !slices.Contains(s.cfg.AllowedClients, cn) {
 				s.log.Warn("client not allowed", "client", cn, "remote", r.RemoteAddr)
-				http.Error(w, "client not allowed", http.StatusForbidden)
-				return
+				return httperr.Forbidden("client not allowed")
 			}
 		}
 		next.ServeHTTP(w, r)
+		return nil
 	})
 }
 
-func (s *Server) control(w http.ResponseWriter, r *http.Request) {
+func (s *Server) control(w http.ResponseWriter, r *http.Request) error {
 	ns, name, action := r.PathValue("namespace"), r.PathValue("name"), r.PathValue("action")
 	ops := map[string]func(context.Context, string, string) error{
 		"pause": s.backend.Pause, "unpause": s.backend.Unpause, "softreboot": s.backend.SoftReboot,
@@ -253,42 +256,28 @@ func (s *Server) control(w http.ResponseWriter, r *http.Request) {
 	}
 	op, ok := ops[action]
 	if !ok {
-		http.Error(w, fmt.Sprintf("unknown action %q", action), http.StatusNotFound)
-		return
+		return httperr.NotFound("unknown action %q", action)
 	}
 	log := s.log.With("vmi", ns+"/"+name, "action", action)
 	if err := op(r.Context(), ns, name); err != nil {
 		log.Info("control failed", "err", err)
-		httpError(w, err)
-		return
+		return err
 	}
 	log.Info("control done")
 	if action == "shutdown" {
 		w.WriteHeader(http.StatusAccepted)
-		return
+		return nil
 	}
 	w.WriteHeader(http.StatusOK)
-}
-
-// httpError maps a backend error to its status code, once.
-func httpError(w http.ResponseWriter, err error) {
-	code := http.StatusInternalServerError
-	switch {
-	case errors.Is(err, ErrNotFound):
-		code = http.StatusNotFound
-	case errors.Is(err, ErrNotRunning), errors.Is(err, ErrNoGuestAgent):
-		code = http.StatusConflict
-	}
-	http.Error(w, err.Error(), code)
+	return nil
 }
 
 // guestAgent answers the guest agent GETs.
-func (s *Server) guestAgent(w http.ResponseWriter, r *http.Request) {
+func (s *Server) guestAgent(w http.ResponseWriter, r *http.Request) error {
 	ns, name, what := r.PathValue("namespace"), r.PathValue("name"), r.PathValue("info")
 	ga, ok := s.backend.(GuestAgentBackend)
 	if !ok {
-		http.Error(w, "guest agent information is not served by this node", http.StatusNotImplemented)
-		return
+		return httperr.NotImplemented("guest agent information is not served by this node")
 	}
 	var (
 		answer any
@@ -302,20 +291,18 @@ func (s *Server) guestAgent(w http.ResponseWriter, r *http.Request) {
 	case "filesystemlist":
 		answer, err = ga.FileSystemList(r.Context(), ns, name)
 	default:
-		http.Error(w, fmt.Sprintf("unknown resource %q", what), http.StatusNotFound)
-		return
+		return httperr.NotFound("unknown resource %q", what)
 	}
 	if err != nil {
 		s.log.Info("guest agent call failed", "vmi", ns+"/"+name, "info", what, "err", err)
-		httpError(w, err)
-		return
+		return err
 	}
 	body, err := json.Marshal(answer)
 	if err != nil {
-		httpError(w, fmt.Errorf("encode %s: %w", what, err))
-		return
+		return fmt.Errorf("encode %s: %w", what, err)
 	}
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(http.StatusOK)
 	w.Write(body)
+	return nil
 }

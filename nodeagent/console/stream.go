@@ -3,6 +3,7 @@ package console
 import (
 	"bufio"
 	"context"
+	"errors"
 	"io"
 	"net"
 	"net/http"
@@ -11,6 +12,8 @@ import (
 	"sync"
 
 	"golang.org/x/net/websocket"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/httperr"
 )
 
 // RawUpgrade is the Upgrade token of an unframed stream.
@@ -23,21 +26,19 @@ const PlainSubprotocol = "plain.kubevirt.io"
 type opener func(ctx context.Context, namespace, name string) (io.ReadWriteCloser, error)
 
 // stream serves a console or VNC stream over a raw upgrade or a WebSocket.
-func (s *Server) stream(kind string, open opener) http.HandlerFunc {
-	return func(w http.ResponseWriter, r *http.Request) {
+func (s *Server) stream(kind string, open opener) http.Handler {
+	return httperr.TextHandler(func(w http.ResponseWriter, r *http.Request) error {
 		ns, name := r.PathValue("namespace"), r.PathValue("name")
 		log := s.log.With("vmi", ns+"/"+name, "stream", kind)
 		upgrade := strings.ToLower(r.Header.Get("Upgrade"))
 		if upgrade != RawUpgrade && upgrade != "websocket" {
-			http.Error(w, "upgrade to "+RawUpgrade+" or websocket required", http.StatusUpgradeRequired)
-			return
+			return httperr.New(http.StatusUpgradeRequired, "upgrade to %s or websocket required", RawUpgrade)
 		}
 		// The stream must outlive the request's context.
 		backend, err := open(context.WithoutCancel(r.Context()), ns, name)
 		if err != nil {
 			log.Info("open stream failed", "err", err)
-			httpError(w, err)
-			return
+			return err
 		}
 		key := kind + "/" + ns + "/" + name
 		if upgrade == "websocket" {
@@ -57,28 +58,28 @@ func (s *Server) stream(kind string, open opener) http.HandlerFunc {
 			}
 			ws.ServeHTTP(w, r)
 			backend.Close()
-			return
+			return nil
 		}
 		hj, ok := w.(http.Hijacker)
 		if !ok {
 			backend.Close()
-			http.Error(w, "connection cannot be upgraded", http.StatusInternalServerError)
-			return
+			return errors.New("connection cannot be upgraded")
 		}
 		conn, brw, err := hj.Hijack()
 		if err != nil {
 			backend.Close()
 			log.Warn("hijack", "err", err)
-			return
+			return nil // the connection is in an unknown state: no answer
 		}
 		_, err = io.WriteString(conn, "HTTP/1.1 101 Switching Protocols\r\nUpgrade: "+RawUpgrade+"\r\nConnection: Upgrade\r\n\r\n")
 		if err != nil {
 			conn.Close()
 			backend.Close()
-			return
+			return nil
 		}
 		s.pipe(log, key, bufferedConn{Conn: conn, r: brw.Reader}, conn, backend)
-	}
+		return nil
+	})
 }
 
 // pipe copies between the client and the backend until either ends, after

@@ -25,14 +25,13 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
-	"k8s.io/apimachinery/pkg/util/wait"
 	corelisters "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
-	"k8s.io/client-go/util/workqueue"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 	"github.com/nodevirt/nodevirt/nodeagent/kube"
 )
 
@@ -131,7 +130,7 @@ type Agent struct {
 	pvcs       corelisters.PersistentVolumeClaimLister
 	pvs        corelisters.PersistentVolumeLister
 	synced     []cache.InformerSynced
-	queue      workqueue.TypedRateLimitingInterface[string]
+	queue      *controller.Queue
 
 	peerMu sync.Mutex
 	peer   *tls.Config // minted peer client configuration, see peerTLS
@@ -151,8 +150,12 @@ func New(cfg Config) (*Agent, error) {
 	a := &Agent{
 		cfg: cfg, log: cfg.Log.With("role", "dvimport", "node", cfg.NodeName), kube: cfg.Kube, virt: cfg.Virt,
 		jobs: map[string]*job{},
-		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[string](),
-			workqueue.TypedRateLimitingQueueConfig[string]{Name: "dvimport"}),
+	}
+	var err error
+	a.queue, err = controller.New(controller.Config{Name: "dvimport", Sync: controller.NoRequeue(a.sync),
+		Backoff: controller.BackoffAPI, Workers: 2, Log: a.log, KeyAttr: "datavolume"})
+	if err != nil {
+		return nil, err
 	}
 	a.dvInformer = cfg.Virt.DataVolumes.Informer("", cfg.Resync, nil)
 	a.factory, a.release = kube.Use(cfg.Informers, cfg.Kube, cfg.Resync)
@@ -161,12 +164,7 @@ func New(cfg Config) (*Agent, error) {
 	a.pvcs, a.pvs = pvcInformer.Lister(), pvInformer.Lister()
 	a.synced = []cache.InformerSynced{a.dvInformer.HasSynced, pvcInformer.Informer().HasSynced, pvInformer.Informer().HasSynced}
 
-	enqueue := func(obj any) {
-		if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
-			a.queue.Add(key)
-		}
-	}
-	handlers := cache.ResourceEventHandlerFuncs{AddFunc: enqueue, UpdateFunc: func(_, obj any) { enqueue(obj) }, DeleteFunc: enqueue}
+	handlers := controller.OnChange(a.queue.Enqueue)
 	_, _ = a.dvInformer.AddEventHandler(handlers)
 	// A PVC has its DataVolume's name.
 	_, _ = pvcInformer.Informer().AddEventHandler(handlers)
@@ -176,9 +174,7 @@ func New(cfg Config) (*Agent, error) {
 			a.queue.Add(pv.Spec.ClaimRef.Namespace + "/" + pv.Spec.ClaimRef.Name)
 		}
 	}
-	_, _ = pvInformer.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc: enqueueClaim, UpdateFunc: func(_, obj any) { enqueueClaim(obj) },
-	})
+	_, _ = pvInformer.Informer().AddEventHandler(controller.OnAddOrUpdate(enqueueClaim))
 	if cfg.UploadAddr != "" {
 		a.upload = &uploadServer{a: a}
 	}
@@ -207,9 +203,8 @@ func (a *Agent) Run(ctx context.Context) error {
 		go func() { errc <- a.upload.serve(ctx) }()
 	}
 	a.log.Info("started", "uploads", a.upload != nil)
-	for range 2 {
-		go wait.UntilWithContext(ctx, a.worker, time.Second)
-	}
+	workers := make(chan struct{})
+	go func() { _ = a.queue.Run(ctx); close(workers) }()
 	select {
 	case <-ctx.Done():
 	case err := <-errc:
@@ -217,24 +212,9 @@ func (a *Agent) Run(ctx context.Context) error {
 			return fmt.Errorf("upload endpoint: %w", err)
 		}
 	}
+	<-workers
 	a.waitJobs()
 	return nil
-}
-
-func (a *Agent) worker(ctx context.Context) {
-	for {
-		key, quit := a.queue.Get()
-		if quit {
-			return
-		}
-		if err := a.sync(ctx, key); err != nil {
-			a.log.Warn("sync failed", "datavolume", key, "err", err)
-			a.queue.AddRateLimited(key)
-		} else {
-			a.queue.Forget(key)
-		}
-		a.queue.Done(key)
-	}
 }
 
 // target is a DataVolume, or a bare upload claim, whose volume is on this
@@ -376,8 +356,10 @@ func (a *Agent) target(dv *cdiv1.DataVolume, ns, name string) (*target, error) {
 	}
 	usable := importstate.UsableSize(pvc)
 	if usable == 0 && !isBlock {
+		// A claim the brain wrote no usable size on: the volume's,
+		// net of the default overhead (the CDI CR is the brain's).
 		if q, ok := pv.Spec.Capacity[corev1.ResourceStorage]; ok {
-			usable = q.Value() * 94 / 100
+			usable = importstate.UsableOf(q.Value(), importstate.DefaultFilesystemOverhead)
 		}
 	}
 	if capacity > 0 && (usable == 0 || capacity < usable) {

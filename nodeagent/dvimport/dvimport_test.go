@@ -17,7 +17,6 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -28,12 +27,12 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/featuregate"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
-	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/metrics"
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport"
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport/dvimporttest"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestMain(m *testing.M) {
@@ -62,9 +61,7 @@ func setup(t *testing.T) env {
 	cp := controlplane.Shared(t)
 	setupOnce.Do(func() {
 		ctx := context.Background()
-		if err := crds.Install(ctx, apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.Catalog()); err != nil {
-			t.Fatal(err)
-		}
+		testkit.InstallCRDs(t, cp)
 		kube := cp.Clientset(t)
 		virt, err := client.NewSet(cp.RestConfig)
 		if err != nil {

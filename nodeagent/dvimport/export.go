@@ -15,6 +15,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/httperr"
 	"github.com/nodevirt/nodevirt/nodeagent/importer"
 )
 
@@ -26,35 +27,31 @@ import (
 const ExportPath = "/v1beta1/exports/"
 
 // export serves the disk of the claim ns/name to the node requester.
-func (s *uploadServer) export(w http.ResponseWriter, r *http.Request, requester, ns, name string) {
+func (s *uploadServer) export(w http.ResponseWriter, r *http.Request, requester, ns, name string) error {
 	a := s.a
 	if r.Method != http.MethodGet && r.Method != http.MethodHead {
-		http.Error(w, "method not allowed", http.StatusMethodNotAllowed)
-		return
+		return httperr.MethodNotAllowed()
 	}
 	if !a.cloneWanted(r.Context(), ns, name, requester) {
-		http.Error(w, fmt.Sprintf("no claim on node %s clones pvc %s/%s", requester, ns, name), http.StatusForbidden)
-		return
+		return httperr.Forbidden("no claim on node %s clones pvc %s/%s", requester, ns, name)
 	}
 	disk, err := a.localDisk(ns, name)
 	if err != nil {
-		http.Error(w, err.Error(), http.StatusNotFound)
-		return
+		return httperr.With(http.StatusNotFound, err)
 	}
 	f, err := os.Open(disk)
 	if err != nil {
-		http.Error(w, fmt.Sprintf("pvc %s/%s: %v", ns, name, err), http.StatusNotFound)
-		return
+		return httperr.NotFound("pvc %s/%s: %v", ns, name, err)
 	}
 	defer f.Close()
 	fi, err := f.Stat()
 	if err != nil {
-		http.Error(w, err.Error(), http.StatusInternalServerError)
-		return
+		return httperr.With(http.StatusInternalServerError, err)
 	}
 	a.log.Info("exporting volume for a clone", "namespace", ns, "pvc", name, "to", requester, "bytes", fi.Size())
 	w.Header().Set("Content-Type", "application/octet-stream")
 	http.ServeContent(w, r, "disk.img", fi.ModTime(), f)
+	return nil
 }
 
 // cloneWanted says whether the brain asked a claim whose volume is on node

@@ -19,6 +19,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/httperr"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/uploadtls"
 	"github.com/nodevirt/nodevirt/nodeagent/importer"
 	"github.com/nodevirt/nodevirt/nodeagent/kube"
@@ -141,6 +142,11 @@ func (s *uploadServer) serve(ctx context.Context) error {
 }
 
 func (s *uploadServer) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	httperr.TextHandler(s.route).ServeHTTP(w, r)
+}
+
+// route answers an export to a node or an upload from the proxy.
+func (s *uploadServer) route(w http.ResponseWriter, r *http.Request) error {
 	cn := ""
 	if r.TLS != nil && len(r.TLS.VerifiedChains) > 0 {
 		cn = r.TLS.VerifiedChains[0][0].Subject.CommonName
@@ -150,61 +156,59 @@ func (s *uploadServer) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		ns, name, ok := strings.Cut(rest, "/")
 		switch {
 		case !isNode || node == "":
-			http.Error(w, "only nodes may read volumes", http.StatusForbidden)
+			return httperr.Forbidden("only nodes may read volumes")
 		case !ok || ns == "" || name == "" || strings.Contains(name, "/"):
-			http.NotFound(w, r)
-		default:
-			s.export(w, r, node, ns, name)
+			return errPageNotFound
 		}
-		return
+		return s.export(w, r, node, ns, name)
 	}
 	if cn != identity.UploadProxyClientName {
-		http.Error(w, "only the upload proxy may upload", http.StatusForbidden)
-		return
+		return httperr.Forbidden("only the upload proxy may upload")
 	}
 	rest, ok := strings.CutPrefix(r.URL.Path, UploadPath)
 	ns, name, ok2 := strings.Cut(rest, "/")
 	if !ok || !ok2 || ns == "" || name == "" || strings.Contains(name, "/") {
-		http.NotFound(w, r)
-		return
+		return errPageNotFound
 	}
 	if r.Method != http.MethodPost && r.Method != http.MethodPut {
-		http.Error(w, "method not allowed", http.StatusMethodNotAllowed)
-		return
+		return httperr.MethodNotAllowed()
 	}
-	code, err := s.upload(r, ns, name, r.URL.Query().Get("form") == "true")
-	if err != nil {
-		http.Error(w, err.Error(), code)
-		return
+	if err := s.upload(r, ns, name, r.URL.Query().Get("form") == "true"); err != nil {
+		return err
 	}
 	w.WriteHeader(http.StatusOK)
+	return nil
 }
 
-// upload imports the request's body into the claim ns/name and returns
-// the HTTP status and error to answer.
-func (s *uploadServer) upload(r *http.Request, ns, name string, form bool) (int, error) {
+// errPageNotFound answers a path the server does not serve, as
+// http.NotFound does.
+var errPageNotFound = httperr.NotFound("404 page not found")
+
+// upload imports the request's body into the claim ns/name; its errors
+// say their HTTP status (httperr).
+func (s *uploadServer) upload(r *http.Request, ns, name string, form bool) error {
 	a := s.a
 	key := ns + "/" + name
 	t, gone, err := a.targetOf(key)
 	if gone {
-		return http.StatusNotFound, fmt.Errorf("no datavolume or upload claim %s", key)
+		return httperr.NotFound("no datavolume or upload claim %s", key)
 	}
 	if err != nil {
-		return http.StatusServiceUnavailable, err
+		return httperr.With(http.StatusServiceUnavailable, err)
 	}
 	if t == nil || t.kind != importstate.SourceUpload {
-		return http.StatusNotFound, fmt.Errorf("pvc %s is not an upload target on node %s", key, a.cfg.NodeName)
+		return httperr.NotFound("pvc %s is not an upload target on node %s", key, a.cfg.NodeName)
 	}
 	rep := importstate.Read(t.pvc)
 	switch {
 	case rep.Phase == corev1.PodSucceeded:
-		return http.StatusConflict, fmt.Errorf("pvc %s already holds its upload", key)
+		return httperr.Conflict("pvc %s already holds its upload", key)
 	case rep.Phase != corev1.PodRunning || !rep.Ready:
-		return http.StatusServiceUnavailable, fmt.Errorf("pvc %s is not ready for an upload", key)
+		return httperr.Unavailable("pvc %s is not ready for an upload", key)
 	}
 	j, ctx := a.claimJob(key, t.pvc.UID)
 	if j == nil {
-		return http.StatusConflict, fmt.Errorf("an upload into pvc %s is already running", key)
+		return httperr.Conflict("an upload into pvc %s is already running", key)
 	}
 	defer a.releaseJob(key, j)
 	stopWatch := context.AfterFunc(r.Context(), func() { j.cancel(errors.New("client went away")) })
@@ -214,7 +218,7 @@ func (s *uploadServer) upload(r *http.Request, ns, name string, form bool) (int,
 	if form {
 		part, err := filePart(r)
 		if err != nil {
-			return http.StatusBadRequest, err
+			return httperr.With(http.StatusBadRequest, err)
 		}
 		body, size = part, -1
 	}
@@ -238,15 +242,15 @@ func (s *uploadServer) upload(r *http.Request, ns, name string, form bool) (int,
 		a.reportHard(context.Background(), t, importstate.Report{Phase: corev1.PodRunning, Ready: true, Restarts: rep.Restarts,
 			Node: a.cfg.NodeName, Reason: string(reason), Message: err.Error()})
 		if permanent[reason] {
-			return http.StatusBadRequest, err
+			return httperr.With(http.StatusBadRequest, err)
 		}
-		return http.StatusInternalServerError, err
+		return httperr.With(http.StatusInternalServerError, err)
 	}
 	log.Info("upload done", "format", res.Format, "virtualSize", res.VirtualSize, "bytes", res.SourceBytes,
 		"took", time.Since(start).Round(time.Millisecond))
 	a.reportHard(context.Background(), t, importstate.Report{Phase: corev1.PodSucceeded, Restarts: rep.Restarts,
 		Progress: "100.00%", Node: a.cfg.NodeName, Reason: "Completed", Message: "Upload Complete"})
-	return http.StatusOK, nil
+	return nil
 }
 
 // filePart is the "file" field of a multipart upload.

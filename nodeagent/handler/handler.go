@@ -45,17 +45,14 @@ import (
 	"sync"
 	"time"
 
-	k8sv1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/tools/cache"
-	eventrecord "k8s.io/client-go/tools/record"
-	"k8s.io/client-go/util/workqueue"
 	v1 "kubevirt.io/api/core/v1"
 	"libvirt.org/go/libvirt"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 	"github.com/nodevirt/nodevirt/launcher"
 	"github.com/nodevirt/nodevirt/launcher/domain"
 	"github.com/nodevirt/nodevirt/nodeagent/console"
@@ -178,7 +175,7 @@ type Handler struct {
 	vmis     cache.SharedIndexInformer
 	ownVMIs  bool
 	kubevirt cache.SharedIndexInformer
-	queue    workqueue.TypedRateLimitingInterface[string]
+	queue    *controller.Queue // set by Run
 	console  *console.Server
 	// hostDisks confines hostDisk volumes to Config.HostDiskRoot.
 	hostDisks *hostdisk.Resolver
@@ -196,10 +193,9 @@ type Handler struct {
 	// cdisks is the containerDisk image cache, made on first use
 	// (containerdisk.go).
 	cdisks *containerdisk.Puller
-	// events and recorder put Kubernetes Events on VMIs (kubectl describe
-	// vmi), sent while Run runs.
-	events   eventrecord.EventBroadcaster
-	recorder eventrecord.EventRecorder
+	// recorder puts Kubernetes Events on VMIs (kubectl describe vmi),
+	// sent while Run runs.
+	recorder *controller.Recorder
 }
 
 type agentPoll struct {
@@ -227,9 +223,8 @@ func New(cfg Config) (*Handler, error) {
 		ready:    make(chan struct{}),
 
 		agentPolled: map[string]agentPoll{},
-		events:      eventrecord.NewBroadcaster(),
+		recorder:    controller.NewNodeRecorder(client.NewScheme(), "virt-handler", cfg.NodeName),
 	}
-	h.recorder = h.events.NewRecorder(client.NewScheme(), k8sv1.EventSource{Component: "virt-handler", Host: cfg.NodeName})
 	h.vmis, h.ownVMIs = cfg.VMIs, cfg.VMIs == nil
 	if h.ownVMIs {
 		h.vmis = NodeVMIInformer(cfg.Virt, cfg.NodeName)
@@ -305,20 +300,13 @@ func (h *Handler) Run(ctx context.Context) error {
 		h.mu.Unlock()
 	}()
 
-	h.events.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: h.cfg.Kube.CoreV1().Events("")})
-	defer h.events.Shutdown()
-	h.queue = workqueue.NewTypedRateLimitingQueueWithConfig(
-		workqueue.NewTypedItemExponentialFailureRateLimiter[string](200*time.Millisecond, 30*time.Second),
-		workqueue.TypedRateLimitingQueueConfig[string]{Name: "virt-handler"})
-	defer h.queue.ShutDown()
-	enqueue := func(obj any) {
-		if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
-			h.queue.Add(key)
-		}
+	defer h.recorder.Start(h.cfg.Kube)()
+	if h.queue, err = controller.New(controller.Config{Name: "virt-handler", Sync: controller.NoRequeue(h.sync),
+		Backoff: controller.BackoffNodeLocal, Workers: h.cfg.Workers, Log: h.log, KeyAttr: "vmi"}); err != nil {
+		return err
 	}
-	if _, err := h.vmis.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc: enqueue, UpdateFunc: func(_, o any) { enqueue(o) }, DeleteFunc: enqueue,
-	}); err != nil {
+	defer h.queue.ShutDown()
+	if _, err := h.vmis.AddEventHandler(controller.OnChange(h.queue.Enqueue)); err != nil {
 		return err
 	}
 	defer h.bg.Wait()
@@ -357,14 +345,9 @@ func (h *Handler) Run(ctx context.Context) error {
 			}
 		}()
 	}
-	for range h.cfg.Workers {
-		wg.Add(1)
-		go func() { defer wg.Done(); h.work(ctx) }()
-	}
 	close(h.ready)
 	h.log.Info("virt-handler running", "emulation", h.emulation())
-	<-ctx.Done()
-	h.queue.ShutDown()
+	_ = h.queue.Run(ctx) // no caches to wait for: synced above
 	return nil
 }
 
@@ -421,25 +404,6 @@ func (h *Handler) queueOwnDomains(ctx context.Context, lv *launcher.Manager) err
 		}
 	}
 	return errors.Join(err, lerr)
-}
-
-func (h *Handler) work(ctx context.Context) {
-	for {
-		key, quit := h.queue.Get()
-		if quit {
-			return
-		}
-		err := h.sync(ctx, key)
-		switch {
-		case err == nil:
-			h.queue.Forget(key)
-		case ctx.Err() != nil:
-		default:
-			h.log.Warn("reconcile failed, retrying", "vmi", key, "err", err)
-			h.queue.AddRateLimited(key)
-		}
-		h.queue.Done(key)
-	}
 }
 
 // manager returns the libvirt connection of the running handler.

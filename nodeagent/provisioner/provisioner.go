@@ -13,21 +13,18 @@ import (
 	"fmt"
 	"log/slog"
 	"strings"
-	"sync"
 	"time"
 
 	csispec "github.com/container-storage-interface/spec/lib/go/csi"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	"k8s.io/client-go/kubernetes/scheme"
-	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	corelisters "k8s.io/client-go/listers/core/v1"
 	storagelisters "k8s.io/client-go/listers/storage/v1"
 	"k8s.io/client-go/tools/cache"
-	"k8s.io/client-go/tools/record"
-	"k8s.io/client-go/util/workqueue"
 
 	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 	hostpath "github.com/nodevirt/nodevirt/csi"
 	"github.com/nodevirt/nodevirt/nodeagent/kube"
 )
@@ -103,9 +100,8 @@ type Provisioner struct {
 	volumes  corelisters.PersistentVolumeLister
 	classes  storagelisters.StorageClassLister
 	synced   []cache.InformerSynced
-	queue    workqueue.TypedRateLimitingInterface[string]
-	recorder record.EventRecorder
-	events   record.EventBroadcaster
+	queue    *controller.Queue
+	recorder *controller.Recorder
 }
 
 // Queue keys carry their object kind.
@@ -125,22 +121,22 @@ func New(cfg Config) (*Provisioner, error) {
 	volumeInformer := factory.Volumes()
 	classInformer := factory.StorageClasses()
 
-	events := record.NewBroadcaster()
 	p := &Provisioner{
-		cfg:     cfg,
-		log:     cfg.Logger.With("node", cfg.NodeName),
-		factory: factory,
-		release: release,
-		claims:  claimInformer.Lister(),
-		volumes: volumeInformer.Lister(),
-		classes: classInformer.Lister(),
-		synced:  []cache.InformerSynced{claimInformer.Informer().HasSynced, volumeInformer.Informer().HasSynced, classInformer.Informer().HasSynced},
-		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[string](),
-			workqueue.TypedRateLimitingQueueConfig[string]{Name: "hostpath-provisioner"}),
-		events: events,
-		recorder: events.NewRecorder(scheme.Scheme, corev1.EventSource{
-			Component: "nodevirt-hostpath-provisioner", Host: cfg.NodeName,
-		}),
+		cfg:      cfg,
+		log:      cfg.Logger.With("node", cfg.NodeName),
+		factory:  factory,
+		release:  release,
+		claims:   claimInformer.Lister(),
+		volumes:  volumeInformer.Lister(),
+		classes:  classInformer.Lister(),
+		synced:   []cache.InformerSynced{claimInformer.Informer().HasSynced, volumeInformer.Informer().HasSynced, classInformer.Informer().HasSynced},
+		recorder: controller.NewNodeRecorder(scheme.Scheme, "nodevirt-hostpath-provisioner", cfg.NodeName),
+	}
+	var err error
+	p.queue, err = controller.New(controller.Config{Name: "hostpath-provisioner", Sync: controller.NoRequeue(p.sync),
+		Backoff: controller.BackoffAPI, Workers: cfg.Workers, Log: p.log})
+	if err != nil {
+		return nil, err
 	}
 
 	enqueueClaim := func(obj any) {
@@ -148,10 +144,7 @@ func New(cfg Config) (*Provisioner, error) {
 			p.queue.Add(claimPrefix + pvc.Namespace + "/" + pvc.Name)
 		}
 	}
-	_, err := claimInformer.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    enqueueClaim,
-		UpdateFunc: func(_, obj any) { enqueueClaim(obj) },
-	})
+	_, err = claimInformer.Informer().AddEventHandler(controller.OnAddOrUpdate(enqueueClaim))
 	if err != nil {
 		return nil, fmt.Errorf("watch claims: %w", err)
 	}
@@ -162,10 +155,7 @@ func New(cfg Config) (*Provisioner, error) {
 			}
 		}
 	}
-	_, err = volumeInformer.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    enqueueVolume,
-		UpdateFunc: func(_, obj any) { enqueueVolume(obj) },
-	})
+	_, err = volumeInformer.Informer().AddEventHandler(controller.OnAddOrUpdate(enqueueVolume))
 	if err != nil {
 		return nil, fmt.Errorf("watch volumes: %w", err)
 	}
@@ -185,10 +175,7 @@ func New(cfg Config) (*Provisioner, error) {
 			}
 		}
 	}
-	_, err = classInformer.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    onClass,
-		UpdateFunc: func(_, obj any) { onClass(obj) },
-	})
+	_, err = classInformer.Informer().AddEventHandler(controller.OnAddOrUpdate(onClass))
 	if err != nil {
 		return nil, fmt.Errorf("watch storage classes: %w", err)
 	}
@@ -206,8 +193,7 @@ func (p *Provisioner) mayConcern(pvc *corev1.PersistentVolumeClaim) bool {
 // Run serves until ctx is done.
 func (p *Provisioner) Run(ctx context.Context) error {
 	defer p.queue.ShutDown()
-	p.events.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: p.cfg.Client.CoreV1().Events("")})
-	defer p.events.Shutdown()
+	defer p.recorder.Start(p.cfg.Client)()
 
 	p.factory.Start(ctx.Done())
 	defer p.release()
@@ -215,39 +201,16 @@ func (p *Provisioner) Run(ctx context.Context) error {
 		return fmt.Errorf("provisioner: caches did not sync: %w", ctx.Err())
 	}
 	p.log.Info("provisioner running", "provisioners", []string{CSIProvisionerName, LegacyProvisionerName})
-	var wg sync.WaitGroup
-	for range p.cfg.Workers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for p.next(ctx) {
-			}
-		}()
-	}
-	<-ctx.Done()
-	p.queue.ShutDown()
-	wg.Wait()
-	return nil
+	return p.queue.Run(ctx)
 }
 
-func (p *Provisioner) next(ctx context.Context) bool {
-	key, quit := p.queue.Get()
-	if quit {
-		return false
-	}
-	defer p.queue.Done(key)
-	var err error
+// sync syncs the claim or volume key names.
+func (p *Provisioner) sync(ctx context.Context, key string) error {
 	switch {
 	case strings.HasPrefix(key, claimPrefix):
-		err = p.syncClaim(ctx, strings.TrimPrefix(key, claimPrefix))
+		return p.syncClaim(ctx, strings.TrimPrefix(key, claimPrefix))
 	case strings.HasPrefix(key, volumePrefix):
-		err = p.syncVolume(ctx, strings.TrimPrefix(key, volumePrefix))
+		return p.syncVolume(ctx, strings.TrimPrefix(key, volumePrefix))
 	}
-	if err != nil {
-		p.log.Warn("sync failed, retrying", "key", key, "err", err)
-		p.queue.AddRateLimited(key)
-		return true
-	}
-	p.queue.Forget(key)
-	return true
+	return nil
 }

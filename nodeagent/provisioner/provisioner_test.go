@@ -22,6 +22,7 @@ import (
 
 	hostpath "github.com/nodevirt/nodevirt/csi"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // The claims are bound by the real kube-controller-manager.
@@ -121,26 +122,10 @@ func createClaim(t *testing.T, cs kubernetes.Interface, ns, name, class, size, s
 	return out
 }
 
-// waitFor polls cond until it holds or a minute passes.
-func waitFor(t *testing.T, what string, cond func() (bool, error)) {
-	t.Helper()
-	deadline := time.Now().Add(time.Minute)
-	for {
-		ok, err := cond()
-		if ok {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s (last error %v)", what, err)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-}
-
 func waitBound(t *testing.T, cs kubernetes.Interface, ns, name string) (*corev1.PersistentVolumeClaim, *corev1.PersistentVolume) {
 	t.Helper()
 	var pvc *corev1.PersistentVolumeClaim
-	waitFor(t, "claim "+name+" bound", func() (bool, error) {
+	testkit.Poll(t, time.Minute, "claim "+name+" bound", func() (bool, error) {
 		var err error
 		pvc, err = cs.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), name, metav1.GetOptions{})
 		return err == nil && pvc.Status.Phase == corev1.ClaimBound, err
@@ -230,7 +215,7 @@ func TestProvisionsThisNodesClaims(t *testing.T) {
 	if err := cs.CoreV1().PersistentVolumeClaims(ns).Delete(context.Background(), "disk", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "released PV deleted", func() (bool, error) {
+	testkit.Poll(t, time.Minute, "released PV deleted", func() (bool, error) {
 		_, err := cs.CoreV1().PersistentVolumes().Get(context.Background(), pv.Name, metav1.GetOptions{})
 		return apierrors.IsNotFound(err), err
 	})
@@ -266,7 +251,7 @@ func TestRetainKeepsTheVolume(t *testing.T) {
 	if err := cs.CoreV1().PersistentVolumeClaims(ns).Delete(context.Background(), "keep", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "PV released", func() (bool, error) {
+	testkit.Poll(t, time.Minute, "PV released", func() (bool, error) {
 		got, err := cs.CoreV1().PersistentVolumes().Get(context.Background(), pv.Name, metav1.GetOptions{})
 		return err == nil && got.Status.Phase == corev1.VolumeReleased, err
 	})
@@ -278,7 +263,7 @@ func TestRetainKeepsTheVolume(t *testing.T) {
 	if err := cs.CoreV1().PersistentVolumes().Delete(context.Background(), pv.Name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "retained PV object removed", func() (bool, error) {
+	testkit.Poll(t, time.Minute, "retained PV object removed", func() (bool, error) {
 		_, err := cs.CoreV1().PersistentVolumes().Get(context.Background(), pv.Name, metav1.GetOptions{})
 		return apierrors.IsNotFound(err), err
 	})

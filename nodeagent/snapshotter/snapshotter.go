@@ -14,7 +14,6 @@ import (
 	"fmt"
 	"log/slog"
 	"strings"
-	"sync"
 	"time"
 
 	csispec "github.com/container-storage-interface/spec/lib/go/csi"
@@ -22,13 +21,11 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/wait"
-	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	corelisters "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
-	"k8s.io/client-go/tools/record"
-	"k8s.io/client-go/util/workqueue"
 
 	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 	hostpath "github.com/nodevirt/nodevirt/csi"
 	"github.com/nodevirt/nodevirt/nodeagent/kube"
 )
@@ -111,9 +108,8 @@ type Snapshotter struct {
 	snapshots cache.SharedIndexInformer
 	contents  cache.SharedIndexInformer
 	classes   cache.SharedIndexInformer
-	queue     workqueue.TypedRateLimitingInterface[string]
-	recorder  record.EventRecorder
-	events    record.EventBroadcaster
+	queue     *controller.Queue
+	recorder  *controller.Recorder
 }
 
 // recordedRetry is how often a snapshot whose error is on its status is
@@ -143,7 +139,6 @@ func New(cfg Config) (*Snapshotter, error) {
 	scheme := runtime.NewScheme()
 	_ = corev1.AddToScheme(scheme)
 	_ = snapshotv1.AddToScheme(scheme)
-	events := record.NewBroadcaster()
 	factory, release := kube.Use(cfg.Informers, cfg.Kube, cfg.Resync)
 	s := &Snapshotter{
 		cfg:       cfg,
@@ -155,20 +150,20 @@ func New(cfg Config) (*Snapshotter, error) {
 		snapshots: cfg.Snapshots.Snapshots.Informer(cfg.Resync),
 		contents:  cfg.Snapshots.Contents.Informer(cfg.Resync),
 		classes:   cfg.Snapshots.Classes.Informer(cfg.Resync),
-		queue: workqueue.NewTypedRateLimitingQueueWithConfig(
-			workqueue.NewTypedItemExponentialFailureRateLimiter[string](200*time.Millisecond, 2*time.Minute),
-			workqueue.TypedRateLimitingQueueConfig[string]{Name: "snapshotter"}),
-		events:   events,
-		recorder: events.NewRecorder(scheme, corev1.EventSource{Component: "nodevirt-csi-snapshotter", Host: cfg.NodeName}),
+		recorder:  controller.NewNodeRecorder(scheme, "nodevirt-csi-snapshotter", cfg.NodeName),
+	}
+	var err error
+	s.queue, err = controller.New(controller.Config{Name: "snapshotter", Sync: s.sync,
+		Backoff: controller.BackoffSlowLocal, Workers: cfg.Workers, Log: s.log})
+	if err != nil {
+		return nil, err
 	}
 	enqueueSnapshot := func(obj any) {
 		if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
 			s.queue.Add(snapshotPrefix + key)
 		}
 	}
-	if _, err := s.snapshots.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc: enqueueSnapshot, UpdateFunc: func(_, obj any) { enqueueSnapshot(obj) },
-	}); err != nil {
+	if _, err := s.snapshots.AddEventHandler(controller.OnAddOrUpdate(enqueueSnapshot)); err != nil {
 		return nil, fmt.Errorf("watch volumesnapshots: %w", err)
 	}
 	enqueueContent := func(obj any) {
@@ -181,9 +176,7 @@ func New(cfg Config) (*Snapshotter, error) {
 			s.queue.Add(snapshotPrefix + ref.Namespace + "/" + ref.Name)
 		}
 	}
-	if _, err := s.contents.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc: enqueueContent, UpdateFunc: func(_, obj any) { enqueueContent(obj) },
-	}); err != nil {
+	if _, err := s.contents.AddEventHandler(controller.OnAddOrUpdate(enqueueContent)); err != nil {
 		return nil, fmt.Errorf("watch volumesnapshotcontents: %w", err)
 	}
 	// A claim that binds makes the snapshots of it takeable.
@@ -200,9 +193,7 @@ func New(cfg Config) (*Snapshotter, error) {
 			}
 		}
 	}
-	if _, err := factory.Claims().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc: onClaim, UpdateFunc: func(_, obj any) { onClaim(obj) },
-	}); err != nil {
+	if _, err := factory.Claims().Informer().AddEventHandler(controller.OnAddOrUpdate(onClaim)); err != nil {
 		return nil, fmt.Errorf("watch claims: %w", err)
 	}
 	// A class that appears may resolve a recorded error.
@@ -211,9 +202,7 @@ func New(cfg Config) (*Snapshotter, error) {
 			s.queue.Add(snapshotPrefix + key)
 		}
 	}
-	if _, err := s.classes.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc: onClass, UpdateFunc: func(_, obj any) { onClass(obj) },
-	}); err != nil {
+	if _, err := s.classes.AddEventHandler(controller.OnAddOrUpdate(onClass)); err != nil {
 		return nil, fmt.Errorf("watch volumesnapshotclasses: %w", err)
 	}
 	return s, nil
@@ -222,8 +211,7 @@ func New(cfg Config) (*Snapshotter, error) {
 // Run serves until ctx is done.
 func (s *Snapshotter) Run(ctx context.Context) error {
 	defer s.queue.ShutDown()
-	s.events.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: s.cfg.Kube.CoreV1().Events("")})
-	defer s.events.Shutdown()
+	defer s.recorder.Start(s.cfg.Kube)()
 	if err := s.waitForAPI(ctx); err != nil {
 		return nil // stopped before the API came
 	}
@@ -242,19 +230,7 @@ func (s *Snapshotter) Run(ctx context.Context) error {
 		return fmt.Errorf("snapshotter: caches did not sync: %w", ctx.Err())
 	}
 	s.log.Info("snapshotter running", "driver", hostpath.DriverName)
-	var wg sync.WaitGroup
-	for range s.cfg.Workers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for s.next(ctx) {
-			}
-		}()
-	}
-	<-ctx.Done()
-	s.queue.ShutDown()
-	wg.Wait()
-	return nil
+	return s.queue.Run(ctx)
 }
 
 // apiPoll is how often the role looks for the snapshot API while the
@@ -281,12 +257,10 @@ func (s *Snapshotter) waitForAPI(ctx context.Context) error {
 	})
 }
 
-func (s *Snapshotter) next(ctx context.Context) bool {
-	key, quit := s.queue.Get()
-	if quit {
-		return false
-	}
-	defer s.queue.Done(key)
+// sync syncs the snapshot or content key names. An error already shown on
+// the snapshot's status is retried after recordedRetry rather than backed
+// off: the user or a class must change.
+func (s *Snapshotter) sync(ctx context.Context, key string) (time.Duration, error) {
 	var err error
 	switch {
 	case strings.HasPrefix(key, snapshotPrefix):
@@ -294,19 +268,9 @@ func (s *Snapshotter) next(ctx context.Context) bool {
 	case strings.HasPrefix(key, contentPrefix):
 		err = s.syncContent(ctx, strings.TrimPrefix(key, contentPrefix))
 	}
-	var recorded *recordedError
-	switch {
-	case errors.As(err, &recorded):
-		// On the object's status already; the user or a class must change.
+	if recorded := (*recordedError)(nil); errors.As(err, &recorded) {
 		s.log.Info("snapshot error recorded", "key", key, "err", err)
-		s.queue.Forget(key)
-		s.queue.AddAfter(key, recordedRetry)
-		return true
-	case err != nil:
-		s.log.Warn("sync failed, retrying", "key", key, "err", err)
-		s.queue.AddRateLimited(key)
-		return true
+		return recordedRetry, nil
 	}
-	s.queue.Forget(key)
-	return true
+	return 0, err
 }

@@ -34,6 +34,7 @@ import (
 	hostpath "github.com/nodevirt/nodevirt/csi"
 	"github.com/nodevirt/nodevirt/nodeagent/provisioner"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // Claims are bound by the real kube-controller-manager.
@@ -86,9 +87,7 @@ func setup(t *testing.T) env {
 	}
 	cp := controlplane.Shared(t)
 	ctx := context.Background()
-	if err := crds.InstallAbsent(ctx, apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.SnapshotCatalog()); err != nil {
-		t.Fatal(err)
-	}
+	testkit.InstallSnapshotCRDs(t, cp)
 	e := env{kube: cp.Clientset(t), snaps: snapshotv1.NewClient(dynamic.NewForConfigOrDie(cp.RestConfig)), ns: cp.Namespace(t),
 		logs: &logBuffer{}}
 	e.log = slog.New(slog.NewTextHandler(io.MultiWriter(os.Stderr, e.logs), &slog.HandlerOptions{Level: slog.LevelInfo}))
@@ -248,7 +247,7 @@ func (e env) claimWith(t *testing.T, name, size, fromSnapshot, selected string, 
 func (e env) boundDir(t *testing.T, name string, block ...bool) (dir, volumeID string) {
 	t.Helper()
 	var pvc *corev1.PersistentVolumeClaim
-	waitFor(t, "claim "+name+" bound", func() (bool, error) {
+	testkit.Poll(t, time.Minute, "claim "+name+" bound", func() (bool, error) {
 		var err error
 		pvc, err = e.kube.CoreV1().PersistentVolumeClaims(e.ns).Get(context.Background(), name, metav1.GetOptions{})
 		return err == nil && pvc.Status.Phase == corev1.ClaimBound, err
@@ -282,7 +281,7 @@ func (e env) snapshot(t *testing.T, name string, src snapshotv1.VolumeSnapshotSo
 func (e env) waitSnapshot(t *testing.T, name, what string, ok func(*snapshotv1.VolumeSnapshot) bool) *snapshotv1.VolumeSnapshot {
 	t.Helper()
 	var vs *snapshotv1.VolumeSnapshot
-	waitFor(t, "volumesnapshot "+name+" "+what, func() (bool, error) {
+	testkit.Poll(t, time.Minute, "volumesnapshot "+name+" "+what, func() (bool, error) {
 		var err error
 		vs, err = e.snaps.Snapshots.Get(context.Background(), e.ns, name)
 		return err == nil && ok(vs), err
@@ -299,21 +298,6 @@ func errorMessage(vs *snapshotv1.VolumeSnapshot) string {
 		return ""
 	}
 	return *vs.Status.Error.Message
-}
-
-func waitFor(t *testing.T, what string, cond func() (bool, error)) {
-	t.Helper()
-	deadline := time.Now().Add(time.Minute)
-	for {
-		ok, err := cond()
-		if ok {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s (last error %v)", what, err)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
 }
 
 func ptr[T any](v T) *T { return &v }
@@ -376,7 +360,7 @@ func TestSnapshotRestoreAndDelete(t *testing.T) {
 		"hostile":   `volumesnapshot name "../../snap" is not valid`,
 		"elsewhere": `is held by node "snap-node", the claim is selected for node snap-node-b`,
 	} {
-		waitFor(t, "refusal event on "+claim, func() (bool, error) {
+		testkit.Poll(t, time.Minute, "refusal event on "+claim, func() (bool, error) {
 			events, err := e.kube.CoreV1().Events(e.ns).List(ctx, metav1.ListOptions{
 				FieldSelector: fields.OneTermEqualSelector("involvedObject.name", claim).String()})
 			if err != nil {
@@ -398,7 +382,7 @@ func TestSnapshotRestoreAndDelete(t *testing.T) {
 	if err := e.snaps.Snapshots.Delete(ctx, e.ns, "snap"); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "snapshot and content gone", func() (bool, error) {
+	testkit.Poll(t, time.Minute, "snapshot and content gone", func() (bool, error) {
 		_, err1 := e.snaps.Snapshots.Get(ctx, e.ns, "snap")
 		_, err2 := e.snaps.Contents.Get(ctx, "", contentName)
 		return apierrors.IsNotFound(err1) && apierrors.IsNotFound(err2), errors.Join(err1, err2)
@@ -445,7 +429,7 @@ func TestRetainPreProvisionedAndErrors(t *testing.T) {
 	if err := e.snaps.Snapshots.Delete(ctx, e.ns, "kept"); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "snapshot gone", func() (bool, error) {
+	testkit.Poll(t, time.Minute, "snapshot gone", func() (bool, error) {
 		_, err := e.snaps.Snapshots.Get(ctx, e.ns, "kept")
 		return apierrors.IsNotFound(err), err
 	})
@@ -456,7 +440,7 @@ func TestRetainPreProvisionedAndErrors(t *testing.T) {
 	if err := e.snaps.Contents.Delete(ctx, "", contentName); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "retained content object removed", func() (bool, error) {
+	testkit.Poll(t, time.Minute, "retained content object removed", func() (bool, error) {
 		_, err := e.snaps.Contents.Get(ctx, "", contentName)
 		return apierrors.IsNotFound(err), err
 	})
@@ -497,7 +481,7 @@ func TestRetainPreProvisionedAndErrors(t *testing.T) {
 	if err := e.snaps.Snapshots.Delete(ctx, e.ns, "adopt"); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "adopted snapshot deleted in the driver", func() (bool, error) {
+	testkit.Poll(t, time.Minute, "adopted snapshot deleted in the driver", func() (bool, error) {
 		_, err := e.driver.GetSnapshot(ctx, &csispec.GetSnapshotRequest{SnapshotId: handle})
 		return status.Code(err) == codes.NotFound, err
 	})
