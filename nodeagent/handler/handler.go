@@ -137,6 +137,13 @@ type Config struct {
 	// Console configures the console/VNC/control server; no server when
 	// Console.Addr is empty.
 	Console console.Config
+	// NodeIP is this node's InternalIP, where other nodes' libvirtd
+	// reach this one's for live migrations; empty: this node cannot be a
+	// migration target.
+	NodeIP string
+	// MigrationTransport is how the nodes' libvirt daemons talk during a
+	// live migration: TransportTLS (default) or TransportTCP (lab only).
+	MigrationTransport string
 	// Log; slog.Default() when nil.
 	Log *slog.Logger
 }
@@ -150,6 +157,9 @@ func (c *Config) defaults() {
 	}
 	if c.Log == nil {
 		c.Log = slog.Default()
+	}
+	if c.MigrationTransport == "" {
+		c.MigrationTransport = TransportTLS
 	}
 }
 
@@ -165,6 +175,8 @@ func (c *Config) validate() error {
 		return errors.New("handler: negative worker count")
 	case c.AgentPollInterval < 0:
 		return errors.New("handler: negative agent poll interval")
+	case c.MigrationTransport != TransportTLS && c.MigrationTransport != TransportTCP:
+		return fmt.Errorf("handler: migration transport %q is neither %s nor %s", c.MigrationTransport, TransportTLS, TransportTCP)
 	}
 	return nil
 }
@@ -178,6 +190,10 @@ type Handler struct {
 	ownVMIs  bool
 	kubevirt cache.SharedIndexInformer
 	queue    workqueue.TypedRateLimitingInterface[string]
+	// migrations and migQueue drive this node's part in live migrations
+	// (migration.go).
+	migrations cache.SharedIndexInformer
+	migQueue   workqueue.TypedRateLimitingInterface[string]
 	console  *console.Server
 	// hostDisks confines hostDisk volumes to Config.HostDiskRoot.
 	hostDisks *hostdisk.Resolver
@@ -187,6 +203,11 @@ type Handler struct {
 	runCtx   context.Context
 	stopping map[types.UID]bool
 	adopted  map[types.UID]bool // pod network taps attached in this run
+	// migrating cancels the outgoing migrations under way (by migration
+	// UID); migratedAway holds the VMIs whose guest left this node, until
+	// the brain moves them.
+	migrating    map[types.UID]context.CancelFunc
+	migratedAway map[types.UID]bool
 	// agentPolled: when each VMI's (namespace/name) guest agent was last
 	// asked.
 	agentPolled map[string]agentPoll
@@ -225,6 +246,9 @@ func New(cfg Config) (*Handler, error) {
 		adopted:  map[types.UID]bool{},
 		ready:    make(chan struct{}),
 
+		migrating:    map[types.UID]context.CancelFunc{},
+		migratedAway: map[types.UID]bool{},
+
 		agentPolled: map[string]agentPoll{},
 		events:      eventrecord.NewBroadcaster(),
 	}
@@ -234,6 +258,7 @@ func New(cfg Config) (*Handler, error) {
 		h.vmis = NodeVMIInformer(cfg.Virt, cfg.NodeName)
 	}
 	h.kubevirt = cfg.Virt.KubeVirts.Informer(metav1.NamespaceAll, 0, nil)
+	h.migrations = cfg.Virt.Migrations.Informer(metav1.NamespaceAll, 10*time.Minute, nil)
 	hd, err := hostdisk.New(cfg.HostDiskRoot)
 	if err != nil {
 		return nil, fmt.Errorf("handler: %w", err)
@@ -296,6 +321,15 @@ func (h *Handler) Run(ctx context.Context) error {
 		workqueue.NewTypedItemExponentialFailureRateLimiter[string](200*time.Millisecond, 30*time.Second),
 		workqueue.TypedRateLimitingQueueConfig[string]{Name: "virt-handler"})
 	defer h.queue.ShutDown()
+	h.migQueue = workqueue.NewTypedRateLimitingQueueWithConfig(
+		workqueue.NewTypedItemExponentialFailureRateLimiter[string](200*time.Millisecond, 30*time.Second),
+		workqueue.TypedRateLimitingQueueConfig[string]{Name: "virt-handler-migrations"})
+	defer h.migQueue.ShutDown()
+	if _, err := h.migrations.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc: h.enqueueMigration, UpdateFunc: func(_, o any) { h.enqueueMigration(o) }, DeleteFunc: h.enqueueMigration,
+	}); err != nil {
+		return err
+	}
 	enqueue := func(obj any) {
 		if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
 			h.queue.Add(key)
@@ -314,7 +348,7 @@ func (h *Handler) Run(ctx context.Context) error {
 	h.mu.Lock()
 	h.runCtx = ctx
 	h.mu.Unlock()
-	run := []cache.SharedIndexInformer{h.kubevirt}
+	run := []cache.SharedIndexInformer{h.kubevirt, h.migrations}
 	if h.ownVMIs {
 		run = append(run, h.vmis)
 	}
@@ -322,7 +356,7 @@ func (h *Handler) Run(ctx context.Context) error {
 		wg.Add(1)
 		go func() { defer wg.Done(); inf.Run(ctx.Done()) }()
 	}
-	if !cache.WaitForCacheSync(ctx.Done(), h.vmis.HasSynced, h.kubevirt.HasSynced) {
+	if !cache.WaitForCacheSync(ctx.Done(), h.vmis.HasSynced, h.kubevirt.HasSynced, h.migrations.HasSynced) {
 		return ctx.Err()
 	}
 	wg.Add(1)
@@ -346,10 +380,16 @@ func (h *Handler) Run(ctx context.Context) error {
 		wg.Add(1)
 		go func() { defer wg.Done(); h.work(ctx) }()
 	}
+	wg.Add(1)
+	go func() { defer wg.Done(); h.runMigrations(ctx) }()
+	if err := h.sweepTargets(ctx); err != nil {
+		h.log.Warn("removing the targets of deleted migrations", "err", err)
+	}
 	close(h.ready)
 	h.log.Info("virt-handler running", "emulation", h.emulation())
 	<-ctx.Done()
 	h.queue.ShutDown()
+	h.migQueue.ShutDown()
 	return nil
 }
 

@@ -22,6 +22,10 @@ type record struct {
 	Name      string      `json:"name"`
 	Domain    string      `json:"domain"`
 	Taps      []tapRecord `json:"taps,omitempty"`
+	// Migration is the UID of the live migration this node is the target
+	// of, while the VMI is not bound here: the handler leaves the domain
+	// and state alone until the migration ends (migration.go).
+	Migration types.UID `json:"migration,omitempty"`
 }
 
 // tapRecord is one tap attached for a NIC: on a Multus bridge network with

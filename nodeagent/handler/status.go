@@ -179,8 +179,9 @@ func interfaceStatus(vmi *v1.VirtualMachineInstance, devs *libvirtxml.DomainDevi
 	return out
 }
 
-// migratable applies KubeVirt's rules: every PVC must be ReadWriteMany and
-// the pod network must not use the bridge binding.
+// migratable applies KubeVirt's rules (every PVC ReadWriteMany, a
+// hostDisk shared, no bridge binding on the pod network) and says what
+// nodevirt does not move yet (pod network interfaces, containerDisks).
 func (h *Handler) migratable(ctx context.Context, vmi *v1.VirtualMachineInstance) (bool, string, string, error) {
 	pod := map[string]bool{}
 	for _, n := range vmi.Spec.Networks {
@@ -190,6 +191,19 @@ func (h *Handler) migratable(ctx context.Context, vmi *v1.VirtualMachineInstance
 		if iface.Bridge != nil && pod[iface.Name] {
 			return false, v1.VirtualMachineInstanceReasonInterfaceNotMigratable,
 				"cannot migrate VMI which uses the bridge binding on the pod network", nil
+		}
+		if pod[iface.Name] {
+			return false, v1.VirtualMachineInstanceReasonInterfaceNotMigratable,
+				"nodevirt does not migrate interfaces on the pod network yet", nil
+		}
+	}
+	for _, vol := range vmi.Spec.Volumes {
+		switch {
+		case vol.HostDisk != nil && (vol.HostDisk.Shared == nil || !*vol.HostDisk.Shared):
+			return false, v1.VirtualMachineInstanceReasonDisksNotMigratable, "cannot migrate VMI with non-shared HostDisk", nil
+		case vol.ContainerDisk != nil:
+			return false, v1.VirtualMachineInstanceReasonDisksNotMigratable,
+				"nodevirt does not migrate containerDisk volumes yet (" + vol.Name + ")", nil
 		}
 	}
 	for _, vol := range vmi.Spec.Volumes {

@@ -1,0 +1,494 @@
+package handler
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"time"
+
+	k8sv1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/cache"
+	v1 "kubevirt.io/api/core/v1"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
+	"github.com/nodevirt/nodevirt/clusterbrain/migration/migstate"
+	"github.com/nodevirt/nodevirt/launcher"
+	"github.com/nodevirt/nodevirt/launcher/domain"
+)
+
+// The node's half of a live migration (the protocol is package migstate's):
+// as the target it prepares what the guest needs here and defines the
+// domain, as the source it runs libvirt's peer-to-peer migration to the
+// target's libvirtd. What it writes goes to the migration's status only;
+// the brain moves the VMI.
+
+// Migration transports between the nodes' libvirt daemons.
+const (
+	// TransportTLS is libvirt's TLS transport with the nodes' certificates
+	// (qemu+tls), the production setting.
+	TransportTLS = "tls"
+	// TransportTCP is plain TCP without authentication (qemu+tcp): for a
+	// lab on one machine only.
+	TransportTCP = "tcp"
+)
+
+// migrationURI is the libvirt URI of the target node's libvirtd at addr.
+func (h *Handler) migrationURI(addr string) string {
+	host := addr
+	if ip := net.ParseIP(addr); ip != nil && ip.To4() == nil {
+		host = "[" + addr + "]"
+	}
+	return "qemu+" + h.cfg.MigrationTransport + "://" + host + "/system"
+}
+
+// Migration metrics of the source node (KubeVirt's names where it has
+// them).
+var (
+	migrationsEnded = metrics.Default().Counter("kubevirt_vmi_migrations_ended_total",
+		"Live migrations this node ran as the source, by result.", "result")
+	migrationDuration = metrics.Default().Histogram("kubevirt_vmi_migration_duration_seconds",
+		"Duration of the libvirt migration job on the source node.", metrics.LatencyBuckets)
+	migrationDowntime = metrics.Default().Histogram("kubevirt_vmi_migration_downtime_seconds",
+		"Guest downtime of completed live migrations (libvirt's job statistics).", metrics.LatencyBuckets)
+	migrationData = metrics.Default().Counter("kubevirt_vmi_migration_data_processed_bytes_total",
+		"Bytes sent by completed live migrations (memory and copied disks).")
+)
+
+func observeMigration(s launcher.MigrationStats, err error) {
+	if err != nil {
+		migrationsEnded.With("failed").Inc()
+		return
+	}
+	migrationsEnded.With("succeeded").Inc()
+	migrationDuration.With().Observe(s.Elapsed.Seconds())
+	migrationDowntime.With().Observe(s.Downtime.Seconds())
+	migrationData.With().Add(float64(s.DataBytes))
+}
+
+// runMigrations serves the migration queue until ctx ends.
+func (h *Handler) runMigrations(ctx context.Context) {
+	for {
+		key, quit := h.migQueue.Get()
+		if quit {
+			return
+		}
+		err := h.syncMigration(ctx, key)
+		switch {
+		case err == nil:
+			h.migQueue.Forget(key)
+		case ctx.Err() != nil:
+		default:
+			h.log.Warn("migration reconcile failed, retrying", "migration", key, "err", err)
+			h.migQueue.AddRateLimited(key)
+		}
+		h.migQueue.Done(key)
+	}
+}
+
+// syncMigration plays this node's part in the migration namespace/name.
+func (h *Handler) syncMigration(ctx context.Context, key string) error {
+	obj, exists, err := h.migrations.GetIndexer().GetByKey(key)
+	if err != nil {
+		return err
+	}
+	if !exists {
+		return h.sweepTargets(ctx)
+	}
+	mig := obj.(*v1.VirtualMachineInstanceMigration)
+	st := mig.Status.MigrationState
+	if st == nil {
+		return nil
+	}
+	switch h.cfg.NodeName {
+	case st.TargetNode:
+		return h.syncTarget(ctx, mig)
+	case st.SourceNode:
+		return h.syncSource(ctx, mig)
+	}
+	return nil
+}
+
+// syncTarget prepares this node for an incoming migration, or removes the
+// preparation of one that failed.
+func (h *Handler) syncTarget(ctx context.Context, mig *v1.VirtualMachineInstanceMigration) error {
+	st := mig.Status.MigrationState
+	log := h.log.With("migration", mig.Namespace+"/"+mig.Name, "vmi", mig.Namespace+"/"+mig.Spec.VMIName)
+	vmi, err := h.cfg.Virt.VMIs.Get(ctx, mig.Namespace, mig.Spec.VMIName)
+	if err != nil {
+		return fmt.Errorf("vmi %s/%s: %w", mig.Namespace, mig.Spec.VMIName, err)
+	}
+	rec, err := h.readRecord(vmi.UID)
+	if err != nil {
+		return err
+	}
+	switch {
+	case mig.Status.Phase == v1.MigrationSucceeded:
+		// The VMI is bound here now: the handler's own from here on.
+		if rec != nil && rec.Migration == mig.UID {
+			rec.Migration = ""
+			return h.writeRecord(rec)
+		}
+		return nil
+	case mig.Status.Phase == v1.MigrationFailed || (st.Failed && vmi.Status.NodeName != h.cfg.NodeName):
+		if rec == nil || rec.Migration != mig.UID || vmi.Status.NodeName == h.cfg.NodeName {
+			return nil
+		}
+		log.Info("removing the target of a failed migration")
+		return h.removeTarget(ctx, rec)
+	case st.TargetNodeAddress != "" || st.Failed || mig.DeletionTimestamp != nil || st.AbortRequested:
+		return nil
+	}
+	if vmi.Status.NodeName == h.cfg.NodeName || vmi.UID == "" {
+		return nil
+	}
+	t0 := time.Now()
+	if err := h.prepareTarget(ctx, mig, vmi); err != nil {
+		log.Warn("cannot prepare the migration target", "err", err)
+		if !permanent(err) && !errors.Is(err, errNotMigratable) {
+			return err
+		}
+		return migstate.UpdateState(ctx, h.cfg.Virt, mig.Namespace, mig.Name, func(_ *v1.VirtualMachineInstanceMigration, s *v1.VirtualMachineInstanceMigrationState) bool {
+			now := metav1.Now()
+			s.Failed, s.Completed, s.EndTimestamp = true, true, &now
+			s.FailureReason = "target node " + h.cfg.NodeName + ": " + err.Error()
+			return true
+		})
+	}
+	log.Info("migration target ready", "took", time.Since(t0).Round(time.Millisecond))
+	return migstate.UpdateState(ctx, h.cfg.Virt, mig.Namespace, mig.Name, func(_ *v1.VirtualMachineInstanceMigration, s *v1.VirtualMachineInstanceMigrationState) bool {
+		if s.TargetNodeAddress != "" {
+			return false
+		}
+		now := metav1.Now()
+		s.TargetNodeAddress, s.TargetNodeDomainReadyTimestamp = h.cfg.NodeIP, &now
+		return true
+	})
+}
+
+// errNotMigratable marks a VMI this node cannot receive.
+var errNotMigratable = errors.New("not migratable")
+
+// prepareTarget makes what the VMI's guest needs on this node and defines
+// its domain (not started): taps on the same bridges with the same MACs,
+// the disks, the state directory. Undone on failure.
+func (h *Handler) prepareTarget(ctx context.Context, mig *v1.VirtualMachineInstanceMigration, vmi *v1.VirtualMachineInstance) (err error) {
+	if h.cfg.NodeIP == "" {
+		return fmt.Errorf("%w: this node agent has no node IP", errNotMigratable)
+	}
+	lv, err := h.manager()
+	if err != nil {
+		return err
+	}
+	if ok, why := h.receivable(vmi); !ok {
+		return fmt.Errorf("%w: %s", errNotMigratable, why)
+	}
+	taps, err := h.plannedTaps(ctx, vmi)
+	if err != nil {
+		return err
+	}
+	disks, err := h.resolveDisks(ctx, vmi)
+	if err != nil {
+		return err
+	}
+	if err := h.resolveHostDisks(vmi, disks); err != nil {
+		return err
+	}
+	secrets, err := h.resolveSecrets(ctx, vmi)
+	if err != nil {
+		return err
+	}
+	env := domain.Env{Emulation: h.emulation(), StateDir: h.vmDir(vmi.UID), Disks: disks, Taps: map[string]string{}, Secrets: secrets}
+	for _, t := range taps {
+		env.Taps[t.Interface] = t.Tap
+	}
+	dom, err := domain.Convert(withDerivedMACs(vmi, taps), env)
+	if err != nil {
+		return err
+	}
+	rec := &record{UID: vmi.UID, Namespace: vmi.Namespace, Name: vmi.Name, Domain: dom.Name, Taps: taps, Migration: mig.UID}
+	if err := h.writeRecord(rec); err != nil {
+		return err
+	}
+	defer func() {
+		if err != nil {
+			if rerr := h.removeTarget(context.WithoutCancel(ctx), rec); rerr != nil {
+				h.log.Warn("undoing the migration target", "vmi", vmi.Namespace+"/"+vmi.Name, "err", rerr)
+			}
+		}
+	}()
+	if err := h.attachTaps(ctx, vmi, taps); err != nil {
+		return err
+	}
+	if err := domain.Prepare(ctx, vmi, env); err != nil {
+		return err
+	}
+	return lv.Define(ctx, dom)
+}
+
+// receivable says whether this node can receive vmi by live migration.
+func (h *Handler) receivable(vmi *v1.VirtualMachineInstance) (bool, string) {
+	for _, n := range vmi.Spec.Networks {
+		if n.Pod != nil {
+			return false, "pod network interfaces are not migrated by nodevirt yet"
+		}
+	}
+	for _, vol := range vmi.Spec.Volumes {
+		switch {
+		case vol.ContainerDisk != nil:
+			return false, "containerDisk volume " + vol.Name + " is not migrated by nodevirt yet"
+		case vol.HostDisk != nil && (vol.HostDisk.Shared == nil || !*vol.HostDisk.Shared):
+			return false, "hostDisk volume " + vol.Name + " is not shared"
+		}
+	}
+	return true, ""
+}
+
+// removeTarget undoes prepareTarget: the domain (never one that runs the
+// VMI bound here), taps and state.
+func (h *Handler) removeTarget(ctx context.Context, rec *record) error {
+	lv, err := h.manager()
+	if err != nil {
+		return err
+	}
+	return h.cleanup(ctx, lv, rec.UID, rec.Domain)
+}
+
+// sweepTargets removes the preparations of migrations that are gone while
+// their VMI is not bound here.
+func (h *Handler) sweepTargets(ctx context.Context) error {
+	recs, err := h.records()
+	var errs []error
+	for _, r := range recs {
+		if r.Migration == "" || h.migrationExists(r.Migration) {
+			continue
+		}
+		if obj, ok, _ := h.vmis.GetIndexer().GetByKey(r.Namespace + "/" + r.Name); ok &&
+			obj.(*v1.VirtualMachineInstance).UID == r.UID {
+			// The VMI was bound here: the migration succeeded.
+			r.Migration = ""
+			errs = append(errs, h.writeRecord(r))
+			continue
+		}
+		h.log.Info("removing the target of a deleted migration", "vmi", r.Namespace+"/"+r.Name)
+		errs = append(errs, h.removeTarget(ctx, r))
+	}
+	return errors.Join(append(errs, err)...)
+}
+
+func (h *Handler) migrationExists(uid types.UID) bool {
+	for _, o := range h.migrations.GetStore().List() {
+		if o.(*v1.VirtualMachineInstanceMigration).UID == uid {
+			return true
+		}
+	}
+	return false
+}
+
+// syncSource starts the migration of a VMI running here once the target is
+// ready, and aborts it when asked.
+func (h *Handler) syncSource(ctx context.Context, mig *v1.VirtualMachineInstanceMigration) error {
+	st := mig.Status.MigrationState
+	if migstate.Final(mig) || migstate.Ended(st) {
+		return nil
+	}
+	h.mu.Lock()
+	cancel, running := h.migrating[mig.UID]
+	h.mu.Unlock()
+	abort := st.AbortRequested || mig.DeletionTimestamp != nil
+	switch {
+	case running && abort:
+		h.log.Info("aborting migration", "migration", mig.Namespace+"/"+mig.Name)
+		cancel()
+		return nil
+	case running:
+		return nil
+	case abort && st.StartTimestamp == nil:
+		// Never started: nothing to abort.
+		return migstate.UpdateState(ctx, h.cfg.Virt, mig.Namespace, mig.Name, func(_ *v1.VirtualMachineInstanceMigration, s *v1.VirtualMachineInstanceMigrationState) bool {
+			now := metav1.Now()
+			s.Completed, s.Failed, s.EndTimestamp = true, true, &now
+			s.AbortStatus, s.FailureReason = v1.MigrationAbortSucceeded, "migration aborted before it started"
+			return true
+		})
+	case st.StartTimestamp != nil:
+		// Started by an earlier run of this agent, whose libvirt call
+		// ended with it: where is the guest?
+		return h.settleOrphan(ctx, mig)
+	case st.TargetNodeAddress == "":
+		return nil
+	}
+	obj, ok, err := h.vmis.GetIndexer().GetByKey(mig.Namespace + "/" + mig.Spec.VMIName)
+	if err != nil || !ok {
+		return err
+	}
+	vmi := obj.(*v1.VirtualMachineInstance)
+	if vmi.Status.NodeName != h.cfg.NodeName || vmi.Status.Phase != v1.Running {
+		return nil
+	}
+	if err := migstate.UpdateState(ctx, h.cfg.Virt, mig.Namespace, mig.Name, func(_ *v1.VirtualMachineInstanceMigration, s *v1.VirtualMachineInstanceMigrationState) bool {
+		now := metav1.Now()
+		s.StartTimestamp, s.Mode = &now, v1.MigrationPreCopy
+		return true
+	}); err != nil {
+		return err
+	}
+	h.mu.Lock()
+	runCtx := h.runCtx
+	jobCtx, cancelJob := context.WithCancel(runCtx)
+	h.migrating[mig.UID] = cancelJob
+	h.mu.Unlock()
+	h.bg.Add(1)
+	go func() {
+		defer h.bg.Done()
+		defer cancelJob()
+		h.migrate(jobCtx, runCtx, mig, vmi, st.TargetNodeAddress)
+		h.mu.Lock()
+		delete(h.migrating, mig.UID)
+		h.mu.Unlock()
+	}()
+	return nil
+}
+
+// migrate runs the libvirt migration of vmi's domain to the target at addr
+// and reports its end on the migration.
+func (h *Handler) migrate(jobCtx, runCtx context.Context, mig *v1.VirtualMachineInstanceMigration, vmi *v1.VirtualMachineInstance, addr string) {
+	log := h.log.With("migration", mig.Namespace+"/"+mig.Name, "vmi", vmi.Namespace+"/"+vmi.Name, "target", mig.Status.MigrationState.TargetNode)
+	conf := mig.Status.MigrationState.VMIMConfigurationOptions
+	limit := completionTimeout(vmi, conf)
+	timed, cancel := context.WithTimeout(jobCtx, limit)
+	defer cancel()
+	stats, err := h.runLibvirtMigration(timed, vmi, addr, conf)
+	aborted := errors.Is(err, launcher.ErrMigrationAborted) && jobCtx.Err() != nil
+	if err != nil && jobCtx.Err() == nil && timed.Err() != nil {
+		err = fmt.Errorf("the migration did not complete within %s (completionTimeoutPerGiB): %w", limit, err)
+	}
+	if err == nil {
+		h.mu.Lock()
+		h.migratedAway[vmi.UID] = true
+		h.mu.Unlock()
+		log.Info("migrated", "elapsed", stats.Elapsed, "downtime", stats.Downtime, "data_bytes", stats.DataBytes,
+			"memory_bytes", stats.MemoryBytes)
+		h.recorder.Eventf(vmi, k8sv1.EventTypeNormal, "Migrated", "The VirtualMachineInstance migrated to node %s (downtime %s).",
+			mig.Status.MigrationState.TargetNode, stats.Downtime)
+	} else {
+		log.Warn("migration failed", "aborted", aborted, "err", err)
+	}
+	observeMigration(stats, err)
+	if werr := migstate.UpdateState(runCtx, h.cfg.Virt, mig.Namespace, mig.Name, func(_ *v1.VirtualMachineInstanceMigration, s *v1.VirtualMachineInstanceMigrationState) bool {
+		now := metav1.Now()
+		s.EndTimestamp, s.Completed = &now, true
+		if err != nil {
+			s.Failed, s.FailureReason = true, err.Error()
+		}
+		if aborted {
+			s.AbortStatus = v1.MigrationAbortSucceeded
+		} else if s.AbortRequested {
+			s.AbortStatus = v1.MigrationAbortFailed
+		}
+		return true
+	}); werr != nil {
+		log.Error("reporting the migration's end", "err", werr)
+		h.migQueue.AddAfter(mig.Namespace+"/"+mig.Name, time.Second)
+	}
+	h.queue.Add(vmi.Namespace + "/" + vmi.Name)
+}
+
+// runLibvirtMigration migrates vmi's domain: the target's own definition
+// (its paths) as the destination XML, node-local disks copied.
+func (h *Handler) runLibvirtMigration(ctx context.Context, vmi *v1.VirtualMachineInstance, addr string, conf *v1.VMIMConfigurationOptions) (launcher.MigrationStats, error) {
+	lv, err := h.manager()
+	if err != nil {
+		return launcher.MigrationStats{}, err
+	}
+	name := domain.Name(vmi.Namespace, vmi.Name)
+	uri := h.migrationURI(addr)
+	destXML, err := launcher.RemoteDomainXML(uri, name)
+	if err != nil {
+		return launcher.MigrationStats{}, fmt.Errorf("the target's domain: %w", err)
+	}
+	opts := launcher.MigrateOptions{DestURI: uri, DestXML: destXML}
+	if conf != nil {
+		if q := conf.BandwidthPerMigration; q != nil && q.Value() > 0 {
+			opts.BandwidthMiBs = uint64((q.Value() + 1<<20 - 1) >> 20)
+		}
+		opts.AutoConverge = conf.AllowAutoConverge != nil && *conf.AllowAutoConverge
+	}
+	for _, vol := range vmi.Spec.Volumes {
+		if vol.HostDisk != nil {
+			// The same file on every node (receivable checked Shared).
+			opts.SharedUnsafe = true
+		}
+	}
+	return lv.Migrate(ctx, name, opts)
+}
+
+// completionTimeout is KubeVirt's completionTimeoutPerGiB applied to what
+// moves: the guest's memory (and the disks copied).
+func completionTimeout(vmi *v1.VirtualMachineInstance, conf *v1.VMIMConfigurationOptions) time.Duration {
+	perGiB := int64(150)
+	if conf != nil && conf.CompletionTimeoutPerGiB != nil && *conf.CompletionTimeoutPerGiB > 0 {
+		perGiB = *conf.CompletionTimeoutPerGiB
+	}
+	var bytes int64
+	if m := vmi.Spec.Domain.Memory; m != nil && m.Guest != nil {
+		bytes = m.Guest.Value()
+	} else if q, ok := vmi.Spec.Domain.Resources.Requests[k8sv1.ResourceMemory]; ok {
+		bytes = q.Value()
+	}
+	gib := max(float64(bytes)/(1<<30), 1.0/16)
+	return time.Duration(float64(perGiB)*gib*float64(time.Second)) + 10*time.Second
+}
+
+// settleOrphan ends a migration this agent started before a restart: the
+// guest is still here (failed) or it left (the migration completed).
+func (h *Handler) settleOrphan(ctx context.Context, mig *v1.VirtualMachineInstanceMigration) error {
+	lv, err := h.manager()
+	if err != nil {
+		return err
+	}
+	info, found, err := lookup(ctx, lv, domain.Name(mig.Namespace, mig.Spec.VMIName))
+	if err != nil {
+		return err
+	}
+	left := found && !info.State.Active() && info.Reason == "migrated"
+	return migstate.UpdateState(ctx, h.cfg.Virt, mig.Namespace, mig.Name, func(_ *v1.VirtualMachineInstanceMigration, s *v1.VirtualMachineInstanceMigrationState) bool {
+		now := metav1.Now()
+		s.EndTimestamp, s.Completed = &now, true
+		if !left {
+			s.Failed, s.FailureReason = true, "the source node agent restarted during the migration"
+		}
+		return true
+	})
+}
+
+// migratingAway reports whether the VMI's guest left (or is leaving) this
+// node by migration, so that its stopped source domain is no news for the
+// VMI: the brain moves it.
+func (h *Handler) migratingAway(vmi *v1.VirtualMachineInstance, info launcher.DomainInfo, found bool) bool {
+	h.mu.Lock()
+	away := h.migratedAway[vmi.UID]
+	h.mu.Unlock()
+	if away {
+		return true
+	}
+	if !found {
+		return false
+	}
+	return (!info.State.Active() && info.Reason == "migrated") ||
+		(info.State == launcher.StatePaused && info.Reason == "migration")
+}
+
+// enqueueMigration queues a migration this node takes part in.
+func (h *Handler) enqueueMigration(obj any) {
+	if m, ok := obj.(*v1.VirtualMachineInstanceMigration); ok {
+		if st := m.Status.MigrationState; st == nil || (st.SourceNode != h.cfg.NodeName && st.TargetNode != h.cfg.NodeName) {
+			return
+		}
+	}
+	if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
+		h.migQueue.Add(key)
+	}
+}
