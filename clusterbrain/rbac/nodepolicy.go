@@ -102,7 +102,9 @@ func nodePolicies() []nodePolicy {
 			"has(" + o + ".status.migrationState.sourceNode) ? " + o + ".status.migrationState.sourceNode : '', " +
 			"has(" + o + ".status.migrationState.targetNode) ? " + o + ".status.migrationState.targetNode : ''] : ['', ''])"
 	}
-	migrationParty := func(o string) string { return "(variables.nodeName != '' && variables.nodeName in " + migrationNodes(o) + ")" }
+	migrationParty := func(o string) string {
+		return "(variables.nodeName != '' && variables.nodeName in " + migrationNodes(o) + ")"
+	}
 	return []nodePolicy{
 		{name: NodeRestrictionPolicy + "-nodes",
 			rules: []admissionregistrationv1.NamedRuleWithOperations{

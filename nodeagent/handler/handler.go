@@ -194,7 +194,7 @@ type Handler struct {
 	// (migration.go).
 	migrations cache.SharedIndexInformer
 	migQueue   workqueue.TypedRateLimitingInterface[string]
-	console  *console.Server
+	console    *console.Server
 	// hostDisks confines hostDisk volumes to Config.HostDiskRoot.
 	hostDisks *hostdisk.Resolver
 

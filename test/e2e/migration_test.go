@@ -209,7 +209,7 @@ func (n *testNS) checkSucceeded(mig *kubevirtv1.VirtualMachineInstanceMigration,
 		}
 		vmi = v
 		return v.Status.NodeName == to && v.Labels[kubevirtv1.NodeNameLabel] == to && v.Status.Phase == kubevirtv1.Running &&
-			conditionTrue(v, kubevirtv1.VirtualMachineInstanceReady),
+				conditionTrue(v, kubevirtv1.VirtualMachineInstanceReady),
 			fmt.Sprintf("node %s label %s phase %s", v.Status.NodeName, v.Labels[kubevirtv1.NodeNameLabel], v.Status.Phase)
 	})
 	if s := vmi.Status.MigrationState; s == nil || s.MigrationUID != mig.UID || !s.Completed || s.Failed || s.TargetNode != to {
