@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"libvirt.org/go/libvirt"
+	"libvirt.org/go/libvirtxml"
 )
 
 // MigrateOptions tune Migrate.
@@ -31,6 +32,9 @@ type MigrateOptions struct {
 	// AutoConverge throttles the guest's vCPUs when memory does not
 	// converge.
 	AutoConverge bool
+	// CopyDisks names the disks (target devs) CopyStorage copies; empty:
+	// every writable disk.
+	CopyDisks []string
 }
 
 // MigrationStats are libvirt's statistics of a completed migration, read
@@ -67,6 +71,9 @@ func (m *Manager) Migrate(ctx context.Context, name string, opts MigrateOptions)
 	flags := libvirt.MIGRATE_LIVE | libvirt.MIGRATE_PEER2PEER | libvirt.MIGRATE_PERSIST_DEST
 	if opts.CopyStorage {
 		flags |= libvirt.MIGRATE_NON_SHARED_DISK
+		if len(opts.CopyDisks) > 0 {
+			params.MigrateDisksSet, params.MigrateDisks = true, opts.CopyDisks
+		}
 	}
 	if opts.SharedUnsafe {
 		flags |= libvirt.MIGRATE_UNSAFE
@@ -120,4 +127,43 @@ func RemoteDomainXML(uri, name string) (string, error) {
 		return "", fmt.Errorf("domain %s on %s: %w", name, uri, err)
 	}
 	return doc, nil
+}
+
+// RemoteDiskCapacities is the virtual size in bytes of every disk of the
+// domain name at the libvirtd at uri, by the disk's user alias ("ua-<volume
+// name>"): what the target of a storage copy must create.
+func RemoteDiskCapacities(uri, name string) (map[string]uint64, error) {
+	conn, err := libvirt.NewConnect(uri)
+	if err != nil {
+		return nil, fmt.Errorf("connect to %s: %w", uri, err)
+	}
+	defer conn.Close()
+	d, err := conn.LookupDomainByName(name)
+	if err != nil {
+		return nil, wrapErr(name, err)
+	}
+	defer d.Free()
+	doc, err := d.GetXMLDesc(0)
+	if err != nil {
+		return nil, fmt.Errorf("domain %s on %s: %w", name, uri, err)
+	}
+	dom := &libvirtxml.Domain{}
+	if err := dom.Unmarshal(doc); err != nil {
+		return nil, fmt.Errorf("domain %s on %s: %w", name, uri, err)
+	}
+	out := map[string]uint64{}
+	if dom.Devices == nil {
+		return out, nil
+	}
+	for _, disk := range dom.Devices.Disks {
+		if disk.Alias == nil || disk.Target == nil {
+			continue
+		}
+		info, err := d.GetBlockInfo(disk.Target.Dev, 0)
+		if err != nil {
+			return nil, fmt.Errorf("domain %s disk %s: %w", name, disk.Target.Dev, err)
+		}
+		out[disk.Alias.Name] = info.Capacity
+	}
+	return out, nil
 }

@@ -29,6 +29,9 @@ func newHandlerRole(d *Deps) (Role, error) {
 		LibvirtURI: d.Config.LibvirtURI, Emulation: d.Emulation, Kube: d.Kube, Virt: d.Virt, Volumes: d.Volumes,
 		NetStateDir: NetStateDir(d.Config.StateDir), Console: d.Config.Console, VMIs: d.VMIs, Log: d.Log,
 		HostDiskRoot: d.Config.HostDiskRoot, NodeIP: d.Config.NodeIP, MigrationTransport: d.Config.MigrationTransport}
+	if d.Volumes != nil {
+		cfg.VolumeMaker = d.Volumes
+	}
 	if d.PodNetwork != nil {
 		cfg.PodNetwork, cfg.PodNetworkErr = d.PodNetwork, d.PodNetworkErr
 	}

@@ -45,6 +45,7 @@ import (
 	"sync"
 	"time"
 
+	csispec "github.com/container-storage-interface/spec/lib/go/csi"
 	k8sv1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -87,6 +88,15 @@ type VolumeResolver interface {
 	VolumeDisk(volumeHandle string) (path string, isBlock bool, err error)
 }
 
+// VolumeMaker makes and deletes volumes of this node's CSI driver: the
+// volumes an incoming live migration copies node-local disks into. The
+// hostpath driver (csi.Driver) satisfies it. Without one, VMIs with
+// node-local disks cannot migrate to this node.
+type VolumeMaker interface {
+	CreateVolume(context.Context, *csispec.CreateVolumeRequest) (*csispec.CreateVolumeResponse, error)
+	DeleteVolume(context.Context, *csispec.DeleteVolumeRequest) (*csispec.DeleteVolumeResponse, error)
+}
+
 // Config configures a Handler.
 type Config struct {
 	// NodeName is this node; required.
@@ -113,6 +123,9 @@ type Config struct {
 	VMIs cache.SharedIndexInformer
 	// Volumes resolves CSI volume handles; may be nil (see VolumeResolver).
 	Volumes VolumeResolver
+	// VolumeMaker makes the target volumes of incoming migrations; may
+	// be nil (see VolumeMaker).
+	VolumeMaker VolumeMaker
 	// HostDiskRoot is the only directory hostDisk volumes may name files
 	// in (hostdisk.DefaultRoot when empty); absolute.
 	HostDiskRoot string

@@ -27,6 +27,18 @@
 // libvirt job and reports abortStatus; the brain's finalizer keeps the
 // object until then.
 //
+// Node-local disks (claims bound to a PersistentVolume pinned to the source
+// node) move with the guest: the target node creates a volume for each with
+// its own CSI driver before the copy (libvirt's NBD storage copy); after
+// success it creates a PersistentVolume named TargetVolumeName, pinned to
+// itself and pre-bound to the claim's namespace and name. The brain then
+// replaces the claim by one of the same name, labels, annotations and
+// owner (the DataVolume), bound to that volume, marking the DataVolume with
+// AnnClaimMoving meanwhile so that its controller does not make a new empty
+// claim; the released source volume is deleted by the source node's
+// provisioner (reclaim policy Delete). A failed migration leaves the claims
+// alone and the target node deletes the volumes it made.
+//
 // A node agent's writes are narrowed by the node restriction (package
 // rbac): only migrations whose sourceNode or targetNode is that node, and
 // never those two keys.
@@ -37,6 +49,7 @@ import (
 	"fmt"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/util/retry"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
@@ -46,6 +59,17 @@ import (
 // Finalizer keeps a migration until its outcome is settled (KubeVirt's
 // name).
 const Finalizer = "kubevirt.io/migrationJobFinalize"
+
+// AnnClaimMoving on a DataVolume says its claim is being replaced by one
+// bound to another node's volume (value: the migration's UID): the
+// DataVolume controller does not recreate the claim meanwhile.
+const AnnClaimMoving = "nodevirt.io/claim-moving"
+
+// TargetVolumeName is the PersistentVolume the target node makes for the
+// volume (the VMI's volume name) of migration migUID.
+func TargetVolumeName(migUID types.UID, volume string) string {
+	return "mig-" + string(migUID) + "-" + volume
+}
 
 // Final reports whether the migration has ended.
 func Final(m *kubevirtv1.VirtualMachineInstanceMigration) bool {
