@@ -23,6 +23,7 @@ import (
 	"log/slog"
 	"maps"
 	"slices"
+	"sync"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -100,6 +101,9 @@ type Controller struct {
 	informer cache.SharedIndexInformer
 	queue    workqueue.TypedRateLimitingInterface[string]
 	recorder record.EventRecorder
+	// replacements are the claims being replaced (claims.go), by
+	// namespace/name, kept from their deletion to their re-creation.
+	replacements sync.Map
 }
 
 // New validates cfg and builds the controller; Run starts it.
@@ -182,6 +186,16 @@ func (c *Controller) sync(ctx context.Context, key string) error {
 	st := mig.Status.MigrationState
 	switch {
 	case migstate.Final(mig):
+		if mig.Status.Phase == kubevirtv1.MigrationSucceeded && vmi != nil && vmi.Status.NodeName == st.TargetNode {
+			done, err := c.moveClaims(ctx, mig, vmi)
+			if err != nil {
+				return err
+			}
+			if !done {
+				c.queue.AddAfter(key, time.Second)
+				return nil
+			}
+		}
 		if mig.DeletionTimestamp != nil {
 			return c.dropFinalizer(ctx, mig)
 		}

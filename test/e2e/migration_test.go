@@ -21,6 +21,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	kubevirtv1 "kubevirt.io/api/core/v1"
+	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
@@ -118,14 +119,73 @@ func withSharedHostDisks() vmiOption {
 	}
 }
 
-// withDataDisk adds a blank hostDisk "data" of 16 MiB at path.
-func withDataDisk(path string) vmiOption {
-	return func(s *kubevirtv1.VirtualMachineInstanceSpec) {
-		s.Domain.Devices.Disks = append(s.Domain.Devices.Disks, kubevirtv1.Disk{Name: "data",
-			DiskDevice: kubevirtv1.DiskDevice{Disk: &kubevirtv1.DiskTarget{Bus: kubevirtv1.DiskBusVirtio}}})
-		s.Volumes = append(s.Volumes, kubevirtv1.Volume{Name: "data", VolumeSource: kubevirtv1.VolumeSource{
-			HostDisk: &kubevirtv1.HostDisk{Path: path, Type: kubevirtv1.HostDiskExistsOrCreate, Capacity: resource.MustParse("16Mi")}}})
+// withLocalDataDisk adds a disk "data" on a blank 64 MiB DataVolume
+// (dataVolumeTemplate <vm>-data) of the node-local hostpath-csi class.
+func withLocalDataDisk(vm *kubevirtv1.VirtualMachine) *kubevirtv1.VirtualMachine {
+	class := "hostpath-csi"
+	name := vm.Name + "-data"
+	vm.Spec.DataVolumeTemplates = append(vm.Spec.DataVolumeTemplates, kubevirtv1.DataVolumeTemplateSpec{
+		ObjectMeta: metav1.ObjectMeta{Name: name},
+		Spec: cdiv1.DataVolumeSpec{Source: &cdiv1.DataVolumeSource{Blank: &cdiv1.DataVolumeBlankImage{}},
+			Storage: &cdiv1.StorageSpec{StorageClassName: &class, Resources: corev1.VolumeResourceRequirements{
+				Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("64Mi")}}}},
+	})
+	s := &vm.Spec.Template.Spec
+	s.Domain.Devices.Disks = append(s.Domain.Devices.Disks, kubevirtv1.Disk{Name: "data",
+		DiskDevice: kubevirtv1.DiskDevice{Disk: &kubevirtv1.DiskTarget{Bus: kubevirtv1.DiskBusVirtio}}})
+	s.Volumes = append(s.Volumes, kubevirtv1.Volume{Name: "data", VolumeSource: kubevirtv1.VolumeSource{
+		DataVolume: &kubevirtv1.DataVolumeSource{Name: name}}})
+	return vm
+}
+
+// checkClaimOn checks that the VM's data claim (same name) is bound to the
+// volume the migration made, pinned to node, and that the DataVolume
+// still reports Succeeded; it waits for the source's volume to go.
+func (n *testNS) checkClaimOn(mig *kubevirtv1.VirtualMachineInstanceMigration, claim, node, oldPV string) string {
+	n.t.Helper()
+	ctx := context.Background()
+	want := "mig-" + string(mig.UID) + "-data"
+	n.eventually(60*time.Second, "claim "+claim+" bound to "+want, func() (bool, string) {
+		pvc, err := n.e.kube.CoreV1().PersistentVolumeClaims(n.name).Get(ctx, claim, metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		return pvc.Spec.VolumeName == want && pvc.Status.Phase == corev1.ClaimBound, pvc.Spec.VolumeName + " " + string(pvc.Status.Phase)
+	})
+	pv, err := n.e.kube.CoreV1().PersistentVolumes().Get(ctx, want, metav1.GetOptions{})
+	if err != nil {
+		n.t.Fatal(err)
 	}
+	if a := pv.Spec.NodeAffinity; a == nil || a.Required == nil || len(a.Required.NodeSelectorTerms) != 1 ||
+		!slices.Equal(a.Required.NodeSelectorTerms[0].MatchExpressions[0].Values, []string{node}) {
+		n.t.Errorf("pv %s is not pinned to %s: %+v", want, node, pv.Spec.NodeAffinity)
+	}
+	n.eventually(60*time.Second, "datavolume "+claim+" Succeeded, its claim owned", func() (bool, string) {
+		dv, err := n.e.virt.DataVolumes.Get(ctx, n.name, claim)
+		if err != nil {
+			return false, err.Error()
+		}
+		pvc, err := n.e.kube.CoreV1().PersistentVolumeClaims(n.name).Get(ctx, claim, metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		return dv.Status.Phase == cdiv1.Succeeded && metav1.IsControlledBy(pvc, dv) && dv.Annotations["nodevirt.io/claim-moving"] == "",
+			fmt.Sprintf("phase %s, annotations %v", dv.Status.Phase, dv.Annotations)
+	})
+	n.eventually(60*time.Second, "the source's volume "+oldPV+" deleted", func() (bool, string) {
+		_, err := n.e.kube.CoreV1().PersistentVolumes().Get(ctx, oldPV, metav1.GetOptions{})
+		return apierrors.IsNotFound(err), fmt.Sprint(err)
+	})
+	return want
+}
+
+func (n *testNS) boundPV(claim string) string {
+	n.t.Helper()
+	pvc, err := n.e.kube.CoreV1().PersistentVolumeClaims(n.name).Get(context.Background(), claim, metav1.GetOptions{})
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	return pvc.Spec.VolumeName
 }
 
 // onNodes keeps a VMI on the named nodes.
@@ -295,9 +355,10 @@ func TestLiveMigration(t *testing.T) {
 	}); err != nil {
 		t.Fatalf("create NetworkAttachmentDefinition: %v", err)
 	}
-	n.createVM(n.newVM("mover", kubevirtv1.RunStrategyAlways, withBridge("mig"), onSecondNodeToo(),
-		onNodes(node2.Name, node3.Name), withDataDisk(e.path("disks", n.name, "mover-data.raw")), withSharedHostDisks()))
-	vmi := n.waitVMIOfVM("mover", 2*time.Minute)
+	n.createVM(withLocalDataDisk(n.newVM("mover", kubevirtv1.RunStrategyAlways, withBridge("mig"), onSecondNodeToo(),
+		onNodes(node2.Name, node3.Name), withSharedHostDisks())))
+	vmi := n.waitVMIOfVM("mover", 3*time.Minute)
+	firstPV := n.boundPV("mover-data")
 	first := vmi.Status.NodeName
 	other := node2.Name
 	if first == node2.Name {
@@ -337,6 +398,7 @@ func TestLiveMigration(t *testing.T) {
 	if vmi.Status.Interfaces[0].MAC != mac {
 		t.Errorf("MAC %s after the migration, was %s", vmi.Status.Interfaces[0].MAC, mac)
 	}
+	secondPV := n.checkClaimOn(mig, "mover-data", other, firstPV)
 	n.eventually(60*time.Second, "source domain removed from "+first, func() (bool, string) {
 		st := n.domainOn(nodes[first], "mover")
 		return st == "", st
@@ -364,6 +426,7 @@ func TestLiveMigration(t *testing.T) {
 	if vmi.Status.Interfaces[0].MAC != mac {
 		t.Errorf("MAC %s after migrating back, was %s", vmi.Status.Interfaces[0].MAC, mac)
 	}
+	thirdPV := n.checkClaimOn(back, "mover-data", first, secondPV)
 	if after := n.readFacts("mover"); after != before {
 		t.Errorf("guest after migrating back %+v, before %+v", after, before)
 	}
@@ -416,6 +479,9 @@ func TestLiveMigration(t *testing.T) {
 	})
 	if s := n.domainOn(nodes[first], "mover"); s != "running" {
 		t.Errorf("domain on %s after the cancel: %q", first, s)
+	}
+	if pv := n.boundPV("mover-data"); pv != thirdPV {
+		t.Errorf("claim bound to %s after the cancel, was %s", pv, thirdPV)
 	}
 	if after := n.readFacts("mover"); after != before {
 		t.Errorf("guest after the cancelled migration %+v, before %+v", after, before)
