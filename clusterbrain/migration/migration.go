@@ -13,6 +13,8 @@
 // (its kubevirt.io/nodeName label and status.nodeName); either way the
 // VMI's status.migrationState is the migration's. Deleting a migration that
 // has not ended aborts it (abortRequested): the guest stays on the source.
+// Draining nodes are emptied (evacuation.go); the claims of copied
+// node-local disks follow the guest (claims.go).
 package migration
 
 import (
@@ -73,6 +75,9 @@ type Config struct {
 	// in this time (default 5 minutes, KubeVirt's unschedulable target
 	// pod timeout).
 	TargetTimeout time.Duration
+	// EvacuationInterval is how often draining nodes are looked at
+	// (default 5 seconds; evacuation.go).
+	EvacuationInterval time.Duration
 }
 
 func (c *Config) defaults() {
@@ -81,6 +86,9 @@ func (c *Config) defaults() {
 	}
 	if c.TargetTimeout == 0 {
 		c.TargetTimeout = 5 * time.Minute
+	}
+	if c.EvacuationInterval == 0 {
+		c.EvacuationInterval = 5 * time.Second
 	}
 	if c.Log == nil {
 		c.Log = slog.Default()
@@ -147,6 +155,7 @@ func (c *Controller) Run(ctx context.Context) error {
 	}
 	c.log.Info("started")
 	go wait.UntilWithContext(ctx, c.worker, time.Second)
+	go c.evacuate(ctx, c.cfg.EvacuationInterval)
 	<-ctx.Done()
 	return nil
 }
@@ -562,7 +571,7 @@ func (c *Controller) mirror(ctx context.Context, vmi *kubevirtv1.VirtualMachineI
 		out := cur.DeepCopy()
 		out.Status.MigrationState = st.DeepCopy()
 		if moveTo != "" {
-			out.Status.NodeName = moveTo
+			out.Status.NodeName, out.Status.EvacuationNodeName = moveTo, ""
 			setMigratedCondition(out)
 		}
 		if _, err := c.cfg.Virt.VMIs.UpdateStatus(ctx, out); err != nil {

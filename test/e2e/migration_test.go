@@ -20,6 +20,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/util/retry"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
@@ -323,14 +324,18 @@ func (n *testNS) setMigrationBandwidth(q string) {
 	})
 }
 
-// TestLiveMigration: a running VM with a bridged NIC and disks on storage
-// every node sees is migrated by upstream `virtctl migrate` to the other
-// node, then back by a VirtualMachineInstanceMigration (a migration of a
-// migration), and a third migration is cancelled by deleting it. The guest
-// keeps its boot id, the marker on its disk and in its RAM, and its MAC;
-// the VMIM goes through KubeVirt's phases; the cancelled one leaves the VM
-// running on its node with the half-made target removed. Not parallel: it
-// uses both namespaced nodes and changes the cluster's migration bandwidth.
+// TestLiveMigration: a running VM with a bridged NIC, its root disk on
+// storage every node sees and a data disk on a node-local DataVolume is
+// migrated by upstream `virtctl migrate` to the other node, then back by a
+// VirtualMachineInstanceMigration (a migration of a migration); a third
+// migration is cancelled by deleting it; then KubeVirt's drain taint on its
+// node evacuates it. The guest keeps its boot id, the marker on its local
+// disk and in its RAM, and its MAC; the VMIM goes through KubeVirt's phases;
+// the data claim (same name, same DataVolume) ends bound to a volume on the
+// new node and the source's volume is deleted; the cancelled migration
+// leaves the VM running on its node, its claim untouched, the half-made
+// target removed. Not parallel: it uses both namespaced nodes, changes the
+// cluster's migration bandwidth and taints a node.
 func TestLiveMigration(t *testing.T) {
 	e := require(t)
 	if err := e.startThirdNode(); err != nil {
@@ -355,8 +360,12 @@ func TestLiveMigration(t *testing.T) {
 	}); err != nil {
 		t.Fatalf("create NetworkAttachmentDefinition: %v", err)
 	}
+	liveMigrate := func(s *kubevirtv1.VirtualMachineInstanceSpec) {
+		st := kubevirtv1.EvictionStrategyLiveMigrate
+		s.EvictionStrategy = &st
+	}
 	n.createVM(withLocalDataDisk(n.newVM("mover", kubevirtv1.RunStrategyAlways, withBridge("mig"), onSecondNodeToo(),
-		onNodes(node2.Name, node3.Name), withSharedHostDisks())))
+		onNodes(node2.Name, node3.Name), withSharedHostDisks(), liveMigrate)))
 	vmi := n.waitVMIOfVM("mover", 3*time.Minute)
 	firstPV := n.boundPV("mover-data")
 	first := vmi.Status.NodeName
@@ -488,6 +497,55 @@ func TestLiveMigration(t *testing.T) {
 	}
 	if !regexp.MustCompile(`^` + uuidRE + `$`).MatchString(before.bootID) {
 		t.Errorf("boot id %q", before.bootID)
+	}
+
+	// 4. Evacuation: KubeVirt's drain taint on its node moves the VM
+	// (evictionStrategy LiveMigrate) by a migration of its own.
+	n.setMigrationBandwidth("")
+	drain := corev1.Taint{Key: "kubevirt.io/drain", Effect: corev1.TaintEffectNoSchedule}
+	n.taint(first, drain, true)
+	defer n.taint(first, drain, false)
+	n.eventually(2*time.Minute, "vmi mover evacuated from "+first, func() (bool, string) {
+		v, err := e.virt.VMIs.Get(ctx, n.name, "mover")
+		if err != nil {
+			return false, err.Error()
+		}
+		return v.Status.NodeName == other && v.Status.Phase == kubevirtv1.Running && v.Status.EvacuationNodeName == "",
+			fmt.Sprintf("on %s, evacuationNodeName %q", v.Status.NodeName, v.Status.EvacuationNodeName)
+	})
+	migs, err := e.virt.Migrations.List(ctx, n.name, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	evacuated := false
+	for _, m := range migs {
+		evacuated = evacuated || (m.Annotations[kubevirtv1.EvacuationMigrationAnnotation] == first && m.Status.Phase == kubevirtv1.MigrationSucceeded)
+	}
+	if !evacuated {
+		t.Errorf("no Succeeded evacuation migration among %d", len(migs))
+	}
+	if after := n.readFacts("mover"); after != before {
+		t.Errorf("guest after the evacuation %+v, before %+v", after, before)
+	}
+}
+
+// taint adds (on) or removes a taint of node.
+func (n *testNS) taint(node string, taint corev1.Taint, on bool) {
+	n.t.Helper()
+	ctx := context.Background()
+	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		nd, err := n.e.kube.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		nd.Spec.Taints = slices.DeleteFunc(nd.Spec.Taints, func(t corev1.Taint) bool { return t.Key == taint.Key })
+		if on {
+			nd.Spec.Taints = append(nd.Spec.Taints, taint)
+		}
+		_, err = n.e.kube.CoreV1().Nodes().Update(ctx, nd, metav1.UpdateOptions{})
+		return err
+	}); err != nil {
+		n.t.Errorf("taint %s on %s (%v): %v", taint.Key, node, on, err)
 	}
 }
 
