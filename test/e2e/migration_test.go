@@ -430,7 +430,9 @@ func TestLiveMigration(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	start = time.Now()
 	back = n.waitMigration(back.Name, 2*time.Minute)
+	t.Logf("migration back %s -> %s: %s wall", other, first, time.Since(start).Round(100*time.Millisecond))
 	vmi = n.checkSucceeded(back, other, first)
 	if vmi.Status.Interfaces[0].MAC != mac {
 		t.Errorf("MAC %s after migrating back, was %s", vmi.Status.Interfaces[0].MAC, mac)
@@ -503,6 +505,7 @@ func TestLiveMigration(t *testing.T) {
 	// (evictionStrategy LiveMigrate) by a migration of its own.
 	n.setMigrationBandwidth("")
 	drain := corev1.Taint{Key: "kubevirt.io/drain", Effect: corev1.TaintEffectNoSchedule}
+	start = time.Now()
 	n.taint(first, drain, true)
 	defer n.taint(first, drain, false)
 	n.eventually(2*time.Minute, "vmi mover evacuated from "+first, func() (bool, string) {
@@ -524,8 +527,23 @@ func TestLiveMigration(t *testing.T) {
 	if !evacuated {
 		t.Errorf("no Succeeded evacuation migration among %d", len(migs))
 	}
+	t.Logf("evacuation of %s: VM on %s %s after the taint", first, other, time.Since(start).Round(100*time.Millisecond))
+	n.logDowntimes()
 	if after := n.readFacts("mover"); after != before {
 		t.Errorf("guest after the evacuation %+v, before %+v", after, before)
+	}
+}
+
+// logDowntimes logs the downtime of each migration as the source node's
+// Migrated event reports it.
+func (n *testNS) logDowntimes() {
+	events, err := n.e.kube.CoreV1().Events(n.name).List(context.Background(), metav1.ListOptions{FieldSelector: "reason=Migrated"})
+	if err != nil {
+		n.t.Logf("events: %v", err)
+		return
+	}
+	for _, ev := range events.Items {
+		n.t.Logf("event %s: %s", ev.Reason, ev.Message)
 	}
 }
 
