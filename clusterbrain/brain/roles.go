@@ -92,7 +92,11 @@ var leaderRoles = []RoleFactory{
 	},
 	func(d *Deps) (Role, error) {
 		// Live migrations: the scheduler picks each target node.
-		return migration.New(migration.Config{Kube: d.Kube, Virt: d.Virt, Placer: d.scheduler, Log: d.Log})
+		dyn, err := dynamic.NewForConfig(d.RestConfig)
+		if err != nil {
+			return nil, err
+		}
+		return migration.New(migration.Config{Kube: d.Kube, Virt: d.Virt, Placer: d.scheduler, Dynamic: dyn, Log: d.Log})
 	},
 	func(d *Deps) (Role, error) {
 		return macpool.NewReconciler(macpool.Config{RestConfig: d.RestConfig, Virt: d.Virt, Namespace: d.Config.Namespace, Log: d.Log.With("role", "macpool"),

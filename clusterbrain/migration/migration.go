@@ -34,6 +34,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/tools/cache"
@@ -67,7 +68,9 @@ type Config struct {
 	Kube   kubernetes.Interface
 	Virt   *client.Set
 	Placer Placer
-	Log    *slog.Logger
+	// Dynamic reads MigrationPolicies (policy.go); nil: none apply.
+	Dynamic dynamic.Interface
+	Log     *slog.Logger
 	// Resync re-reads every migration this often (default 1 minute: the
 	// target timeout is checked then).
 	Resync time.Duration
@@ -268,6 +271,22 @@ func (c *Controller) schedule(ctx context.Context, mig *kubevirtv1.VirtualMachin
 		c.queue.AddAfter(mig.Namespace+"/"+mig.Name, 5*time.Second)
 		return nil
 	}
+	policies, err := c.policies(ctx)
+	if err != nil {
+		return err
+	}
+	var policyName *string
+	if len(policies) > 0 {
+		ns, err := c.cfg.Kube.CoreV1().Namespaces().Get(ctx, vmi.Namespace, metav1.GetOptions{})
+		if err != nil {
+			return fmt.Errorf("namespace %s: %w", vmi.Namespace, err)
+		}
+		if p := MatchPolicy(policies, vmi.Labels, ns.Labels); p != nil {
+			applyPolicy(conf, p)
+			name := p.Name
+			policyName = &name
+		}
+	}
 	target, err := c.cfg.Placer.Decide(placementOf(vmi, mig))
 	if err != nil {
 		return c.fail(ctx, mig, vmi, fmt.Sprintf("no node to migrate VMI %s to: %v", vmi.Name, err))
@@ -283,7 +302,7 @@ func (c *Controller) schedule(ctx context.Context, mig *kubevirtv1.VirtualMachin
 	}
 	out.Status.MigrationState = &kubevirtv1.VirtualMachineInstanceMigrationState{
 		MigrationUID: mig.UID, SourceNode: source, TargetNode: target, Mode: kubevirtv1.MigrationPreCopy,
-		VMIMConfigurationOptions: conf,
+		VMIMConfigurationOptions: conf, MigrationPolicyName: policyName,
 	}
 	if _, err := c.cfg.Virt.Migrations.UpdateStatus(ctx, out); err != nil {
 		return fmt.Errorf("migration %s/%s status: %w", mig.Namespace, mig.Name, err)

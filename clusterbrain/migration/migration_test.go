@@ -13,7 +13,10 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/util/retry"
 	kubevirtv1 "kubevirt.io/api/core/v1"
@@ -57,7 +60,7 @@ func setup(t *testing.T) *env {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c, err := New(Config{Kube: kube, Virt: virt, Placer: sched, Log: quiet})
+	c, err := New(Config{Kube: kube, Virt: virt, Placer: sched, Log: quiet, Dynamic: dynamic.NewForConfigOrDie(cp.RestConfig)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -174,6 +177,19 @@ func TestMigrationPhases(t *testing.T) {
 		e.node(n.name, map[string]string{"zone": n.zone})
 	}
 	e.runningVMI("movable", "mig-a", migratable)
+	// A MigrationPolicy for it (by namespace label and VMI label).
+	if _, err := e.kube.CoreV1().Namespaces().Patch(e.ctx, e.ns, types.MergePatchType, []byte(`{"metadata":{"labels":{"team":"a"}}}`), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	pol := &unstructured.Unstructured{Object: map[string]any{"apiVersion": "migrations.kubevirt.io/v1alpha1", "kind": "MigrationPolicy",
+		"metadata": map[string]any{"name": "slow-" + e.ns},
+		"spec": map[string]any{"bandwidthPerMigration": "16Mi", "allowAutoConverge": true,
+			"selectors": map[string]any{"namespaceSelector": map[string]any{"team": "a"}}}}}
+	policies := dynamic.NewForConfigOrDie(controlplane.Shared(t).RestConfig).Resource(policyResource)
+	if _, err := policies.Create(e.ctx, pol, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = policies.Delete(context.Background(), pol.GetName(), metav1.DeleteOptions{}) })
 	for _, n := range []string{"mig-a", "mig-b", "mig-c"} {
 		node, _ := e.kube.CoreV1().Nodes().Get(e.ctx, n, metav1.GetOptions{})
 		node.Labels["migration-test/eligible"] = "yes"
@@ -188,6 +204,10 @@ func TestMigrationPhases(t *testing.T) {
 	if st.SourceNode != "mig-a" || st.TargetNode != "mig-c" || st.MigrationUID != mig.UID || st.VMIMConfigurationOptions == nil ||
 		*st.VMIMConfigurationOptions.CompletionTimeoutPerGiB != 150 {
 		t.Fatalf("scheduled state %+v", st)
+	}
+	if c := st.VMIMConfigurationOptions; st.MigrationPolicyName == nil || *st.MigrationPolicyName != "slow-"+e.ns ||
+		c.BandwidthPerMigration.String() != "16Mi" || !*c.AllowAutoConverge {
+		t.Errorf("policy %v, configuration %+v", st.MigrationPolicyName, c)
 	}
 	if vmi, _ := e.virt.VMIs.Get(e.ctx, e.ns, "movable"); vmi.Status.MigrationState == nil || vmi.Status.MigrationState.TargetNode != "mig-c" {
 		t.Errorf("vmi migrationState %+v", vmi.Status.MigrationState)

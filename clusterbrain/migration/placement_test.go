@@ -6,6 +6,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
+	migrationsv1alpha1 "kubevirt.io/api/migrations/v1alpha1"
 )
 
 // TestPlacementOfAMigration: the scheduler is asked for the VMI with the
@@ -82,5 +83,38 @@ func TestReplacementClaim(t *testing.T) {
 	}
 	if old.Annotations["volume.kubernetes.io/selected-node"] != "src" || old.Spec.VolumeName != "pvc-u1" {
 		t.Error("the old claim was changed")
+	}
+}
+
+// TestMatchPolicy: upstream's choice among MigrationPolicies.
+func TestMatchPolicy(t *testing.T) {
+	pol := func(name string, ns, vmi map[string]string) migrationsv1alpha1.MigrationPolicy {
+		return migrationsv1alpha1.MigrationPolicy{ObjectMeta: metav1.ObjectMeta{Name: name}, Spec: migrationsv1alpha1.MigrationPolicySpec{
+			Selectors: &migrationsv1alpha1.Selectors{NamespaceSelector: ns, VirtualMachineInstanceSelector: vmi}}}
+	}
+	policies := []migrationsv1alpha1.MigrationPolicy{
+		pol("z-ns", map[string]string{"team": "a"}, nil),
+		pol("b-vmi", nil, map[string]string{"tier": "db"}),
+		pol("a-vmi", nil, map[string]string{"tier": "db"}),
+		pol("both", map[string]string{"team": "a"}, map[string]string{"tier": "db"}),
+		pol("other", nil, map[string]string{"tier": "web"}),
+	}
+	for _, tc := range []struct {
+		vmi, ns map[string]string
+		want    string
+	}{
+		{map[string]string{"tier": "db"}, map[string]string{"team": "a"}, "both"},
+		{map[string]string{"tier": "db"}, map[string]string{"team": "b"}, "a-vmi"},
+		{map[string]string{"tier": "cache"}, map[string]string{"team": "a"}, "z-ns"},
+		{map[string]string{"tier": "cache"}, nil, ""},
+	} {
+		got := MatchPolicy(policies, tc.vmi, tc.ns)
+		name := ""
+		if got != nil {
+			name = got.Name
+		}
+		if name != tc.want {
+			t.Errorf("vmi %v ns %v: policy %q, want %q", tc.vmi, tc.ns, name, tc.want)
+		}
 	}
 }
