@@ -35,7 +35,18 @@ type MigrateOptions struct {
 	// CopyDisks names the disks (target devs) CopyStorage copies; empty:
 	// every writable disk.
 	CopyDisks []string
+	// ProgressTimeout aborts the migration when the data remaining has not
+	// shrunk for this long (KubeVirt's progressTimeout); 0: never.
+	ProgressTimeout time.Duration
+	// MaxDowntime is the longest pause of the guest at switchover libvirt
+	// may choose (KubeVirt's maxDowntimeMs); 0 keeps QEMU's default
+	// (300 ms).
+	MaxDowntime time.Duration
 }
+
+// ErrNoProgress is wrapped by Migrate's error when ProgressTimeout aborted
+// the job.
+var ErrNoProgress = errors.New("the migration made no progress")
 
 // MigrationStats are libvirt's statistics of a completed migration, read
 // on the source.
@@ -84,16 +95,15 @@ func (m *Manager) Migrate(ctx context.Context, name string, opts MigrateOptions)
 	var stats MigrationStats
 	err := m.withDomain(name, func(d *libvirt.Domain) error {
 		done := make(chan struct{})
+		stalled := make(chan struct{})
 		defer close(done)
-		go func() {
-			select {
-			case <-ctx.Done():
-				// Cancelled: abort the job; MigrateToURI3 then returns.
-				_ = d.AbortJob()
-			case <-done:
-			}
-		}()
+		go watchJob(ctx, d, opts, done, stalled)
 		if err := d.MigrateToURI3(opts.DestURI, params, flags); err != nil {
+			select {
+			case <-stalled:
+				return fmt.Errorf("migrate %s: %w for %s: %w", name, ErrNoProgress, opts.ProgressTimeout, err)
+			default:
+			}
 			if libvirtCode(err) == libvirt.ERR_OPERATION_ABORTED || ctx.Err() != nil {
 				return fmt.Errorf("migrate %s: %w: %w", name, ErrMigrationAborted, err)
 			}
@@ -107,6 +117,48 @@ func (m *Manager) Migrate(ctx context.Context, name string, opts MigrateOptions)
 		return nil
 	})
 	return stats, err
+}
+
+// watchJob follows a running migration job of d until done: it aborts the
+// job when ctx ends or when the data remaining has not shrunk for
+// opts.ProgressTimeout (closing stalled first), and sets opts.MaxDowntime
+// once the job runs.
+func watchJob(ctx context.Context, d *libvirt.Domain, opts MigrateOptions, done <-chan struct{}, stalled chan<- struct{}) {
+	tick := time.NewTicker(500 * time.Millisecond)
+	defer tick.Stop()
+	var least uint64
+	lastProgress := time.Now()
+	downtimeSet := opts.MaxDowntime <= 0
+	for {
+		select {
+		case <-ctx.Done():
+			// Cancelled: abort the job; MigrateToURI3 then returns.
+			_ = d.AbortJob()
+			return
+		case <-done:
+			return
+		case <-tick.C:
+		}
+		info, err := d.GetJobInfo()
+		if err != nil || info.Type == libvirt.DOMAIN_JOB_NONE {
+			continue
+		}
+		if !downtimeSet {
+			downtimeSet = d.MigrateSetMaxDowntime(uint64(opts.MaxDowntime/time.Millisecond), 0) == nil
+		}
+		if opts.ProgressTimeout <= 0 || !info.DataRemainingSet {
+			continue
+		}
+		if least == 0 || info.DataRemaining < least {
+			least, lastProgress = info.DataRemaining, time.Now()
+			continue
+		}
+		if time.Since(lastProgress) > opts.ProgressTimeout {
+			close(stalled)
+			_ = d.AbortJob()
+			return
+		}
+	}
 }
 
 // RemoteDomainXML is the migratable XML of the domain name as the libvirtd

@@ -648,6 +648,12 @@ func (h *Handler) runLibvirtMigration(ctx context.Context, vmi *v1.VirtualMachin
 			opts.BandwidthMiBs = uint64((q.Value() + 1<<20 - 1) >> 20)
 		}
 		opts.AutoConverge = conf.AllowAutoConverge != nil && *conf.AllowAutoConverge
+		if conf.ProgressTimeout != nil && *conf.ProgressTimeout > 0 {
+			opts.ProgressTimeout = time.Duration(*conf.ProgressTimeout) * time.Second
+		}
+		if conf.MaxDowntimeMs != nil {
+			opts.MaxDowntime = time.Duration(*conf.MaxDowntimeMs) * time.Millisecond
+		}
 	}
 	for _, vol := range vmi.Spec.Volumes {
 		if vol.HostDisk != nil {
