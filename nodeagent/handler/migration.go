@@ -122,6 +122,17 @@ func (h *Handler) syncTarget(ctx context.Context, mig *v1.VirtualMachineInstance
 	st := mig.Status.MigrationState
 	log := h.log.With("migration", mig.Namespace+"/"+mig.Name, "vmi", mig.Namespace+"/"+mig.Spec.VMIName)
 	vmi, err := h.cfg.Virt.VMIs.Get(ctx, mig.Namespace, mig.Spec.VMIName)
+	if apierrors.IsNotFound(err) {
+		// Gone: whatever was made here for it goes too.
+		recs, err := h.records()
+		var errs []error
+		for _, r := range recs {
+			if r.Migration == mig.UID {
+				errs = append(errs, h.removeTarget(ctx, r))
+			}
+		}
+		return errors.Join(append(errs, err)...)
+	}
 	if err != nil {
 		return fmt.Errorf("vmi %s/%s: %w", mig.Namespace, mig.Spec.VMIName, err)
 	}
