@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"slices"
+	"strings"
 	"time"
 
 	csispec "github.com/container-storage-interface/spec/lib/go/csi"
@@ -583,7 +584,13 @@ func (h *Handler) syncSource(ctx context.Context, mig *v1.VirtualMachineInstance
 func (h *Handler) migrate(jobCtx, runCtx context.Context, mig *v1.VirtualMachineInstanceMigration, vmi *v1.VirtualMachineInstance, addr string) {
 	log := h.log.With("migration", mig.Namespace+"/"+mig.Name, "vmi", vmi.Namespace+"/"+vmi.Name, "target", mig.Status.MigrationState.TargetNode)
 	conf := mig.Status.MigrationState.VMIMConfigurationOptions
-	limit := completionTimeout(vmi, conf)
+	var diskBytes int64
+	if locals, err := h.localClaims(jobCtx, vmi); err == nil {
+		for _, l := range locals {
+			diskBytes += l.pv.Spec.Capacity.Storage().Value()
+		}
+	}
+	limit := completionTimeout(vmi, conf, diskBytes)
 	timed, cancel := context.WithTimeout(jobCtx, limit)
 	defer cancel()
 	stats, err := h.runLibvirtMigration(timed, vmi, addr, conf)
@@ -636,24 +643,29 @@ func (h *Handler) runLibvirtMigration(ctx context.Context, vmi *v1.VirtualMachin
 		return launcher.MigrationStats{}, fmt.Errorf("the target's domain: %w", err)
 	}
 	opts := launcher.MigrateOptions{DestURI: uri, DestXML: destXML}
-	locals, err := h.localClaims(ctx, vmi)
+	// Every writable disk is copied (node-local volumes, cloud-init
+	// seeds, which the target made alike), except those on storage every
+	// node sees: shared hostDisks and ReadWriteMany claims, which libvirt
+	// 9.0 does not know to be shared (hence unsafe).
+	shared, err := h.sharedVolumes(ctx, vmi)
 	if err != nil {
 		return launcher.MigrationStats{}, err
 	}
-	if len(locals) > 0 {
-		xml, err := lv.DomainXML(ctx, name)
-		if err != nil {
-			return launcher.MigrationStats{}, err
-		}
-		opts.CopyStorage = true
-		for _, l := range locals {
-			for _, d := range xml.Devices.Disks {
-				if d.Alias != nil && d.Alias.Name == "ua-"+l.volume && d.Target != nil {
-					opts.CopyDisks = append(opts.CopyDisks, d.Target.Dev)
-				}
-			}
-		}
+	xml, err := lv.DomainXML(ctx, name)
+	if err != nil {
+		return launcher.MigrationStats{}, err
 	}
+	for _, d := range xml.Devices.Disks {
+		if d.Target == nil || d.ReadOnly != nil || d.Device == "cdrom" {
+			continue
+		}
+		if d.Alias != nil && shared[strings.TrimPrefix(d.Alias.Name, "ua-")] {
+			opts.SharedUnsafe = true
+			continue
+		}
+		opts.CopyDisks = append(opts.CopyDisks, d.Target.Dev)
+	}
+	opts.CopyStorage = len(opts.CopyDisks) > 0
 	if conf != nil {
 		if q := conf.BandwidthPerMigration; q != nil && q.Value() > 0 {
 			opts.BandwidthMiBs = uint64((q.Value() + 1<<20 - 1) >> 20)
@@ -666,18 +678,38 @@ func (h *Handler) runLibvirtMigration(ctx context.Context, vmi *v1.VirtualMachin
 			opts.MaxDowntime = time.Duration(*conf.MaxDowntimeMs) * time.Millisecond
 		}
 	}
-	for _, vol := range vmi.Spec.Volumes {
-		if vol.HostDisk != nil {
-			// The same file on every node (receivable checked Shared).
-			opts.SharedUnsafe = true
-		}
-	}
 	return lv.Migrate(ctx, name, opts)
 }
 
+// sharedVolumes names the VMI's volumes on storage every node sees.
+func (h *Handler) sharedVolumes(ctx context.Context, vmi *v1.VirtualMachineInstance) (map[string]bool, error) {
+	out := map[string]bool{}
+	for _, vol := range vmi.Spec.Volumes {
+		var claim string
+		switch {
+		case vol.HostDisk != nil:
+			out[vol.Name] = true
+			continue
+		case vol.PersistentVolumeClaim != nil:
+			claim = vol.PersistentVolumeClaim.ClaimName
+		case vol.DataVolume != nil:
+			claim = vol.DataVolume.Name
+		default:
+			continue
+		}
+		pvc, err := h.cfg.Kube.CoreV1().PersistentVolumeClaims(vmi.Namespace).Get(ctx, claim, metav1.GetOptions{})
+		if err != nil {
+			return nil, fmt.Errorf("persistentvolumeclaim %s/%s: %w", vmi.Namespace, claim, err)
+		}
+		out[vol.Name] = slices.Contains(pvc.Spec.AccessModes, k8sv1.ReadWriteMany)
+	}
+	return out, nil
+}
+
 // completionTimeout is KubeVirt's completionTimeoutPerGiB applied to what
-// moves: the guest's memory (and the disks copied).
-func completionTimeout(vmi *v1.VirtualMachineInstance, conf *v1.VMIMConfigurationOptions) time.Duration {
+// moves: the guest's memory and diskBytes of copied disks (plus 10 s for
+// the setup).
+func completionTimeout(vmi *v1.VirtualMachineInstance, conf *v1.VMIMConfigurationOptions, diskBytes int64) time.Duration {
 	perGiB := int64(150)
 	if conf != nil && conf.CompletionTimeoutPerGiB != nil && *conf.CompletionTimeoutPerGiB > 0 {
 		perGiB = *conf.CompletionTimeoutPerGiB
@@ -688,7 +720,7 @@ func completionTimeout(vmi *v1.VirtualMachineInstance, conf *v1.VMIMConfiguratio
 	} else if q, ok := vmi.Spec.Domain.Resources.Requests[k8sv1.ResourceMemory]; ok {
 		bytes = q.Value()
 	}
-	gib := max(float64(bytes)/(1<<30), 1.0/16)
+	gib := max(float64(bytes+diskBytes)/(1<<30), 1.0/16)
 	return time.Duration(float64(perGiB)*gib*float64(time.Second)) + 10*time.Second
 }
 

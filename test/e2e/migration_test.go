@@ -365,7 +365,9 @@ func TestLiveMigration(t *testing.T) {
 		s.EvictionStrategy = &st
 	}
 	n.createVM(withLocalDataDisk(n.newVM("mover", kubevirtv1.RunStrategyAlways, withBridge("mig"), onSecondNodeToo(),
-		onNodes(node2.Name, node3.Name), withSharedHostDisks(), liveMigrate)))
+		onNodes(node2.Name, node3.Name), withSharedHostDisks(), liveMigrate,
+		// A cloud-init seed: a writable node-local disk the migration copies.
+		withUserData("#!/bin/sh\necho E2E-USERDATA-RAN\n"))))
 	vmi := n.waitVMIOfVM("mover", 3*time.Minute)
 	firstPV := n.boundPV("mover-data")
 	first := vmi.Status.NodeName
