@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -366,8 +367,12 @@ func TestLiveMigration(t *testing.T) {
 	}
 	n.createVM(withLocalDataDisk(n.newVM("mover", kubevirtv1.RunStrategyAlways, withBridge("mig"), onSecondNodeToo(),
 		onNodes(node2.Name, node3.Name), withSharedHostDisks(), liveMigrate,
-		// A cloud-init seed: a writable node-local disk the migration copies.
-		withUserData("#!/bin/sh\necho E2E-USERDATA-RAN\n"))))
+		// A cloud-init seed: a writable node-local disk the migration
+		// copies; it gives the guest its address on the bridge.
+		withUserData("#!/bin/sh\n# nodevirt.ip="+moverIP+"/24\necho E2E-USERDATA-RAN\n"))))
+	// A peer on the first node pings it five times a second.
+	n.createVM(n.newVM("pinger", kubevirtv1.RunStrategyAlways, withBridge("mig"), withNodeSelector(e.nodeName),
+		withUserData(pongUserData(pingerIP, moverIP))))
 	vmi := n.waitVMIOfVM("mover", 3*time.Minute)
 	firstPV := n.boundPV("mover-data")
 	first := vmi.Status.NodeName
@@ -388,7 +393,12 @@ func TestLiveMigration(t *testing.T) {
 		t.Fatalf("marks not written: %+v", before)
 	}
 
+	pings := n.serial("pinger")
+	pings.expect(`E2E-PONG`, bootTimeout)
+
 	// 1. Upstream virtctl migrate: the migrate subresource makes the VMIM.
+	pings.poll()
+	pings.cursor = len(pings.out)
 	start := time.Now()
 	n.upstreamVirtctl().run(60*time.Second, "migrate", "mover")
 	var mig *kubevirtv1.VirtualMachineInstanceMigration
@@ -410,6 +420,12 @@ func TestLiveMigration(t *testing.T) {
 		t.Errorf("MAC %s after the migration, was %s", vmi.Status.Interfaces[0].MAC, mac)
 	}
 	secondPV := n.checkClaimOn(mig, "mover-data", other, firstPV)
+	time.Sleep(2 * time.Second)
+	gap, replies := pingGap(pings)
+	t.Logf("ping gap seen by a peer on the bridge during the migration: %s (%d replies)", gap, replies)
+	if replies < 5 || gap > 5*time.Second {
+		t.Errorf("the peer on the bridge saw a gap of %s (%d replies)", gap, replies)
+	}
 	n.eventually(60*time.Second, "source domain removed from "+first, func() (bool, string) {
 		st := n.domainOn(nodes[first], "mover")
 		return st == "", st
@@ -547,6 +563,36 @@ func (n *testNS) logDowntimes() {
 	for _, ev := range events.Items {
 		n.t.Logf("event %s: %s", ev.Reason, ev.Message)
 	}
+}
+
+// Addresses on the migration test's bridge.
+const (
+	moverIP  = "10.233.0.2"
+	pingerIP = "10.233.0.1"
+)
+
+// pongUserData makes a guest at self ping peer every 0.2 s and print
+// E2E-PONG <uptime> for each reply.
+func pongUserData(self, peer string) string {
+	return fmt.Sprintf("#!/bin/sh\n# nodevirt.ip=%s/24\n(while true; do if ping -c 1 -W 1 %s >/dev/null 2>&1; then "+
+		"echo E2E-PONG $(cut -d' ' -f1 /proc/uptime); fi; sleep 0.2; done) &\n", self, peer)
+}
+
+// pingGap is the longest time between two replies in the serial log after
+// its cursor, and the number of replies.
+func pingGap(s *serialLog) (time.Duration, int) {
+	s.poll()
+	var gap time.Duration
+	var last float64
+	ms := regexp.MustCompile(`E2E-PONG (\d+\.\d+)`).FindAllStringSubmatch(string(s.out[s.cursor:]), -1)
+	for i, m := range ms {
+		up, _ := strconv.ParseFloat(m[1], 64)
+		if i > 0 {
+			gap = max(gap, time.Duration((up-last)*float64(time.Second)))
+		}
+		last = up
+	}
+	return gap, len(ms)
 }
 
 // taint adds (on) or removes a taint of node.
