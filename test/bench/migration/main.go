@@ -256,7 +256,7 @@ func virshMigrate(from, to node, destXML string) (time.Duration, time.Duration, 
 	if err != nil {
 		return 0, 0, fmt.Errorf("virsh domjobinfo: %w: %s", err, info)
 	}
-	m := regexp.MustCompile(`Total downtime:\s+(\d+) ms`).FindSubmatch(info)
+	m := regexp.MustCompile(`Total downtime:\s+(\d+)\s+ms`).FindSubmatch(info)
 	if m == nil {
 		return 0, 0, fmt.Errorf("no downtime in domjobinfo: %s", info)
 	}
