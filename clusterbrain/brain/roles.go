@@ -96,9 +96,12 @@ var leaderRoles = []RoleFactory{
 		return rbac.NewNodeSecretAccess(d.Kube, d.Config.Namespace, d.Log)
 	},
 	func(d *Deps) (Role, error) {
-		// Migrations end Failed with their reason: nodevirt does not move
-		// running guests yet.
-		return migration.New(migration.Config{Kube: d.Kube, Virt: d.Virt, Log: d.Log})
+		// Live migrations: the scheduler picks each target node.
+		dyn, err := dynamic.NewForConfig(d.RestConfig)
+		if err != nil {
+			return nil, err
+		}
+		return migration.New(migration.Config{Kube: d.Kube, Virt: d.Virt, Placer: d.scheduler, Dynamic: dyn, Log: d.Log})
 	},
 	func(d *Deps) (Role, error) {
 		return macpool.NewReconciler(macpool.Config{RestConfig: d.RestConfig, Virt: d.Virt, Namespace: d.Config.Namespace, Log: d.Log.With("role", "macpool"),

@@ -12,6 +12,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	instancetypev1beta1 "kubevirt.io/api/instancetype/v1beta1"
+	migrationsv1alpha1 "kubevirt.io/api/migrations/v1alpha1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
@@ -69,6 +70,9 @@ func Catalog() []Kind {
 			Columns: []apiextensionsv1.CustomResourceColumnDefinition{
 				col("Phase", "string", ".status.phase", 0), col("VMI", "string", ".spec.vmiName", 0)},
 			Type: reflect.TypeOf(kubevirtv1.VirtualMachineInstanceMigration{})},
+		{Group: "migrations.kubevirt.io", Version: "v1alpha1", Kind: "MigrationPolicy", Plural: "migrationpolicies", Singular: "migrationpolicy",
+			Categories: []string{"all"}, Status: true, Columns: []apiextensionsv1.CustomResourceColumnDefinition{age},
+			Type: reflect.TypeOf(migrationsv1alpha1.MigrationPolicy{})},
 		{Group: kv, Version: "v1", Kind: "KubeVirt", Plural: "kubevirts", Singular: "kubevirt",
 			ShortNames: []string{"kv", "kvs"}, Categories: []string{"all"}, Namespaced: true, Status: true,
 			Columns: []apiextensionsv1.CustomResourceColumnDefinition{age, col("Phase", "string", ".status.phase", 0)},

@@ -15,6 +15,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/featuregate"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/migration/migstate"
 )
 
 // retryAfter is how soon a DataVolume waiting on something the controller
@@ -56,6 +57,12 @@ func (c *Controller) sync(ctx context.Context, key string) (time.Duration, error
 		return 0, c.writeStatus(ctx, dv, st)
 	}
 	pvc, err := c.pvcs.PersistentVolumeClaims(dv.Namespace).Get(dv.Name)
+	if apierrors.IsNotFound(err) && dv.Annotations[migstate.AnnClaimMoving] != "" {
+		// A live migration replaces the claim by one bound to the copy of
+		// its volume on another node (package migstate).
+		log.Info("claim moving with a migration", "migration", dv.Annotations[migstate.AnnClaimMoving])
+		return retryAfter, nil
+	}
 	if apierrors.IsNotFound(err) {
 		want, err := c.buildClaim(ctx, dv, src)
 		if err != nil {

@@ -2,117 +2,309 @@ package migration
 
 import (
 	"context"
+	"log/slog"
+	"os"
 	"strings"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/util/retry"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/crds"
+	"github.com/nodevirt/nodevirt/clusterbrain/migration/migstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 	"github.com/nodevirt/nodevirt/test/controlplane"
-	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestMain(m *testing.M) {
 	controlplane.Main(m, controlplane.Config{})
 }
 
-// TestMigrationsFailWithTheirReason runs the controller against the real
-// control plane: every migration ends Failed, with KubeVirt's reason where
-// KubeVirt would refuse it and "not implemented" where it would not; the
-// VMIs are left alone.
-func TestMigrationsFailWithTheirReason(t *testing.T) {
+type env struct {
+	t    *testing.T
+	ctx  context.Context
+	kube kubernetes.Interface
+	virt *client.Set
+	ns   string
+}
+
+// setup runs the controller with the real scheduler against the real
+// control plane; the tests play the node agents' part of the protocol
+// (package migstate) by writing their keys.
+func setup(t *testing.T) *env {
 	cp := controlplane.Shared(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	testkit.InstallCRDs(t, cp)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	t.Cleanup(cancel)
+	if err := crds.Install(ctx, apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.Catalog()); err != nil {
+		t.Fatal(err)
+	}
 	kube := cp.Clientset(t)
 	virt, err := client.NewSet(cp.RestConfig)
 	if err != nil {
 		t.Fatal(err)
 	}
-	ns := cp.Namespace(t)
-	c, err := New(Config{Kube: kube, Virt: virt})
+	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	sched, err := scheduler.New(scheduler.Config{Kube: kube, Virt: virt, Log: quiet, Retry: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := New(Config{Kube: kube, Virt: virt, Placer: sched, Log: quiet, Dynamic: dynamic.NewForConfigOrDie(cp.RestConfig)})
 	if err != nil {
 		t.Fatal(err)
 	}
 	runCtx, stop := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- c.Run(runCtx) }()
-	defer func() { stop(); <-done }()
+	done := make(chan struct{}, 2)
+	go func() { _ = sched.Run(runCtx); done <- struct{}{} }()
+	go func() { _ = c.Run(runCtx); done <- struct{}{} }()
+	t.Cleanup(func() { stop(); <-done; <-done })
+	return &env{t: t, ctx: ctx, kube: kube, virt: virt, ns: cp.Namespace(t)}
+}
 
-	vmi := func(name string, phase kubevirtv1.VirtualMachineInstancePhase, conds ...kubevirtv1.VirtualMachineInstanceCondition) {
-		t.Helper()
-		v, err := virt.VMIs.Create(ctx, &kubevirtv1.VirtualMachineInstance{
-			ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
-			Spec: kubevirtv1.VirtualMachineInstanceSpec{Domain: kubevirtv1.DomainSpec{Resources: kubevirtv1.ResourceRequirements{
+// node makes a Ready, schedulable node with labels.
+func (e *env) node(name string, labels map[string]string) {
+	e.t.Helper()
+	lbl := map[string]string{corev1.LabelHostname: name, scheduler.SchedulableLabel: "true"}
+	for k, v := range labels {
+		lbl[k] = v
+	}
+	res := corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("8"), corev1.ResourceMemory: resource.MustParse("16Gi")}
+	n, err := e.kube.CoreV1().Nodes().Create(e.ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: lbl}}, metav1.CreateOptions{})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	e.t.Cleanup(func() { _ = e.kube.CoreV1().Nodes().Delete(context.Background(), name, metav1.DeleteOptions{}) })
+	n.Spec.Taints = nil
+	if n, err = e.kube.CoreV1().Nodes().Update(e.ctx, n, metav1.UpdateOptions{}); err != nil {
+		e.t.Fatal(err)
+	}
+	n.Status = corev1.NodeStatus{Capacity: res, Allocatable: res,
+		Conditions: []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue}}}
+	if _, err := e.kube.CoreV1().Nodes().UpdateStatus(e.ctx, n, metav1.UpdateOptions{}); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+// runningVMI makes a VMI running on node with the given conditions. It
+// asks for a label no node has yet, so the scheduler leaves it alone until
+// it runs.
+func (e *env) runningVMI(name, node string, conds ...kubevirtv1.VirtualMachineInstanceCondition) {
+	e.t.Helper()
+	v, err := e.virt.VMIs.Create(e.ctx, &kubevirtv1.VirtualMachineInstance{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: e.ns, Labels: map[string]string{kubevirtv1.NodeNameLabel: node}},
+		Spec: kubevirtv1.VirtualMachineInstanceSpec{NodeSelector: map[string]string{"migration-test/eligible": "yes"},
+			Domain: kubevirtv1.DomainSpec{Resources: kubevirtv1.ResourceRequirements{
 				Requests: corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("64Mi")}}}},
-		})
-		if err != nil {
-			t.Fatal(err)
-		}
-		v.Status.Phase, v.Status.NodeName, v.Status.Conditions = phase, "node-a", conds
-		if _, err := virt.VMIs.UpdateStatus(ctx, v); err != nil {
-			t.Fatal(err)
-		}
+	})
+	if err != nil {
+		e.t.Fatal(err)
 	}
-	vmi("local-disk", kubevirtv1.Running, kubevirtv1.VirtualMachineInstanceCondition{
-		Type: kubevirtv1.VirtualMachineInstanceIsMigratable, Status: corev1.ConditionFalse,
-		Reason: kubevirtv1.VirtualMachineInstanceReasonDisksNotMigratable, Message: "cannot migrate VMI: PVC root is not shared"})
-	vmi("movable", kubevirtv1.Running, kubevirtv1.VirtualMachineInstanceCondition{
-		Type: kubevirtv1.VirtualMachineInstanceIsMigratable, Status: corev1.ConditionTrue})
-	vmi("starting", kubevirtv1.Scheduled)
+	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		cur, err := e.virt.VMIs.Get(e.ctx, e.ns, v.Name)
+		if err != nil {
+			return err
+		}
+		cur.Status.Phase, cur.Status.NodeName, cur.Status.Conditions = kubevirtv1.Running, node, conds
+		_, err = e.virt.VMIs.UpdateStatus(e.ctx, cur)
+		return err
+	}); err != nil {
+		e.t.Fatal(err)
+	}
+}
 
-	for _, tc := range []struct{ vmi, want string }{
-		{"local-disk", "Cannot migrate VMI, Reason: " + kubevirtv1.VirtualMachineInstanceReasonDisksNotMigratable + ", Message: cannot migrate VMI: PVC root is not shared"},
-		{"movable", NotImplemented},
-		{"starting", `cannot migrate VMI "starting": it is Scheduled, not Running`},
-		{"missing", `the VMI "missing" does not exist`},
-	} {
-		mig, err := virt.Migrations.Create(ctx, &kubevirtv1.VirtualMachineInstanceMigration{
-			ObjectMeta: metav1.ObjectMeta{GenerateName: "kubevirt-migrate-vm-", Namespace: ns},
-			Spec:       kubevirtv1.VirtualMachineInstanceMigrationSpec{VMIName: tc.vmi},
-		})
+func (e *env) migrate(vmi string, added map[string]string) *kubevirtv1.VirtualMachineInstanceMigration {
+	e.t.Helper()
+	m, err := e.virt.Migrations.Create(e.ctx, &kubevirtv1.VirtualMachineInstanceMigration{
+		ObjectMeta: metav1.ObjectMeta{GenerateName: "kubevirt-migrate-vm-", Namespace: e.ns},
+		Spec:       kubevirtv1.VirtualMachineInstanceMigrationSpec{VMIName: vmi, AddedNodeSelector: added},
+	})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return m
+}
+
+// waitPhase waits until the migration is in phase (or, with gone, deleted).
+func (e *env) waitPhase(name string, phase kubevirtv1.VirtualMachineInstanceMigrationPhase) *kubevirtv1.VirtualMachineInstanceMigration {
+	e.t.Helper()
+	var got *kubevirtv1.VirtualMachineInstanceMigration
+	if err := wait.PollUntilContextTimeout(e.ctx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		m, err := e.virt.Migrations.Get(ctx, e.ns, name)
 		if err != nil {
+			return false, err
+		}
+		got = m
+		return m.Status.Phase == phase, nil
+	}); err != nil {
+		e.t.Fatalf("migration %s not %s: %v (phase %s, state %+v)", name, phase, err, got.Status.Phase, got.Status.MigrationState)
+	}
+	return got
+}
+
+// nodeWrites plays a node agent: it writes its keys of the migration.
+func (e *env) nodeWrites(name string, change func(*kubevirtv1.VirtualMachineInstanceMigrationState)) {
+	e.t.Helper()
+	if err := migstate.UpdateState(e.ctx, e.virt, e.ns, name, func(_ *kubevirtv1.VirtualMachineInstanceMigration, s *kubevirtv1.VirtualMachineInstanceMigrationState) bool {
+		change(s)
+		return true
+	}); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+var migratable = kubevirtv1.VirtualMachineInstanceCondition{Type: kubevirtv1.VirtualMachineInstanceIsMigratable, Status: corev1.ConditionTrue}
+
+// TestMigrationPhases: a migration goes through KubeVirt's phases as the
+// nodes report; the target honours addedNodeSelector and is never the
+// source; on success the VMI is bound to the target with the migration's
+// state; a second migration of the same VMI (back) picks another node;
+// deleting a running migration asks the source to abort and the object goes
+// once the source reported.
+func TestMigrationPhases(t *testing.T) {
+	e := setup(t)
+	for _, n := range []struct{ name, zone string }{{"mig-a", "a"}, {"mig-b", "b"}, {"mig-c", "c"}} {
+		e.node(n.name, map[string]string{"zone": n.zone})
+	}
+	e.runningVMI("movable", "mig-a", migratable)
+	// A MigrationPolicy for it (by namespace label and VMI label).
+	if _, err := e.kube.CoreV1().Namespaces().Patch(e.ctx, e.ns, types.MergePatchType, []byte(`{"metadata":{"labels":{"team":"a"}}}`), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	pol := &unstructured.Unstructured{Object: map[string]any{"apiVersion": "migrations.kubevirt.io/v1alpha1", "kind": "MigrationPolicy",
+		"metadata": map[string]any{"name": "slow-" + e.ns},
+		"spec": map[string]any{"bandwidthPerMigration": "16Mi", "allowAutoConverge": true,
+			"selectors": map[string]any{"namespaceSelector": map[string]any{"team": "a"}}}}}
+	policies := dynamic.NewForConfigOrDie(controlplane.Shared(t).RestConfig).Resource(policyResource)
+	if _, err := policies.Create(e.ctx, pol, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = policies.Delete(context.Background(), pol.GetName(), metav1.DeleteOptions{}) })
+	for _, n := range []string{"mig-a", "mig-b", "mig-c"} {
+		node, _ := e.kube.CoreV1().Nodes().Get(e.ctx, n, metav1.GetOptions{})
+		node.Labels["migration-test/eligible"] = "yes"
+		if _, err := e.kube.CoreV1().Nodes().Update(e.ctx, node, metav1.UpdateOptions{}); err != nil {
 			t.Fatal(err)
 		}
-		var got *kubevirtv1.VirtualMachineInstanceMigration
-		if err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
-			got, err = virt.Migrations.Get(ctx, ns, mig.Name)
-			return err == nil && got.Status.Phase != "", err
-		}); err != nil {
-			t.Fatalf("migration of %s not settled: %v", tc.vmi, err)
-		}
+	}
+
+	mig := e.migrate("movable", map[string]string{"zone": "c"})
+	got := e.waitPhase(mig.Name, kubevirtv1.MigrationPreparingTarget)
+	st := got.Status.MigrationState
+	if st.SourceNode != "mig-a" || st.TargetNode != "mig-c" || st.MigrationUID != mig.UID || st.VMIMConfigurationOptions == nil ||
+		*st.VMIMConfigurationOptions.CompletionTimeoutPerGiB != 150 {
+		t.Fatalf("scheduled state %+v", st)
+	}
+	if c := st.VMIMConfigurationOptions; st.MigrationPolicyName == nil || *st.MigrationPolicyName != "slow-"+e.ns ||
+		c.BandwidthPerMigration.String() != "16Mi" || !*c.AllowAutoConverge {
+		t.Errorf("policy %v, configuration %+v", st.MigrationPolicyName, c)
+	}
+	if vmi, _ := e.virt.VMIs.Get(e.ctx, e.ns, "movable"); vmi.Status.MigrationState == nil || vmi.Status.MigrationState.TargetNode != "mig-c" {
+		t.Errorf("vmi migrationState %+v", vmi.Status.MigrationState)
+	}
+	e.nodeWrites(mig.Name, func(s *kubevirtv1.VirtualMachineInstanceMigrationState) { s.TargetNodeAddress = "10.0.0.3" })
+	e.waitPhase(mig.Name, kubevirtv1.MigrationTargetReady)
+	e.nodeWrites(mig.Name, func(s *kubevirtv1.VirtualMachineInstanceMigrationState) {
+		now := metav1.Now()
+		s.StartTimestamp = &now
+	})
+	e.waitPhase(mig.Name, kubevirtv1.MigrationRunning)
+	e.nodeWrites(mig.Name, func(s *kubevirtv1.VirtualMachineInstanceMigrationState) {
+		now := metav1.Now()
+		s.EndTimestamp, s.Completed = &now, true
+	})
+	got = e.waitPhase(mig.Name, kubevirtv1.MigrationSucceeded)
+	var phases []string
+	for _, p := range got.Status.PhaseTransitionTimestamps {
+		phases = append(phases, string(p.Phase))
+	}
+	if strings.Join(phases, ",") != "Pending,Scheduling,Scheduled,PreparingTarget,TargetReady,Running,Succeeded" {
+		t.Errorf("phases %v", phases)
+	}
+	vmi, err := e.virt.VMIs.Get(e.ctx, e.ns, "movable")
+	if err != nil || vmi.Status.NodeName != "mig-c" || vmi.Labels[kubevirtv1.NodeNameLabel] != "mig-c" ||
+		vmi.Status.MigrationState == nil || !vmi.Status.MigrationState.Completed || vmi.Status.MigrationState.Failed {
+		t.Fatalf("vmi after the migration: node %s labels %v state %+v (%v)", vmi.Status.NodeName, vmi.Labels, vmi.Status.MigrationState, err)
+	}
+
+	// Back: any node but the source mig-c.
+	back := e.migrate("movable", nil)
+	got = e.waitPhase(back.Name, kubevirtv1.MigrationPreparingTarget)
+	if tn := got.Status.MigrationState.TargetNode; tn == "mig-c" || tn == "" {
+		t.Fatalf("second migration targets %q", tn)
+	}
+	// A third one while the second runs: refused as KubeVirt does.
+	third := e.migrate("movable", nil)
+	got = e.waitPhase(third.Name, kubevirtv1.MigrationFailed)
+	if !strings.Contains(got.Status.MigrationState.FailureReason, "in-flight migration detected") {
+		t.Errorf("concurrent migration failed with %q", got.Status.MigrationState.FailureReason)
+	}
+	// Cancel the second one: abortRequested, then the source's report.
+	e.nodeWrites(back.Name, func(s *kubevirtv1.VirtualMachineInstanceMigrationState) {
+		now := metav1.Now()
+		s.TargetNodeAddress, s.StartTimestamp = "10.0.0.2", &now
+	})
+	e.waitPhase(back.Name, kubevirtv1.MigrationRunning)
+	if err := e.virt.Migrations.Delete(e.ctx, e.ns, back.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := wait.PollUntilContextTimeout(e.ctx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		m, err := e.virt.Migrations.Get(ctx, e.ns, back.Name)
+		return err == nil && m.Status.MigrationState.AbortRequested, err
+	}); err != nil {
+		t.Fatalf("abort not requested: %v", err)
+	}
+	e.nodeWrites(back.Name, func(s *kubevirtv1.VirtualMachineInstanceMigrationState) {
+		now := metav1.Now()
+		s.EndTimestamp, s.Completed, s.Failed = &now, true, true
+		s.AbortStatus, s.FailureReason = kubevirtv1.MigrationAbortSucceeded, "migration aborted"
+	})
+	if err := wait.PollUntilContextTimeout(e.ctx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		_, err := e.virt.Migrations.Get(ctx, e.ns, back.Name)
+		return apierrors.IsNotFound(err), nil
+	}); err != nil {
+		t.Fatalf("cancelled migration not removed: %v", err)
+	}
+	vmi, _ = e.virt.VMIs.Get(e.ctx, e.ns, "movable")
+	if s := vmi.Status.MigrationState; vmi.Status.NodeName != "mig-c" || s == nil || s.MigrationUID != back.UID || !s.Failed ||
+		s.AbortStatus != kubevirtv1.MigrationAbortSucceeded {
+		t.Errorf("vmi after the cancel: node %s state %+v", vmi.Status.NodeName, s)
+	}
+}
+
+// TestMigrationsRefused: migrations KubeVirt would refuse fail at once with
+// its reason, and the VMIs are left alone.
+func TestMigrationsRefused(t *testing.T) {
+	e := setup(t)
+	e.node("ref-a", nil)
+	e.runningVMI("local-disk", "ref-a", kubevirtv1.VirtualMachineInstanceCondition{
+		Type: kubevirtv1.VirtualMachineInstanceIsMigratable, Status: corev1.ConditionFalse,
+		Reason: kubevirtv1.VirtualMachineInstanceReasonDisksNotMigratable, Message: "cannot migrate VMI with non-shared HostDisk"})
+	e.runningVMI("alone", "ref-a", migratable)
+	for _, tc := range []struct{ vmi, want string }{
+		{"local-disk", "Cannot migrate VMI, Reason: " + kubevirtv1.VirtualMachineInstanceReasonDisksNotMigratable + ", Message: cannot migrate VMI with non-shared HostDisk"},
+		{"missing", `the VMI "missing" does not exist`},
+		// One node only: nowhere to go but the source.
+		{"alone", "no node to migrate VMI alone to"},
+	} {
+		mig := e.migrate(tc.vmi, nil)
+		got := e.waitPhase(mig.Name, kubevirtv1.MigrationFailed)
 		st := got.Status.MigrationState
-		if got.Status.Phase != kubevirtv1.MigrationFailed || st == nil || !st.Failed || !st.Completed || st.FailureReason != tc.want {
-			t.Errorf("migration of %s: phase %s, state %+v; want Failed with %q", tc.vmi, got.Status.Phase, st, tc.want)
-		}
-		if tc.vmi != "missing" && st != nil && st.SourceNode != "node-a" {
-			t.Errorf("migration of %s: source node %q", tc.vmi, st.SourceNode)
-		}
-		// Polled gently: the controller's event sink shares this client's
-		// rate limit.
-		if err := wait.PollUntilContextTimeout(ctx, 500*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
-			events, err := kube.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=" + mig.Name})
-			if err != nil {
-				return false, err
-			}
-			for _, ev := range events.Items {
-				if ev.Reason == ReasonFailed && ev.Type == corev1.EventTypeWarning && strings.Contains(ev.Message, tc.want) {
-					return true, nil
-				}
-			}
-			return false, nil
-		}); err != nil {
-			t.Errorf("no %s event for the migration of %s: %v", ReasonFailed, tc.vmi, err)
+		if st == nil || !st.Failed || !st.Completed || !strings.Contains(st.FailureReason, tc.want) {
+			t.Errorf("migration of %s: state %+v; want Failed with %q", tc.vmi, st, tc.want)
 		}
 	}
-	// The guest is left where it runs.
-	if v, err := virt.VMIs.Get(ctx, ns, "movable"); err != nil || v.Status.Phase != kubevirtv1.Running || v.Status.MigrationState != nil {
-		t.Errorf("movable VMI changed: %+v %v", v.Status, err)
+	if v, err := e.virt.VMIs.Get(e.ctx, e.ns, "alone"); err != nil || v.Status.NodeName != "ref-a" || v.Status.MigrationState != nil {
+		t.Errorf("vmi alone changed: %+v %v", v.Status, err)
 	}
 }

@@ -45,6 +45,9 @@ func NodeAgentRules() []rbacv1.PolicyRule {
 		rule(core, []string{"virtualmachineinstances"}, "get", "list", "watch", "update", "patch"),
 		rule(core, []string{"virtualmachineinstances/status"}, "get", "update", "patch"),
 		rule(core, []string{"kubevirts"}, read...),
+		// Its part in live migrations (package migstate).
+		rule(core, []string{"virtualmachineinstancemigrations"}, read...),
+		rule(core, []string{"virtualmachineinstancemigrations/status"}, "get", "update", "patch"),
 		rule("k8s.cni.cncf.io", []string{"network-attachment-definitions"}, read...),
 		// The volumes it serves: provisioner, CSI, importer.
 		rule("", []string{"persistentvolumeclaims"}, "get", "list", "watch", "update", "patch"),

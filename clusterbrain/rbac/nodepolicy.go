@@ -24,6 +24,9 @@ import (
 //   - VirtualMachineInstances (and their status): only those bound to it
 //     (status.nodeName, or before that the kubevirt.io/nodeName label), and
 //     it cannot bind one to itself or hand one to another node.
+//   - VirtualMachineInstanceMigrations' status: only of migrations whose
+//     status.migrationState names it as source or target node, and it
+//     cannot change those two (package migstate).
 //   - PersistentVolumes: only those whose required node affinity
 //     (topology.hostpath.csi/node or kubernetes.io/hostname) names it in
 //     every term.
@@ -95,6 +98,15 @@ func nodePolicies() []nodePolicy {
 			"'volume.kubernetes.io/selected-node' in " + o + ".metadata.annotations ? " + o + ".metadata.annotations['volume.kubernetes.io/selected-node'] : " +
 			"('kubevirt.io/provisionOnNode' in " + o + ".metadata.annotations ? " + o + ".metadata.annotations['kubevirt.io/provisionOnNode'] : '')) : ''"
 	}
+	// migrationNodes is a migration's [source, target] node.
+	migrationNodes := func(o string) string {
+		return "(has(" + o + ".status) && has(" + o + ".status.migrationState) ? [" +
+			"has(" + o + ".status.migrationState.sourceNode) ? " + o + ".status.migrationState.sourceNode : '', " +
+			"has(" + o + ".status.migrationState.targetNode) ? " + o + ".status.migrationState.targetNode : ''] : ['', ''])"
+	}
+	migrationParty := func(o string) string {
+		return "(variables.nodeName != '' && variables.nodeName in " + migrationNodes(o) + ")"
+	}
 	return []nodePolicy{
 		{name: NodeRestrictionPolicy + "-nodes",
 			rules: []admissionregistrationv1.NamedRuleWithOperations{
@@ -112,6 +124,13 @@ func nodePolicies() []nodePolicy {
 			validations: []admissionregistrationv1.Validation{{
 				Expression:        "(" + bound("oldObject") + ") && (request.operation == 'DELETE' || (" + bound("object") + "))",
 				MessageExpression: "'node ' + variables.nodeName + ' may write only the VirtualMachineInstances bound to it'"}}},
+		{name: NodeRestrictionPolicy + "-migrations",
+			rules: []admissionregistrationv1.NamedRuleWithOperations{
+				ruleFor("kubevirt.io", "*", []string{"virtualmachineinstancemigrations", "virtualmachineinstancemigrations/status"}, ops(create, update, del))},
+			validations: []admissionregistrationv1.Validation{{
+				Expression: "request.operation == 'UPDATE' && " + migrationParty("oldObject") + " && " +
+					migrationNodes("object") + " == " + migrationNodes("oldObject"),
+				MessageExpression: "'node ' + variables.nodeName + ' may write only the status of migrations it takes part in'"}}},
 		{name: NodeRestrictionPolicy + "-pvs",
 			rules: []admissionregistrationv1.NamedRuleWithOperations{
 				ruleFor("", "v1", []string{"persistentvolumes", "persistentvolumes/status"}, ops(create, update, del))},

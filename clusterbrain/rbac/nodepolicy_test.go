@@ -196,6 +196,47 @@ func TestNodeWritesOnlyItsOwnObjects(t *testing.T) {
 	_, err = virt.VMIs.UpdateStatus(ctx, own)
 	refused(t, "hand its VMI to another node", err)
 
+	// Migrations: the status of those it takes part in (package
+	// migstate), never who takes part.
+	for _, m := range []struct{ name, source, target string }{{"mig-mine", "np-x-" + suffix, mine}, {"mig-other", other, "np-x-" + suffix}} {
+		mig, err := adminVirt.Migrations.Create(ctx, &kubevirtv1.VirtualMachineInstanceMigration{
+			ObjectMeta: metav1.ObjectMeta{Name: m.name, Namespace: ns}, Spec: kubevirtv1.VirtualMachineInstanceMigrationSpec{VMIName: "on-" + other}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		mig.Status.MigrationState = &kubevirtv1.VirtualMachineInstanceMigrationState{SourceNode: m.source, TargetNode: m.target}
+		if _, err := adminVirt.Migrations.UpdateStatus(ctx, mig); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitRefused(t, "update the status of a migration it has no part in", func() error {
+		m, err := virt.Migrations.Get(ctx, ns, "mig-other")
+		if err != nil {
+			return err
+		}
+		m.Status.MigrationState.TargetNodeAddress = "10.0.0.9"
+		_, err = virt.Migrations.UpdateStatus(ctx, m)
+		return err
+	})
+	ours, err := virt.Migrations.Get(ctx, ns, "mig-mine")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ours.Status.MigrationState.TargetNodeAddress = "10.0.0.1"
+	_, err = virt.Migrations.UpdateStatus(ctx, ours)
+	allowed(t, "report its part in a migration", err)
+	ours, _ = virt.Migrations.Get(ctx, ns, "mig-mine")
+	ours.Status.MigrationState.SourceNode = mine
+	_, err = virt.Migrations.UpdateStatus(ctx, ours)
+	refused(t, "change a migration's source node", err)
+	ours, _ = virt.Migrations.Get(ctx, ns, "mig-mine")
+	ours.Spec.VMIName = "on-" + mine
+	_, err = virt.Migrations.Update(ctx, ours)
+	refused(t, "update a migration's spec", err)
+	_, err = virt.Migrations.Create(ctx, &kubevirtv1.VirtualMachineInstanceMigration{
+		ObjectMeta: metav1.ObjectMeta{Name: "mig-forged", Namespace: ns}, Spec: kubevirtv1.VirtualMachineInstanceMigrationSpec{VMIName: "on-" + mine}})
+	refused(t, "create a migration", err)
+
 	// PVs.
 	pv := func(name, node string) *corev1.PersistentVolume {
 		return &corev1.PersistentVolume{ObjectMeta: metav1.ObjectMeta{Name: name},

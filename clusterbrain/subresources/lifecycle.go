@@ -378,14 +378,26 @@ func (s *Server) migrateVM(w http.ResponseWriter, r *http.Request, req request, 
 	if vmi.Status.Phase != kubevirtv1.Running {
 		return apierrors.NewConflict(vmResource, req.name, errors.New(msgVMNotRunning))
 	}
-	// Refused before a migration object exists: what KubeVirt's migration
-	// webhook refuses, and what nodevirt cannot do yet (the migration
-	// controller fails migrations created directly for the same reasons).
+	// Refused before a migration object exists, as KubeVirt's migration
+	// webhook refuses it; the migration controller fails migrations
+	// created directly for the same reasons.
 	if ok, why := migration.Migratable(vmi); !ok {
 		log.Info("migration refused", "reason", why)
 		return apierrors.NewConflict(vmResource, req.name, errors.New(why))
 	}
-	log.Info("migration refused", "reason", migration.NotImplemented)
-	return &apierrors.StatusError{ErrStatus: metav1.Status{
-		Status: metav1.StatusFailure, Code: http.StatusNotImplemented, Message: migration.NotImplemented}}
+	// As KubeVirt's virt-api does: a migration object the controller
+	// drives, named kubevirt-migrate-vm-*.
+	// A dry run stops here: the checks passed, nothing is made.
+	if len(opts.DryRun) > 0 {
+		return accepted(w)
+	}
+	mig, err := s.cfg.Virt.Migrations.Create(ctx, &kubevirtv1.VirtualMachineInstanceMigration{
+		ObjectMeta: metav1.ObjectMeta{GenerateName: "kubevirt-migrate-vm-", Namespace: req.namespace},
+		Spec:       kubevirtv1.VirtualMachineInstanceMigrationSpec{VMIName: req.name, AddedNodeSelector: opts.AddedNodeSelector},
+	})
+	if err != nil {
+		return err
+	}
+	log.Info("migration created", "migration", mig.Name)
+	return accepted(w)
 }

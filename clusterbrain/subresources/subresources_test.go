@@ -323,10 +323,26 @@ func TestMigrateAndExpand(t *testing.T) {
 	newVM(t, ns, "mig", kubevirtv1.RunStrategyAlways)
 	wantStatus(t, "migrate without vmi", c.VM(ctx, "mig", "migrate", nil), http.StatusNotFound, "")
 	vmi := newVMI(t, ns, "mig", kubevirtv1.Running)
-	// A VMI KubeVirt could migrate: refused as not implemented, no
-	// migration object left behind.
-	wantStatus(t, "migrate", c.VM(ctx, "mig", "migrate", &kubevirtv1.MigrateOptions{AddedNodeSelector: map[string]string{"zone": "b"}}),
-		http.StatusNotImplemented, "live migration is not implemented")
+	// A dry run checks and makes nothing.
+	if err := c.VM(ctx, "mig", "migrate", &kubevirtv1.MigrateOptions{DryRun: []string{metav1.DryRunAll}}); err != nil {
+		t.Fatalf("dry-run migrate: %v", err)
+	}
+	if migs, err := env.virt.Migrations.List(ctx, ns, metav1.ListOptions{}); err != nil || len(migs) != 0 {
+		t.Fatalf("migrations after a dry run: %+v %v", migs, err)
+	}
+	// A VMI that can migrate: a migration object, as KubeVirt's virt-api
+	// makes it, for the migration controller to drive.
+	if err := c.VM(ctx, "mig", "migrate", &kubevirtv1.MigrateOptions{AddedNodeSelector: map[string]string{"zone": "b"}}); err != nil {
+		t.Fatalf("migrate: %v", err)
+	}
+	migs, err := env.virt.Migrations.List(ctx, ns, metav1.ListOptions{})
+	if err != nil || len(migs) != 1 || !strings.HasPrefix(migs[0].Name, "kubevirt-migrate-vm-") || migs[0].Spec.VMIName != "mig" ||
+		migs[0].Spec.AddedNodeSelector["zone"] != "b" {
+		t.Fatalf("migrations: %+v %v", migs, err)
+	}
+	if err := env.virt.Migrations.Delete(ctx, ns, migs[0].Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
 	// One on node-local disks: KubeVirt's refusal, word for word.
 	vmi.Status.Conditions = append(vmi.Status.Conditions, kubevirtv1.VirtualMachineInstanceCondition{
 		Type: kubevirtv1.VirtualMachineInstanceIsMigratable, Status: corev1.ConditionFalse,

@@ -51,6 +51,11 @@ type Config struct {
 	// reach its endpoints; New fills it from the node's interfaces when
 	// empty (node.InternalIP), never with loopback.
 	NodeIP string
+	// MigrationTransport is how this node's libvirtd reaches another's
+	// in a live migration: tls (default; libvirt's TLS transport with the
+	// node's certificates) or tcp (no authentication, for a lab on one
+	// machine only).
+	MigrationTransport string
 	// StateDir holds per-VM state, volumes' default pool and sockets.
 	StateDir string
 	// HealthAddr serves /healthz and /readyz.

@@ -28,7 +28,10 @@ func newHandlerRole(d *Deps) (Role, error) {
 	cfg := handler.Config{NodeName: d.Config.NodeName, StateDir: filepath.Join(d.Config.StateDir, "vms"),
 		LibvirtURI: d.Config.LibvirtURI, Emulation: d.Emulation, Kube: d.Kube, Virt: d.Virt, Volumes: d.Volumes,
 		NetStateDir: NetStateDir(d.Config.StateDir), Console: d.Config.Console, VMIs: d.VMIs, Log: d.Log,
-		HostDiskRoot: d.Config.HostDiskRoot}
+		HostDiskRoot: d.Config.HostDiskRoot, NodeIP: d.Config.NodeIP, MigrationTransport: d.Config.MigrationTransport}
+	if d.Volumes != nil {
+		cfg.VolumeMaker = d.Volumes
+	}
 	if d.PodNetwork != nil {
 		cfg.PodNetwork, cfg.PodNetworkErr = d.PodNetwork, d.PodNetworkErr
 	}

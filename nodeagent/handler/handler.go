@@ -45,6 +45,7 @@ import (
 	"sync"
 	"time"
 
+	csispec "github.com/container-storage-interface/spec/lib/go/csi"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
@@ -85,6 +86,15 @@ type VolumeResolver interface {
 	VolumeDisk(volumeHandle string) (path string, isBlock bool, err error)
 }
 
+// VolumeMaker makes and deletes volumes of this node's CSI driver: the
+// volumes an incoming live migration copies node-local disks into. The
+// hostpath driver (csi.Driver) satisfies it. Without one, VMIs with
+// node-local disks cannot migrate to this node.
+type VolumeMaker interface {
+	CreateVolume(context.Context, *csispec.CreateVolumeRequest) (*csispec.CreateVolumeResponse, error)
+	DeleteVolume(context.Context, *csispec.DeleteVolumeRequest) (*csispec.DeleteVolumeResponse, error)
+}
+
 // Config configures a Handler.
 type Config struct {
 	// NodeName is this node; required.
@@ -111,6 +121,9 @@ type Config struct {
 	VMIs cache.SharedIndexInformer
 	// Volumes resolves CSI volume handles; may be nil (see VolumeResolver).
 	Volumes VolumeResolver
+	// VolumeMaker makes the target volumes of incoming migrations; may
+	// be nil (see VolumeMaker).
+	VolumeMaker VolumeMaker
 	// HostDiskRoot is the only directory hostDisk volumes may name files
 	// in (hostdisk.DefaultRoot when empty); absolute.
 	HostDiskRoot string
@@ -135,6 +148,13 @@ type Config struct {
 	// Console configures the console/VNC/control server; no server when
 	// Console.Addr is empty.
 	Console console.Config
+	// NodeIP is this node's InternalIP, where other nodes' libvirtd
+	// reach this one's for live migrations; empty: this node cannot be a
+	// migration target.
+	NodeIP string
+	// MigrationTransport is how the nodes' libvirt daemons talk during a
+	// live migration: TransportTLS (default) or TransportTCP (lab only).
+	MigrationTransport string
 	// Log; slog.Default() when nil.
 	Log *slog.Logger
 }
@@ -148,6 +168,9 @@ func (c *Config) defaults() {
 	}
 	if c.Log == nil {
 		c.Log = slog.Default()
+	}
+	if c.MigrationTransport == "" {
+		c.MigrationTransport = TransportTLS
 	}
 }
 
@@ -163,6 +186,8 @@ func (c *Config) validate() error {
 		return errors.New("handler: negative worker count")
 	case c.AgentPollInterval < 0:
 		return errors.New("handler: negative agent poll interval")
+	case c.MigrationTransport != TransportTLS && c.MigrationTransport != TransportTCP:
+		return fmt.Errorf("handler: migration transport %q is neither %s nor %s", c.MigrationTransport, TransportTLS, TransportTCP)
 	}
 	return nil
 }
@@ -176,7 +201,11 @@ type Handler struct {
 	ownVMIs  bool
 	kubevirt cache.SharedIndexInformer
 	queue    *controller.Queue // set by Run
-	console  *console.Server
+	// migrations and migQueue drive this node's part in live migrations
+	// (migration.go); migQueue is set by Run.
+	migrations cache.SharedIndexInformer
+	migQueue   *controller.Queue
+	console    *console.Server
 	// hostDisks confines hostDisk volumes to Config.HostDiskRoot.
 	hostDisks *hostdisk.Resolver
 
@@ -185,6 +214,11 @@ type Handler struct {
 	runCtx   context.Context
 	stopping map[types.UID]bool
 	adopted  map[types.UID]bool // pod network taps attached in this run
+	// migrating cancels the outgoing migrations under way (by migration
+	// UID); migratedAway holds the VMIs whose guest left this node, until
+	// the brain moves them.
+	migrating    map[types.UID]context.CancelFunc
+	migratedAway map[types.UID]bool
 	// agentPolled: when each VMI's (namespace/name) guest agent was last
 	// asked.
 	agentPolled map[string]agentPoll
@@ -222,6 +256,9 @@ func New(cfg Config) (*Handler, error) {
 		adopted:  map[types.UID]bool{},
 		ready:    make(chan struct{}),
 
+		migrating:    map[types.UID]context.CancelFunc{},
+		migratedAway: map[types.UID]bool{},
+
 		agentPolled: map[string]agentPoll{},
 		recorder:    controller.NewNodeRecorder(client.NewScheme(), "virt-handler", cfg.NodeName),
 	}
@@ -230,6 +267,7 @@ func New(cfg Config) (*Handler, error) {
 		h.vmis = NodeVMIInformer(cfg.Virt, cfg.NodeName)
 	}
 	h.kubevirt = cfg.Virt.KubeVirts.Informer(metav1.NamespaceAll, 0, nil)
+	h.migrations = cfg.Virt.Migrations.Informer(metav1.NamespaceAll, 10*time.Minute, nil)
 	hd, err := hostdisk.New(cfg.HostDiskRoot)
 	if err != nil {
 		return nil, fmt.Errorf("handler: %w", err)
@@ -306,6 +344,14 @@ func (h *Handler) Run(ctx context.Context) error {
 		return err
 	}
 	defer h.queue.ShutDown()
+	if h.migQueue, err = controller.New(controller.Config{Name: "virt-handler-migrations", Sync: controller.NoRequeue(h.syncMigration),
+		Backoff: controller.BackoffNodeLocal, Workers: 1, Log: h.log, KeyAttr: "migration"}); err != nil {
+		return err
+	}
+	defer h.migQueue.ShutDown()
+	if _, err := h.migrations.AddEventHandler(controller.OnChange(h.enqueueMigration)); err != nil {
+		return err
+	}
 	if _, err := h.vmis.AddEventHandler(controller.OnChange(h.queue.Enqueue)); err != nil {
 		return err
 	}
@@ -317,7 +363,7 @@ func (h *Handler) Run(ctx context.Context) error {
 	h.mu.Lock()
 	h.runCtx = ctx
 	h.mu.Unlock()
-	run := []cache.SharedIndexInformer{h.kubevirt}
+	run := []cache.SharedIndexInformer{h.kubevirt, h.migrations}
 	if h.ownVMIs {
 		run = append(run, h.vmis)
 	}
@@ -325,7 +371,7 @@ func (h *Handler) Run(ctx context.Context) error {
 		wg.Add(1)
 		go func() { defer wg.Done(); inf.Run(ctx.Done()) }()
 	}
-	if !cache.WaitForCacheSync(ctx.Done(), h.vmis.HasSynced, h.kubevirt.HasSynced) {
+	if !cache.WaitForCacheSync(ctx.Done(), h.vmis.HasSynced, h.kubevirt.HasSynced, h.migrations.HasSynced) {
 		return ctx.Err()
 	}
 	wg.Add(1)
@@ -344,6 +390,11 @@ func (h *Handler) Run(ctx context.Context) error {
 				h.log.Error("console server stopped", "err", err)
 			}
 		}()
+	}
+	wg.Add(1)
+	go func() { defer wg.Done(); _ = h.migQueue.Run(ctx) }()
+	if err := h.sweepTargets(ctx); err != nil {
+		h.log.Warn("removing the targets of deleted migrations", "err", err)
 	}
 	close(h.ready)
 	h.log.Info("virt-handler running", "emulation", h.emulation())

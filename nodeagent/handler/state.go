@@ -22,6 +22,24 @@ type record struct {
 	Name      string      `json:"name"`
 	Domain    string      `json:"domain"`
 	Taps      []tapRecord `json:"taps,omitempty"`
+	// Migration is the UID of the live migration this node is the target
+	// of, while the VMI is not bound here: the handler leaves the domain
+	// and state alone until the migration ends (migration.go).
+	Migration types.UID `json:"migration,omitempty"`
+	// MigrationVolumes are the volumes made here for the node-local
+	// disks of that migration: deleted if it fails.
+	MigrationVolumes []migrationVolume `json:"migrationVolumes,omitempty"`
+}
+
+// migrationVolume is a volume made for an incoming migration's copy of
+// the node-local disk of a VMI volume.
+type migrationVolume struct {
+	// Volume is the VMI's volume name; Claim its claim.
+	Volume string `json:"volume"`
+	Claim  string `json:"claim"`
+	// VolumeID is the CSI volume; Context its volume context.
+	VolumeID string            `json:"volumeID"`
+	Context  map[string]string `json:"context,omitempty"`
 }
 
 // tapRecord is one tap attached for a NIC: on a Multus bridge network with

@@ -179,8 +179,11 @@ func interfaceStatus(vmi *v1.VirtualMachineInstance, devs *libvirtxml.DomainDevi
 	return out
 }
 
-// migratable applies KubeVirt's rules: every PVC must be ReadWriteMany and
-// the pod network must not use the bridge binding.
+// migratable applies KubeVirt's rules (a hostDisk shared, no bridge
+// binding on the pod network; a PVC ReadWriteMany, or here also a
+// filesystem volume of the hostpath CSI driver, whose disk the migration
+// copies) and says what nodevirt does not move yet (pod network
+// interfaces, containerDisks, other node-local volumes).
 func (h *Handler) migratable(ctx context.Context, vmi *v1.VirtualMachineInstance) (bool, string, string, error) {
 	pod := map[string]bool{}
 	for _, n := range vmi.Spec.Networks {
@@ -190,6 +193,19 @@ func (h *Handler) migratable(ctx context.Context, vmi *v1.VirtualMachineInstance
 		if iface.Bridge != nil && pod[iface.Name] {
 			return false, v1.VirtualMachineInstanceReasonInterfaceNotMigratable,
 				"cannot migrate VMI which uses the bridge binding on the pod network", nil
+		}
+		if pod[iface.Name] {
+			return false, v1.VirtualMachineInstanceReasonInterfaceNotMigratable,
+				"nodevirt does not migrate interfaces on the pod network yet", nil
+		}
+	}
+	for _, vol := range vmi.Spec.Volumes {
+		switch {
+		case vol.HostDisk != nil && (vol.HostDisk.Shared == nil || !*vol.HostDisk.Shared):
+			return false, v1.VirtualMachineInstanceReasonDisksNotMigratable, "cannot migrate VMI with non-shared HostDisk", nil
+		case vol.ContainerDisk != nil:
+			return false, v1.VirtualMachineInstanceReasonDisksNotMigratable,
+				"nodevirt does not migrate containerDisk volumes yet (" + vol.Name + ")", nil
 		}
 	}
 	for _, vol := range vmi.Spec.Volumes {
@@ -206,7 +222,16 @@ func (h *Handler) migratable(ctx context.Context, vmi *v1.VirtualMachineInstance
 		if err != nil {
 			return false, "", "", fmt.Errorf("persistentvolumeclaim %s/%s: %w", vmi.Namespace, claim, err)
 		}
-		if !slices.Contains(pvc.Spec.AccessModes, k8sv1.ReadWriteMany) {
+		if slices.Contains(pvc.Spec.AccessModes, k8sv1.ReadWriteMany) {
+			continue
+		}
+		// A node-local volume of the hostpath CSI driver is copied to the
+		// target node by the migration (KubeVirt would refuse it).
+		pv, err := h.cfg.Kube.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
+		if err != nil {
+			return false, "", "", fmt.Errorf("persistentvolume of claim %s/%s: %w", vmi.Namespace, claim, err)
+		}
+		if copyable(pv) != "" {
 			return false, v1.VirtualMachineInstanceReasonDisksNotMigratable,
 				fmt.Sprintf("cannot migrate VMI: PVC %s is not shared, live migration requires that all PVCs must be shared (using ReadWriteMany access mode)", claim), nil
 		}

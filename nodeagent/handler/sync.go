@@ -63,6 +63,11 @@ func (h *Handler) sync(ctx context.Context, key string) error {
 	if vmi.Status.NodeName != "" && vmi.Status.NodeName != h.cfg.NodeName {
 		return nil
 	}
+	if !vmi.IsFinal() && vmi.DeletionTimestamp == nil && h.migratingAway(vmi, info, found) {
+		// The guest runs (or is about to run) on the migration's
+		// target; the brain moves the VMI there.
+		return nil
+	}
 	if found && (!info.HasVMI || types.UID(info.VMI.UID) != vmi.UID) {
 		if !info.HasVMI || !h.owns(types.UID(info.VMI.UID)) {
 			return h.syncFailed(ctx, vmi, fmt.Errorf("libvirt domain %s exists and does not belong to this vmi", domName))
@@ -282,11 +287,19 @@ func (h *Handler) cleanupGone(ctx context.Context, lv *launcher.Manager, ns, nam
 	var errs []error
 	domName := domain.Name(ns, name)
 	if found && info.HasVMI && h.owns(types.UID(info.VMI.UID)) {
+		if r, err := h.readRecord(types.UID(info.VMI.UID)); err != nil || (r != nil && r.Migration != "") {
+			// An incoming migration's domain (or an unreadable record).
+			return err
+		}
 		errs = append(errs, h.cleanup(ctx, lv, types.UID(info.VMI.UID), domName))
 	}
 	recs, err := h.recordsOf(ns, name)
 	errs = append(errs, err)
 	for _, r := range recs {
+		if r.Migration != "" {
+			// Prepared for an incoming migration (migration.go).
+			continue
+		}
 		if found && string(r.UID) != info.VMI.UID {
 			// The domain of that name is not this record's: keep it.
 			errs = append(errs, h.cleanupState(ctx, r))
@@ -316,6 +329,7 @@ func (h *Handler) cleanup(ctx context.Context, lv *launcher.Manager, uid types.U
 	h.mu.Lock()
 	delete(h.stopping, uid)
 	delete(h.adopted, uid)
+	delete(h.migratedAway, uid)
 	h.mu.Unlock()
 	h.log.Info("domain cleaned up", "domain", domName, "uid", uid)
 	return nil

@@ -27,8 +27,16 @@ var errWaiting = errors.New("waiting")
 // resolveDisks finds the node disk of every persistentVolumeClaim,
 // dataVolume and ephemeral volume of vmi.
 func (h *Handler) resolveDisks(ctx context.Context, vmi *v1.VirtualMachineInstance) (map[string]domain.DiskSource, error) {
+	return h.resolveDisksExcept(ctx, vmi, nil)
+}
+
+// resolveDisksExcept is resolveDisks leaving out the volumes named in skip.
+func (h *Handler) resolveDisksExcept(ctx context.Context, vmi *v1.VirtualMachineInstance, skip map[string]bool) (map[string]domain.DiskSource, error) {
 	disks := map[string]domain.DiskSource{}
 	for i, vol := range vmi.Spec.Volumes {
+		if skip[vol.Name] {
+			continue
+		}
 		var claim string
 		switch s := vol.VolumeSource; {
 		case s.PersistentVolumeClaim != nil:

@@ -108,7 +108,10 @@ func (e *env) startAgent2() error {
 		"--csi-socket="+filepath.Join(dir, "csi", "csi.sock"),
 		"--pools="+poolName()+"="+filepath.Join(n.Dir, "pools", poolName()),
 		// The guests' hostDisks, as for the first node (harness_test.go).
-		"--host-disk-root="+e.path("disks"))
+		"--host-disk-root="+e.path("disks"),
+		// Live migrations between the suite's namespaced nodes
+		// (migration_test.go) over plain TCP, as in the lab.
+		"--migration-transport=tcp")
 	e.agent2 = newDaemon(e, "nodeagent-2")
 	e.agent2.bin, e.agent2.args = argv[0], argv[1:]
 	return e.agent2.start()
@@ -123,7 +126,7 @@ func (e *env) removeSecondNode() error {
 	if _, err := os.Stat(n.Dir); err != nil {
 		return nil
 	}
-	return errors.Join(lab.RemoveNode(n), e.fabric().Down(n.Dir))
+	return errors.Join(e.removeThirdNode(), lab.RemoveNode(n), e.fabric().Down(n.Dir))
 }
 
 // nodeVirsh runs virsh inside node n.

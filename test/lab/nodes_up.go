@@ -136,7 +136,10 @@ func startNodeAgents(cfg Config, cp *controlplane.ControlPlane) error {
 		argv := EnterCommand(n, filepath.Join(cfg.BinDir, "nodeagent"), "--kubeconfig="+kc, "--node-name="+n.Name,
 			"--node-ip="+n.IP, "--pod-cidr="+n.PodCIDR, "--state-dir="+dir, "--emulation="+cfg.Emulation,
 			"--health-addr=127.0.0.1:8481", "--csi-socket="+filepath.Join(dir, "csi", "csi.sock"),
-			"--pools=default="+n.path("pools", "default"))
+			"--pools=default="+n.path("pools", "default"),
+			// Live migrations between the lab's libvirt daemons go over
+			// plain TCP (lab only; production uses libvirt's TLS).
+			"--migration-transport=tcp")
 		fmt.Fprintf(cfg.Out, "    %s\n", n.Name)
 		if err := startProcess(cfg, n.path("nodeagent"), argv); err != nil {
 			return err

@@ -28,6 +28,7 @@ func main() {
 	flag.StringVar(&cfg.Kubeconfig, "kubeconfig", os.Getenv("KUBECONFIG"), "kubeconfig path")
 	flag.StringVar(&cfg.NodeName, "node-name", "", "node name (default: host name)")
 	flag.StringVar(&cfg.NodeIP, "node-ip", "", "the node's InternalIP (default: the address of the default route's interface)")
+	flag.StringVar(&cfg.MigrationTransport, "migration-transport", "tls", "how libvirt daemons of two nodes talk in a live migration: tls, or tcp (unauthenticated: a lab on one machine only)")
 	flag.StringVar(&cfg.StateDir, "state-dir", "/var/lib/nodevirt", "state directory")
 	flag.StringVar(&cfg.HealthAddr, "health-addr", "127.0.0.1:8481", "address of /healthz and /readyz")
 	flag.StringVar(&cfg.Emulation, "emulation", "auto", "auto (probe KVM), on (TCG) or off (require KVM)")
