@@ -15,7 +15,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/featuregate"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
-	"github.com/nodevirt/nodevirt/clusterbrain/migration/migstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/migstate"
 )
 
 // retryAfter is how soon a DataVolume waiting on something the controller

@@ -12,7 +12,7 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
-	"github.com/nodevirt/nodevirt/clusterbrain/migration/migstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/migstate"
 )
 
 // Annotations the PV controller writes on a bound claim; a replacement

@@ -10,7 +10,7 @@ import (
 	"k8s.io/client-go/util/retry"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/migration/migstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/migstate"
 )
 
 // Evacuation: a node tainted with the drain key (the KubeVirt CR's

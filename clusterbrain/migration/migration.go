@@ -44,8 +44,8 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/migstate"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/metrics"
-	"github.com/nodevirt/nodevirt/clusterbrain/migration/migstate"
 )
 
 // Event reasons (KubeVirt's words).

@@ -22,8 +22,8 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/migstate"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
-	"github.com/nodevirt/nodevirt/clusterbrain/migration/migstate"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )

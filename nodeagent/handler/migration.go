@@ -18,8 +18,8 @@ import (
 	"k8s.io/client-go/tools/cache"
 	v1 "kubevirt.io/api/core/v1"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/api/migstate"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/metrics"
-	"github.com/nodevirt/nodevirt/clusterbrain/migration/migstate"
 	hostpath "github.com/nodevirt/nodevirt/csi"
 	"github.com/nodevirt/nodevirt/launcher"
 	"github.com/nodevirt/nodevirt/launcher/domain"
