@@ -199,3 +199,59 @@ vagrant-down:
 # and destroys it, printing how long each step took.
 test-vagrant vagrant-test: vagrant-box vagrant-stage
 	NODES=$(NODES) VAGRANT_BOX=$(VAGRANT_BOX) vagrant/test
+
+# --- Images and cluster manifests (install on an existing cluster) ----------
+# images writes one archive per image into bin/images (ctr -n k8s.io images
+# import, docker load, podman load), tagged $(IMAGE_TAG), built from this tree
+# without a base image or a registry (clusterbrain/cmd/nodevirt-image), and
+# bin/images/nodevirt.yaml: the manifests rendered with those tags.
+# nodeagent: the binary plus exactly the programs it runs and every shared
+# library they load, copied from this host's Debian packages (`make deps`;
+# the image lists each file's package in /usr/share/doc/nodevirt/).
+# clusterbrain, cni and virtctl: static binaries only.
+IMAGES := $(BIN)/images
+IMAGE_REPO ?= localhost/nodevirt
+IMAGE_TAG ?= $(subst +,-,$(VERSION))
+VIRTCTL_PLATFORMS ?= linux/amd64
+NODEAGENT_IMAGE_TOOLS := nft qemu-img xz mkfs.ext4 e2fsck resize2fs genisoimage unshare mount umount sh mkdir touch readlink dirname ln
+NODEVIRT_IMAGE = $(GO) run ./clusterbrain/cmd/nodevirt-image -created $(BUILD_TIME) \
+	-label org.opencontainers.image.version=$(IMAGE_TAG) -label org.opencontainers.image.revision=$(BUILD_REVISION)
+KUSTOMIZE ?= kubectl kustomize
+DEPLOY := clusterbrain/deploy
+
+.PHONY: images manifests manifests-for-images test-kubelet
+images: deps
+	@rm -rf $(IMAGES) && mkdir -p $(IMAGES)/bin $(IMAGES)/virtctl
+	$(GO) build $(NODEAGENT_BUILDFLAGS) -ldflags='-s -w $(STAMP)' -o $(IMAGES)/bin/ ./nodeagent/cmd/nodeagent
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='-s -w $(STAMP)' -o $(IMAGES)/bin/ ./clusterbrain/cmd/clusterbrain ./cni/cmd/cnv-bridge ./clusterbrain/cmd/nodevirt-copy
+	@for t in $(VIRTCTL_PLATFORMS); do os=$${t%/*}; arch=$${t#*/}; ext=; [ $$os = windows ] && ext=.exe; \
+		CGO_ENABLED=0 GOOS=$$os GOARCH=$$arch $(GO) build -trimpath -ldflags='-s -w $(STAMP)' \
+			-o $(IMAGES)/virtctl/virtctl-$$os-$$arch$$ext ./clusterbrain/cmd/virtctl || exit 1; done
+	$(NODEVIRT_IMAGE) -o $(IMAGES)/nodeagent.tar -name $(IMAGE_REPO)/nodeagent:$(IMAGE_TAG) -merged-usr -etc -libs \
+		-add $(IMAGES)/bin/nodeagent:/usr/local/bin/nodeagent $(foreach t,$(NODEAGENT_IMAGE_TOOLS),-host $(t)) -host /etc/mke2fs.conf \
+		-entrypoint /usr/local/bin/nodeagent
+	$(NODEVIRT_IMAGE) -o $(IMAGES)/clusterbrain.tar -name $(IMAGE_REPO)/clusterbrain:$(IMAGE_TAG) -etc \
+		-add $(IMAGES)/bin/clusterbrain:/usr/local/bin/clusterbrain -entrypoint /usr/local/bin/clusterbrain
+	$(NODEVIRT_IMAGE) -o $(IMAGES)/cni.tar -name $(IMAGE_REPO)/cni:$(IMAGE_TAG) \
+		-add $(IMAGES)/bin/cnv-bridge:/cni/cnv-bridge -add $(IMAGES)/bin/cnv-bridge:/cni/nodevirt-bridge \
+		-add $(IMAGES)/bin/nodevirt-copy:/usr/local/bin/nodevirt-copy \
+		-entrypoint /usr/local/bin/nodevirt-copy -entrypoint -from=/cni -entrypoint -to=/host/opt/cni/bin
+	$(NODEVIRT_IMAGE) -o $(IMAGES)/virtctl.tar -name $(IMAGE_REPO)/virtctl:$(IMAGE_TAG) \
+		$$(for f in $(IMAGES)/virtctl/*; do echo -add $$f:/virtctl/$${f##*/}; done) \
+		-add $(IMAGES)/bin/nodevirt-copy:/usr/local/bin/nodevirt-copy \
+		-entrypoint /usr/local/bin/nodevirt-copy -entrypoint -from=/virtctl -entrypoint -to=/share/virtctl
+	$(MAKE) --no-print-directory manifests-for-images
+	@ls -l $(IMAGES)/*.tar
+
+# manifests renders the kustomize base into the one-file $(DEPLOY)/nodevirt.yaml
+# (tags as in the base); clusterbrain/deploy's test fails when they disagree.
+manifests:
+	$(KUSTOMIZE) $(DEPLOY)/base > $(DEPLOY)/nodevirt.yaml
+
+manifests-for-images:
+	@mkdir -p $(IMAGES)/overlay && printf '%s\n' 'apiVersion: kustomize.config.k8s.io/v1beta1' 'kind: Kustomization' \
+		'resources: [../../../$(DEPLOY)/base]' 'images:' \
+		$(foreach i,nodeagent clusterbrain cni virtctl,'- {name: localhost/nodevirt/$(i), newName: $(IMAGE_REPO)/$(i), newTag: "$(IMAGE_TAG)"}') \
+		> $(IMAGES)/overlay/kustomization.yaml
+	$(KUSTOMIZE) --load-restrictor LoadRestrictionsNone $(IMAGES)/overlay > $(IMAGES)/nodevirt.yaml
+# --- end of images and cluster manifests -------------------------------------

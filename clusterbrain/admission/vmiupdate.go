@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"slices"
 
 	admissionv1 "k8s.io/api/admission/v1"
 	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
@@ -37,7 +36,7 @@ var reservedLabels = []string{
 // privileged reports whether u is one of nodevirt's own daemons (the
 // brain, or a node agent), which play KubeVirt's service accounts.
 func privileged(u authenticationv1.UserInfo) bool {
-	return u.Username == rbac.BrainUser || slices.Contains(u.Groups, rbac.NodesGroup)
+	return rbac.IsBrain(u.Username, u.Groups) || rbac.IsNodeAgent(u.Username, u.Groups)
 }
 
 // notNodevirt is the match condition of webhooks that only restrict users:
@@ -45,8 +44,9 @@ func privileged(u authenticationv1.UserInfo) bool {
 // all the time: status, labels, finalizers).
 func notNodevirt() []admissionregistrationv1.MatchCondition {
 	return []admissionregistrationv1.MatchCondition{{Name: "not-a-nodevirt-daemon",
-		Expression: fmt.Sprintf("request.userInfo.username != '%s' && (!has(request.userInfo.groups) || !('%s' in request.userInfo.groups))",
-			rbac.BrainUser, rbac.NodesGroup)}}
+		Expression: fmt.Sprintf("!(request.userInfo.username in ['%s', '%s', '%s']) && (!has(request.userInfo.groups) || !('%s' in request.userInfo.groups || '%s' in request.userInfo.groups))",
+			rbac.BrainUser, rbac.ServiceAccountUser(rbac.InstallNamespace, rbac.BrainServiceAccount),
+			rbac.ServiceAccountUser(rbac.InstallNamespace, rbac.NodeAgentServiceAccount), rbac.BrainGroup, rbac.NodesGroup)}}
 }
 
 func reserved(labels map[string]string) map[string]string {

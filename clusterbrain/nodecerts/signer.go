@@ -2,7 +2,8 @@
 // makes its key locally and asks for its certificate through a
 // certificates.k8s.io/v1 CertificateSigningRequest with SignerName; the
 // signer approves only requests whose requester is that node's own identity
-// (user rbac.NodeUser(node), group rbac.NodesGroup or system:nodes) and whose content fits a
+// (user rbac.NodeUser(node), group rbac.NodesGroup or system:nodes; or the
+// node agents' ServiceAccount with a token bound to a pod on node) and whose content fits a
 // node (its name, the names the brain's clients verify, the Node's
 // addresses, TLS usages), signs them with the node CA that only the brain
 // reads (uploadtls), and writes status.certificate: the leaf followed by the
@@ -238,11 +239,20 @@ func (s *Signer) review(ctx context.Context, csr *certificatesv1.CertificateSign
 	if errs := validation.IsDNS1123Subdomain(node); len(errs) > 0 {
 		return signable{}, fmt.Sprintf("node name %q: %s", node, strings.Join(errs, ", "))
 	}
-	if csr.Spec.Username != rbac.NodeUser(node) {
-		return signable{}, fmt.Sprintf("requested by %q, not by node %s (%s)", csr.Spec.Username, node, rbac.NodeUser(node))
+	extra := map[string][]string{}
+	for k, v := range csr.Spec.Extra {
+		extra[k] = v
 	}
-	if !slices.Contains(csr.Spec.Groups, rbac.NodesGroup) && !slices.Contains(csr.Spec.Groups, KubernetesNodesGroup) {
-		return signable{}, fmt.Sprintf("requester is in neither group %s nor %s", rbac.NodesGroup, KubernetesNodesGroup)
+	// The node agents' ServiceAccount with a token bound to a pod on node
+	// (rbac.NodeOf), else the node's own user.
+	if requester, isNode := rbac.NodeOf(csr.Spec.Username, csr.Spec.Groups, extra); !isNode || requester != node {
+		if csr.Spec.Username != rbac.NodeUser(node) {
+			return signable{}, fmt.Sprintf("requested by %q, not by node %s (%s, or a node agent token bound to a pod on it)",
+				csr.Spec.Username, node, rbac.NodeUser(node))
+		}
+		if !slices.Contains(csr.Spec.Groups, rbac.NodesGroup) && !slices.Contains(csr.Spec.Groups, KubernetesNodesGroup) {
+			return signable{}, fmt.Sprintf("requester is in neither group %s nor %s", rbac.NodesGroup, KubernetesNodesGroup)
+		}
 	}
 	if !slices.Equal(req.Subject.Organization, []string{rbac.NodesGroup}) {
 		return signable{}, fmt.Sprintf("subject organization %v, want [%s]", req.Subject.Organization, rbac.NodesGroup)
