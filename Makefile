@@ -243,9 +243,12 @@ images: deps
 	$(MAKE) --no-print-directory manifests-for-images
 	@ls -l $(IMAGES)/*.tar
 
-# manifests renders the kustomize base into the one-file $(DEPLOY)/nodevirt.yaml
-# (tags as in the base); clusterbrain/deploy's test fails when they disagree.
+# manifests writes the base's RBAC and node restriction files from
+# clusterbrain/rbac and renders the kustomize base into the one-file
+# $(DEPLOY)/nodevirt.yaml (tags as in the base); clusterbrain/deploy's tests
+# fail when any of them disagree.
 manifests:
+	$(GO) test -count=1 -run TestGenerated ./$(DEPLOY) -update
 	$(KUSTOMIZE) $(DEPLOY)/base > $(DEPLOY)/nodevirt.yaml
 
 manifests-for-images:

@@ -78,3 +78,11 @@ func serviceAccountSubject(name string) rbacv1.Subject {
 // celNodeAccount is the CEL condition "the request is the node agents'
 // ServiceAccount".
 var celNodeAccount = "request.userInfo.username == '" + nodeAccountUser + "'"
+
+// NodeLeaseRoleBinding lets the node agents keep their Leases in
+// NodeLeaseNamespace.
+func NodeLeaseRoleBinding() *rbacv1.RoleBinding {
+	m, r, s := groupBinding(NodeAgentLeaseRole, NodeAgentLeaseRole, NodesGroup)
+	m.Namespace = NodeLeaseNamespace
+	return &rbacv1.RoleBinding{ObjectMeta: m, RoleRef: r, Subjects: s}
+}
