@@ -257,4 +257,19 @@ manifests-for-images:
 		$(foreach i,nodeagent clusterbrain cni virtctl,'- {name: localhost/nodevirt/$(i), newName: $(IMAGE_REPO)/$(i), newTag: "$(IMAGE_TAG)"}') \
 		> $(IMAGES)/overlay/kustomization.yaml
 	$(KUSTOMIZE) --load-restrictor LoadRestrictionsNone $(IMAGES)/overlay > $(IMAGES)/nodevirt.yaml
+
+# test-kubelet installs nodevirt on a real kubelet node of a local control
+# plane (test/kubelet): containerd and runc from Debian, kubelet and
+# kube-scheduler from the control plane's pin, the images above imported,
+# bin/images/nodevirt.yaml applied; it undoes what kubelet changed on the
+# host. Not part of `make test`; run it alone (it uses the host's libvirtd,
+# /var/lib/kubelet and /opt/cni/bin).
+KUBELET_TEST_PACKAGES := containerd runc
+test-kubelet: images
+	@missing=$$(for p in $(KUBELET_TEST_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing Debian packages: $$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+	NODEVIRT_KUBELET=1 $(GO) test -count=1 -timeout 30m -run TestKubeletInstall -v ./test/kubelet
 # --- end of images and cluster manifests -------------------------------------

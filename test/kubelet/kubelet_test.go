@@ -1,0 +1,240 @@
+package kubelet
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/nodevirt/nodevirt/test/controlplane"
+)
+
+// TestKubeletInstall installs nodevirt as a user would on a cluster with a
+// real kubelet: the images of `make images` imported into containerd, the
+// rendered manifest applied unchanged, and then the node agent DaemonSet
+// Ready, the brain Deployment Available, the CSI driver registered with
+// kubelet and the HyperConverged Available. `make test-kubelet` runs it
+// (NODEVIRT_KUBELET=1); it needs root, containerd, runc and the host's
+// libvirtd.
+func TestKubeletInstall(t *testing.T) {
+	if os.Getenv("NODEVIRT_KUBELET") == "" {
+		t.Skip("make test-kubelet runs this test (NODEVIRT_KUBELET=1)")
+	}
+	root, err := controlplane.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	images := filepath.Join(root, "bin", "images")
+	manifest := filepath.Join(images, "nodevirt.yaml")
+	archives, _ := filepath.Glob(filepath.Join(images, "*.tar"))
+	if _, err := os.Stat(manifest); err != nil || len(archives) == 0 {
+		t.Fatalf("no images: run make images first (%v)", err)
+	}
+	if _, err := os.Stat("/run/libvirt/libvirt-sock"); err != nil {
+		t.Fatalf("the node agents use the host's libvirtd: %v", err)
+	}
+	for _, l := range []string{"nodevirt0"} {
+		if _, err := net.InterfaceByName(l); err == nil {
+			t.Fatalf("%s exists: a lab runs on this host (make lab-down)", l)
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)
+	defer cancel()
+	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+	dir := t.TempDir()
+	nodeIP, err := hostIP()
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	step := func(what string) { t.Logf("%6.1fs %s", time.Since(start).Seconds(), what) }
+
+	cp, err := controlplane.Start(ctx, controlplane.Config{Dir: filepath.Join(dir, "cp"), ControllerManager: true,
+		NodeAuthorizer: true, BindAddress: "0.0.0.0", Log: log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(cp.Stop)
+	u, err := url.Parse(cp.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var port int
+	fmt.Sscan(u.Port(), &port)
+	step("control plane up")
+	bins, err := controlplane.EnsureNodeBinaries(ctx, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	step("kubelet and kube-scheduler built")
+	name := "kubelet-test"
+	node, err := Start(ctx, Config{Dir: filepath.Join(dir, "node"), NodeName: name, NodeIP: nodeIP, ControlPlane: cp,
+		APIServerPort: port, Bins: bins, Log: log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := node.Stop(); err != nil {
+			t.Errorf("undo the node: %v", err)
+		}
+	})
+	step("node Ready")
+	if err := node.Import(ctx, archives...); err != nil {
+		t.Fatal(err)
+	}
+	step("images imported")
+
+	kubectl := func(args ...string) (string, error) {
+		out, err := exec.CommandContext(ctx, "kubectl", append([]string{"--kubeconfig", cp.Kubeconfig}, args...)...).CombinedOutput()
+		return string(out), err
+	}
+	if out, err := kubectl("apply", "-f", manifest); err != nil {
+		t.Fatalf("kubectl apply: %v\n%s", err, out)
+	}
+	t.Cleanup(func() {
+		// The agents and brains stop before the node does.
+		out, err := kubectl("delete", "--ignore-not-found", "--wait", "--timeout=3m", "-f", manifest)
+		if err != nil {
+			t.Errorf("kubectl delete: %v\n%s", err, out)
+		}
+		teardownPodNetwork(t, root)
+	})
+	step("manifest applied")
+	kube, err := kubernetes.NewForConfig(cp.RestConfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const ns = "kubevirt-hyperconverged"
+	defer func() {
+		if t.Failed() {
+			dumpPods(t, kube, ns)
+		}
+	}()
+	wait(t, ctx, 8*time.Minute, "node agent DaemonSet Ready", func() error {
+		ds, err := kube.AppsV1().DaemonSets(ns).Get(ctx, "nodevirt-nodeagent", metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		if ds.Status.DesiredNumberScheduled < 1 || ds.Status.NumberReady != ds.Status.DesiredNumberScheduled {
+			return fmt.Errorf("%d of %d ready", ds.Status.NumberReady, ds.Status.DesiredNumberScheduled)
+		}
+		return nil
+	})
+	step("node agent Ready")
+	wait(t, ctx, 8*time.Minute, "brain Deployment Available", func() error {
+		d, err := kube.AppsV1().Deployments(ns).Get(ctx, "nodevirt-clusterbrain", metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		for _, c := range d.Status.Conditions {
+			if c.Type == appsv1.DeploymentAvailable && c.Status == corev1.ConditionTrue {
+				return nil
+			}
+		}
+		return fmt.Errorf("%d available", d.Status.AvailableReplicas)
+	})
+	step("brain Available")
+	wait(t, ctx, 3*time.Minute, "CSI driver registered with kubelet", func() error {
+		cn, err := kube.StorageV1().CSINodes().Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		for _, d := range cn.Spec.Drivers {
+			if d.Name == "kubevirt.io.hostpath-provisioner" && d.NodeID == name {
+				return nil
+			}
+		}
+		return fmt.Errorf("drivers %v", cn.Spec.Drivers)
+	})
+	step("CSI driver registered with kubelet")
+	n, err := kube.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n.Labels["kubevirt.io/schedulable"] != "true" || n.Labels["nodevirt.io/nodeagent"] == "standalone" {
+		t.Errorf("node labels %v: want kubevirt.io/schedulable and a kubelet-managed node", n.Labels)
+	}
+
+	if out, err := kubectl("wait", "--for=condition=established", "--timeout=2m", "crd/hyperconvergeds.hco.kubevirt.io"); err != nil {
+		t.Fatalf("HyperConverged CRD: %v\n%s", err, out)
+	}
+	if out, err := kubectl("apply", "-f", filepath.Join(root, "clusterbrain", "deploy", "hyperconverged.yaml")); err != nil {
+		t.Fatalf("apply HyperConverged: %v\n%s", err, out)
+	}
+	// Ordinary guests hang on this machine's KVM: TCG, as the lab does.
+	if out, err := kubectl("annotate", "--overwrite", "-n", ns, "hyperconverged", "kubevirt-hyperconverged", "nodevirt.io/use-emulation=true"); err != nil {
+		t.Fatalf("annotate: %v\n%s", err, out)
+	}
+	if out, err := kubectl("wait", "--for=condition=Available", "--timeout=5m", "-n", ns, "hyperconverged/kubevirt-hyperconverged"); err != nil {
+		t.Fatalf("HyperConverged Available: %v\n%s", err, out)
+	}
+	step("HyperConverged Available")
+}
+
+func wait(t *testing.T, ctx context.Context, timeout time.Duration, what string, f func() error) {
+	t.Helper()
+	if err := waitFor(ctx, timeout, what, f); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// hostIP is the address of the interface holding the default route.
+func hostIP() (string, error) {
+	out, err := exec.Command("ip", "-4", "-o", "route", "get", "192.0.2.255").Output()
+	if err != nil {
+		return "", err
+	}
+	f := strings.Fields(string(out))
+	for i := range f {
+		if f[i] == "src" && i+1 < len(f) {
+			return f[i+1], nil
+		}
+	}
+	return "", fmt.Errorf("no source address in %q", out)
+}
+
+// teardownPodNetwork removes what the node agent's pod network left on the
+// host (its bridge, taps and nftables tables) with the agent binary that
+// went into the image.
+func teardownPodNetwork(t *testing.T, root string) {
+	bin := filepath.Join(root, "bin", "images", "bin", "nodeagent")
+	out, err := exec.Command(bin, "--teardown-podnet", "--state-dir=/var/lib/nodevirt").CombinedOutput()
+	if err != nil {
+		t.Errorf("teardown pod network: %v\n%s", err, out)
+	}
+}
+
+func dumpPods(t *testing.T, kube kubernetes.Interface, ns string) {
+	pods, err := kube.CoreV1().Pods(ns).List(context.Background(), metav1.ListOptions{})
+	if err != nil {
+		t.Logf("pods: %v", err)
+		return
+	}
+	for _, p := range pods.Items {
+		t.Logf("pod %s on %q: %s %v", p.Name, p.Spec.NodeName, p.Status.Phase, p.Status.Conditions)
+		for _, cs := range append(p.Status.InitContainerStatuses, p.Status.ContainerStatuses...) {
+			t.Logf("  container %s ready=%v restarts=%d state=%+v last=%+v", cs.Name, cs.Ready, cs.RestartCount, cs.State, cs.LastTerminationState)
+		}
+	}
+	logs, _ := filepath.Glob("/var/log/pods/" + ns + "_*/*/*.log")
+	for _, l := range logs {
+		b, _ := os.ReadFile(l)
+		lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+		if len(lines) > 25 {
+			lines = lines[len(lines)-25:]
+		}
+		t.Logf("--- %s\n%s", l, strings.Join(lines, "\n"))
+	}
+}
