@@ -78,7 +78,7 @@ const (
 	nftTable  = "nodevirt_kubelet_test"
 )
 
-func (n *Node) defer_(what string, f func() error) {
+func (n *Node) onStop(what string, f func() error) {
 	n.undo = append(n.undo, func() error {
 		if err := f(); err != nil {
 			return fmt.Errorf("%s: %w", what, err)
@@ -106,7 +106,7 @@ func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
 	}()
 	for _, p := range fixedPaths {
 		if _, err := os.Lstat(p); errors.Is(err, os.ErrNotExist) {
-			n.defer_("remove "+p, func() error { return removeTree(p) })
+			n.onStop("remove "+p, func() error { return removeTree(p) })
 		}
 	}
 	for _, s := range sysctls {
@@ -115,12 +115,12 @@ func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
 		if err != nil {
 			return nil, err
 		}
-		n.defer_("restore "+s, func() error { return os.WriteFile(path, old, 0o644) })
+		n.onStop("restore "+s, func() error { return os.WriteFile(path, old, 0o644) })
 	}
-	n.defer_("kubepods cgroups", removeKubepodsCgroups)
-	n.defer_("kubelet's iptables chains", removeKubeChains)
-	n.defer_("mounts", func() error { return unmountBelow(RootDir, cfg.Dir, "/run/containerd", "/var/lib/nodevirt") })
-	n.defer_("pod network namespaces", removePodNetns)
+	n.onStop("kubepods cgroups", removeKubepodsCgroups)
+	n.onStop("kubelet's iptables chains", removeKubeChains)
+	n.onStop("mounts", func() error { return unmountBelow(RootDir, cfg.Dir, "/run/containerd", "/var/lib/nodevirt") })
+	n.onStop("pod network namespaces", removePodNetns)
 	if err := n.podNetwork(); err != nil {
 		return nil, err
 	}
@@ -162,7 +162,7 @@ func (n *Node) run(ctx context.Context, name, bin string, args ...string) error 
 		return fmt.Errorf("start %s: %w", name, err)
 	}
 	n.procs = append(n.procs, cmd)
-	n.defer_("stop "+name, func() error {
+	n.onStop("stop "+name, func() error {
 		defer logf.Close()
 		_ = cmd.Process.Signal(syscall.SIGTERM)
 		done := make(chan struct{})
@@ -191,7 +191,7 @@ func (n *Node) podNetwork() error {
    "ipam": {"type": "host-local", "ranges": [[{"subnet": %q}]], "dataDir": %q}},
   {"type": "loopback"}]}
 `, podBridge, n.cfg.PodSubnet, filepath.Join(n.cfg.Dir, "cni", "ipam"))
-	n.defer_("remove bridge "+podBridge, func() error {
+	n.onStop("remove bridge "+podBridge, func() error {
 		out, err := exec.Command("ip", "link", "del", podBridge).CombinedOutput()
 		if err != nil && !strings.Contains(string(out), "Cannot find device") {
 			return fmt.Errorf("%w: %s", err, out)
@@ -217,7 +217,7 @@ func (n *Node) serviceRule() error {
 	if out, err := cmd.CombinedOutput(); err != nil {
 		return fmt.Errorf("nft: %w: %s", err, out)
 	}
-	n.defer_("remove nft table "+nftTable, func() error {
+	n.onStop("remove nft table "+nftTable, func() error {
 		out, err := exec.Command("nft", "delete", "table", "ip", nftTable).CombinedOutput()
 		if err != nil && !strings.Contains(string(out), "No such file") {
 			return fmt.Errorf("%w: %s", err, out)
@@ -255,7 +255,7 @@ disabled_plugins = ["io.containerd.internal.v1.opt"]
 		return err
 	}
 	// Shims outlive containerd: Stop kills the ones serving this socket.
-	n.defer_("containerd shims", func() error { return killShims(n.Socket) })
+	n.onStop("containerd shims", func() error { return killShims(n.Socket) })
 	if err := n.run(ctx, "containerd", "containerd", "--config", path); err != nil {
 		return err
 	}
