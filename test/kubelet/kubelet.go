@@ -121,6 +121,13 @@ func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
 	n.onStop("kubelet's iptables chains", removeKubeChains)
 	n.onStop("mounts", func() error { return unmountBelow(RootDir, cfg.Dir, "/run/containerd", "/var/lib/nodevirt") })
 	n.onStop("pod network namespaces", removePodNetns)
+	// Bidirectional mounts need a shared mount under them. Hosts booted by
+	// systemd share / ; these build machines' / is private, so the node
+	// agent's state gets a shared mount of its own (kubelet makes one of
+	// its root directory itself).
+	if err := sharedMount("/var/lib/nodevirt"); err != nil {
+		return nil, err
+	}
 	if err := n.podNetwork(); err != nil {
 		return nil, err
 	}
@@ -574,4 +581,19 @@ func removePodNetns() error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// sharedMount bind-mounts dir onto itself (creating it) and makes the mount
+// rshared; Stop's unmounting removes it.
+func sharedMount(dir string) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	if err := unix.Mount(dir, dir, "", unix.MS_BIND|unix.MS_REC, ""); err != nil {
+		return fmt.Errorf("bind %s: %w", dir, err)
+	}
+	if err := unix.Mount("", dir, "", unix.MS_SHARED|unix.MS_REC, ""); err != nil {
+		return fmt.Errorf("make %s shared: %w", dir, err)
+	}
+	return nil
 }

@@ -37,7 +37,7 @@ func run() error {
 	out := flag.String("o", "", "archive to write")
 	libs := flag.Bool("libs", false, "add the shared libraries every dynamically linked file loads (as the host resolves them)")
 	mergedUsr := flag.Bool("merged-usr", false, "add /bin, /sbin, /lib and /lib64 as symlinks into /usr (Debian's layout)")
-	etc := flag.Bool("etc", false, "add a minimal /etc/passwd and /etc/group (root and nobody) and an empty /tmp")
+	etc := flag.Bool("etc", false, "add a minimal /etc/passwd and /etc/group (root and nobody), an empty /tmp and /run, and /var/run linked to it")
 	created := flag.String("created", "", "creation time, RFC 3339 (default: SOURCE_DATE_EPOCH, else the Unix epoch)")
 	contents := flag.String("contents", "/usr/share/doc/nodevirt/image-contents.txt", "where the image lists its files and their Debian packages (empty: nowhere)")
 	flag.Var(&names, "name", "reference the image is imported as, repository:tag (repeatable)")
@@ -117,7 +117,10 @@ func run() error {
 		img.Files = append(img.Files,
 			imagearchive.File{Path: "/etc/passwd", Data: []byte("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")},
 			imagearchive.File{Path: "/etc/group", Data: []byte("root:x:0:\nnogroup:x:65534:\n")},
-			imagearchive.File{Path: "/tmp", Dir: true, Mode: 0o1777})
+			imagearchive.File{Path: "/tmp", Dir: true, Mode: 0o1777},
+			// Programs (libvirt's client among them) name /var/run.
+			imagearchive.File{Path: "/run", Dir: true},
+			imagearchive.File{Path: "/var/run", Link: "../run"})
 	}
 	if *contents != "" {
 		list, err := contentsList(img.Files)
