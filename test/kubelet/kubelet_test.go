@@ -104,7 +104,12 @@ func TestKubeletInstall(t *testing.T) {
 		t.Fatalf("kubectl apply: %v\n%s", err, out)
 	}
 	t.Cleanup(func() {
-		// The agents and brains stop before the node does.
+		// The HyperConverged goes while the brains that own its finalizer
+		// run; then the agents and brains stop, before the node does.
+		if out, err := kubectl("delete", "--ignore-not-found", "--wait", "--timeout=2m", "-n", "kubevirt-hyperconverged",
+			"hyperconvergeds.hco.kubevirt.io", "kubevirt-hyperconverged"); err != nil {
+			t.Logf("delete HyperConverged: %v\n%s", err, out)
+		}
 		out, err := kubectl("delete", "--ignore-not-found", "--wait", "--timeout=3m", "-f", manifest)
 		if err != nil {
 			t.Errorf("kubectl delete: %v\n%s", err, out)
