@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/http"
 	"net/url"
 	"os"
 	"os/exec"
@@ -18,7 +19,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/guest"
 )
 
 // TestKubeletInstall installs nodevirt as a user would on a cluster with a
@@ -186,6 +189,135 @@ func TestKubeletInstall(t *testing.T) {
 		t.Fatalf("HyperConverged Available: %v\n%s", err, out)
 	}
 	step("HyperConverged Available")
+
+	runVM(t, ctx, kubectl, nodeIP, step)
+}
+
+// vmManifest is a VM whose disk is imported over HTTP by the node agent,
+// with a pod beside it on the same node.
+const vmManifest = `apiVersion: v1
+kind: Namespace
+metadata:
+  name: kubelet-test-vm
+---
+apiVersion: kubevirt.io/v1
+kind: VirtualMachine
+metadata:
+  name: vm
+  namespace: kubelet-test-vm
+spec:
+  runStrategy: Always
+  dataVolumeTemplates:
+  - metadata:
+      name: vm-rootdisk
+    spec:
+      source:
+        http:
+          url: IMAGE_URL
+      storage:
+        storageClassName: hostpath-csi
+        resources:
+          requests:
+            storage: 128Mi
+  template:
+    spec:
+      domain:
+        resources:
+          requests:
+            memory: 96Mi
+        devices:
+          autoattachPodInterface: false
+          disks:
+          - name: rootdisk
+            disk:
+              bus: virtio
+      volumes:
+      - name: rootdisk
+        dataVolume:
+          name: vm-rootdisk
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: beside
+  namespace: kubelet-test-vm
+spec:
+  containers:
+  - name: pause
+    image: ` + PauseImage + `
+    imagePullPolicy: Never
+`
+
+// runVM runs a VM through the DaemonSet's node agent (TCG), with a pod
+// beside it, and restarts the DaemonSet under the running guest: the guest
+// keeps its QEMU.
+func runVM(t *testing.T, ctx context.Context, kubectl func(...string) (string, error), nodeIP string, step func(string)) {
+	raw, err := guest.BootDisk(ctx, guest.DiskSpec{})
+	if err != nil {
+		t.Fatalf("guest disk: %v", err)
+	}
+	ln, err := net.Listen("tcp", nodeIP+":0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute,
+		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { http.ServeFile(w, r, raw) })}
+	go srv.Serve(ln)
+	defer srv.Close()
+	// Nodes import from nowhere private unless the HyperConverged allows it.
+	if out, err := kubectl("annotate", "--overwrite", "-n", "kubevirt-hyperconverged", "hyperconverged", "kubevirt-hyperconverged",
+		importstate.AnnImportAllowedNetworks+"="+nodeIP+"/32"); err != nil {
+		t.Fatalf("annotate: %v\n%s", err, out)
+	}
+	manifest := filepath.Join(t.TempDir(), "vm.yaml")
+	url := "http://" + ln.Addr().String() + "/disk.img"
+	if err := os.WriteFile(manifest, []byte(strings.Replace(vmManifest, "IMAGE_URL", url, 1)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := kubectl("apply", "-f", manifest); err != nil {
+		t.Fatalf("apply vm: %v\n%s", err, out)
+	}
+	t.Cleanup(func() {
+		if out, err := kubectl("delete", "--ignore-not-found", "--wait", "--timeout=3m", "namespace", "kubelet-test-vm"); err != nil {
+			t.Errorf("delete the VM's namespace: %v\n%s", err, out)
+		}
+	})
+	defer func() {
+		if t.Failed() {
+			out, _ := kubectl("get", "-n", "kubelet-test-vm", "vm,vmi,dv,pvc,pod", "-o", "wide")
+			t.Logf("%s", out)
+			out, _ = kubectl("get", "-n", "kubelet-test-vm", "events")
+			t.Logf("%s", out)
+		}
+	}()
+	if out, err := kubectl("wait", "--for=jsonpath={.status.phase}=Running", "--timeout=8m", "-n", "kubelet-test-vm", "vmi/vm"); err != nil {
+		t.Fatalf("VMI running: %v\n%s", err, out)
+	}
+	step("VM running")
+	if out, err := kubectl("wait", "--for=condition=Ready", "--timeout=2m", "-n", "kubelet-test-vm", "pod/beside"); err != nil {
+		t.Fatalf("pod beside the VM: %v\n%s", err, out)
+	}
+	step("pod beside it Ready")
+
+	domain := "kubelet-test-vm_vm"
+	before, err := exec.CommandContext(ctx, "virsh", "-c", "qemu:///system", "domid", domain).Output()
+	if err != nil {
+		t.Fatalf("virsh domid %s: %v", domain, err)
+	}
+	if out, err := kubectl("rollout", "restart", "-n", "kubevirt-hyperconverged", "daemonset/nodevirt-nodeagent"); err != nil {
+		t.Fatalf("rollout restart: %v\n%s", err, out)
+	}
+	if out, err := kubectl("rollout", "status", "--timeout=5m", "-n", "kubevirt-hyperconverged", "daemonset/nodevirt-nodeagent"); err != nil {
+		t.Fatalf("rollout status: %v\n%s", err, out)
+	}
+	after, err := exec.CommandContext(ctx, "virsh", "-c", "qemu:///system", "domid", domain).Output()
+	if err != nil || strings.TrimSpace(string(after)) != strings.TrimSpace(string(before)) {
+		t.Errorf("domain %s after the agents' restart: id %q (before %q), %v", domain, after, before, err)
+	}
+	if out, err := kubectl("get", "-n", "kubelet-test-vm", "vmi/vm", "-o", "jsonpath={.status.phase}"); err != nil || out != "Running" {
+		t.Errorf("VMI after the agents' restart: %q %v", out, err)
+	}
+	step("DaemonSet restarted under the running guest; same QEMU")
 }
 
 func wait(t *testing.T, ctx context.Context, timeout time.Duration, what string, f func() error) {
