@@ -99,7 +99,11 @@ func TestKubeletInstall(t *testing.T) {
 	}
 	step("images imported")
 
+	// kubectl runs with a context of its own: cleanups run after the
+	// test's context ended.
 	kubectl := func(args ...string) (string, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+		defer cancel()
 		out, err := exec.CommandContext(ctx, "kubectl", append([]string{"--kubeconfig", cp.Kubeconfig}, args...)...).CombinedOutput()
 		return string(out), err
 	}
@@ -130,7 +134,7 @@ func TestKubeletInstall(t *testing.T) {
 			dumpPods(t, kube, ns)
 		}
 	}()
-	wait(t, ctx, 8*time.Minute, "node agent DaemonSet Ready", func() error {
+	wait(t, ctx, 5*time.Minute, "node agent DaemonSet Ready", func() error {
 		ds, err := kube.AppsV1().DaemonSets(ns).Get(ctx, "nodevirt-nodeagent", metav1.GetOptions{})
 		if err != nil {
 			return err
@@ -141,7 +145,7 @@ func TestKubeletInstall(t *testing.T) {
 		return nil
 	})
 	step("node agent Ready")
-	wait(t, ctx, 8*time.Minute, "brain Deployment Available", func() error {
+	wait(t, ctx, 5*time.Minute, "brain Deployment Available", func() error {
 		d, err := kube.AppsV1().Deployments(ns).Get(ctx, "nodevirt-clusterbrain", metav1.GetOptions{})
 		if err != nil {
 			return err
