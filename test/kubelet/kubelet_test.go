@@ -16,6 +16,7 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
@@ -195,6 +196,76 @@ func TestKubeletInstall(t *testing.T) {
 	step("HyperConverged Available")
 
 	runVM(t, ctx, kubectl, nodeIP, step)
+	podsAndVMsShare(t, ctx, kube, kubectl, name, step)
+}
+
+// podsAndVMsShare fills the node's memory with a pod (as kubelet and
+// kube-scheduler count it) and asks for a VM: the brain's scheduler counts
+// the pod and does not place the VM; once the pod goes, it does.
+func podsAndVMsShare(t *testing.T, ctx context.Context, kube kubernetes.Interface, kubectl func(...string) (string, error), node string, step func(string)) {
+	n, err := kube.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	free := n.Status.Allocatable.Memory().Value()
+	pods, err := kube.CoreV1().Pods("").List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=" + node})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range pods.Items {
+		if p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed {
+			continue
+		}
+		for _, c := range p.Spec.Containers {
+			free -= c.Resources.Requests.Memory().Value()
+		}
+	}
+	// kubelet admits the filler: it leaves 64 Mi of what pods hold.
+	filler := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "filler", Namespace: "kubelet-test-vm"},
+		Spec: corev1.PodSpec{NodeName: node, Containers: []corev1.Container{{Name: "pause", Image: PauseImage,
+			ImagePullPolicy: corev1.PullNever, Resources: corev1.ResourceRequirements{Requests: corev1.ResourceList{
+				corev1.ResourceMemory: *resource.NewQuantity(free-64<<20, resource.BinarySI)}}}}}}
+	if _, err := kube.CoreV1().Pods("kubelet-test-vm").Create(ctx, filler, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := kubectl("wait", "--for=condition=Ready", "--timeout=2m", "-n", "kubelet-test-vm", "pod/filler"); err != nil {
+		t.Fatalf("filler pod: %v\n%s", err, out)
+	}
+	vmi := `apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata:
+  name: too-big
+  namespace: kubelet-test-vm
+spec:
+  domain:
+    resources:
+      requests:
+        memory: 128Mi
+    devices:
+      autoattachPodInterface: false
+`
+	f := filepath.Join(t.TempDir(), "vmi.yaml")
+	if err := os.WriteFile(f, []byte(vmi), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := kubectl("apply", "-f", f); err != nil {
+		t.Fatalf("apply vmi: %v\n%s", err, out)
+	}
+	if out, err := kubectl("wait", "--for=condition=PodScheduled=false", "--timeout=1m", "-n", "kubelet-test-vm", "vmi/too-big"); err != nil {
+		t.Fatalf("a VMI that does not fit beside the pod: %v\n%s", err, out)
+	}
+	if out, _ := kubectl("get", "-n", "kubelet-test-vm", "vmi/too-big", "-o", "jsonpath={.status.nodeName} {.status.conditions[?(@.type=='PodScheduled')].message}"); !strings.Contains(out, "insufficient memory") {
+		t.Errorf("VMI beside the filler pod: %q, want unschedulable for memory", out)
+	}
+	step("a VMI asking for memory a pod holds is not placed")
+	zero := int64(0)
+	if err := kube.CoreV1().Pods("kubelet-test-vm").Delete(ctx, "filler", metav1.DeleteOptions{GracePeriodSeconds: &zero}); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := kubectl("wait", "--for=jsonpath={.status.nodeName}="+node, "--timeout=2m", "-n", "kubelet-test-vm", "vmi/too-big"); err != nil {
+		t.Fatalf("the VMI once the pod went: %v\n%s", err, out)
+	}
+	step("placed once the pod went")
 }
 
 // vmManifest is a VM whose disk is imported over HTTP by the node agent,
