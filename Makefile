@@ -212,6 +212,9 @@ test-vagrant vagrant-test: vagrant-box vagrant-stage
 IMAGES := $(BIN)/images
 IMAGE_REPO ?= localhost/nodevirt
 IMAGE_TAG ?= $(subst +,-,$(VERSION))
+# Once per make run: archives and manifest must agree even if the tree
+# changes meanwhile (VERSION asks git each time it is expanded).
+IMAGE_TAG := $(IMAGE_TAG)
 VIRTCTL_PLATFORMS ?= linux/amd64
 NODEAGENT_IMAGE_TOOLS := nft qemu-img xz mkfs.ext4 e2fsck resize2fs genisoimage unshare mount umount sh mkdir touch readlink dirname ln
 NODEVIRT_IMAGE = $(GO) run ./clusterbrain/cmd/nodevirt-image -created $(BUILD_TIME) \
@@ -240,7 +243,7 @@ images: deps
 		$$(for f in $(IMAGES)/virtctl/*; do echo -add $$f:/virtctl/$${f##*/}; done) \
 		-add $(IMAGES)/bin/nodevirt-copy:/usr/local/bin/nodevirt-copy \
 		-entrypoint /usr/local/bin/nodevirt-copy -entrypoint -from=/virtctl -entrypoint -to=/share/virtctl
-	$(MAKE) --no-print-directory manifests-for-images
+	$(MAKE) --no-print-directory manifests-for-images IMAGE_TAG=$(IMAGE_TAG)
 	@ls -l $(IMAGES)/*.tar
 
 # manifests writes the base's RBAC and node restriction files from

@@ -9,6 +9,7 @@ import (
 	coreinformers "k8s.io/client-go/informers/core/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
+	kubevirtv1 "kubevirt.io/api/core/v1"
 )
 
 // Pods share nodes with VMs where a kubelet runs: a node's CPU and memory
@@ -26,7 +27,7 @@ const podFieldSelector = "spec.nodeName!=,status.phase!=Succeeded,status.phase!=
 func podInformer(f informers.SharedInformerFactory) cache.SharedIndexInformer {
 	inf := f.InformerFor(&corev1.Pod{}, func(c kubernetes.Interface, resync time.Duration) cache.SharedIndexInformer {
 		return coreinformers.NewFilteredPodInformer(c, metav1.NamespaceAll, resync, cache.Indexers{nodeIndex: podNode},
-			func(o *metav1.ListOptions) { o.FieldSelector = podFieldSelector })
+			func(o *metav1.ListOptions) { o.FieldSelector, o.LabelSelector = podFieldSelector, "!"+CapacityPodLabel })
 	})
 	_ = inf.SetTransform(stripPod)
 	return inf
@@ -88,4 +89,16 @@ func (s *Scheduler) addPods(st *nodeState) {
 		st.cpu += cpu
 		st.mem += mem
 	}
+}
+
+// CapacityPodLabel marks the pods that hold a VMI's capacity for
+// kube-scheduler (package capacitypods); the scheduler counts their VMIs,
+// never the pods themselves.
+const CapacityPodLabel = "nodevirt.io/vmi-capacity"
+
+// Requests is the CPU (millicores) and memory (bytes) a VMI takes from its
+// node, as the scheduler counts it.
+func Requests(vmi *kubevirtv1.VirtualMachineInstance) (cpu, mem int64) {
+	d, _ := demandOf(vmi, func(string, string) (string, error) { return "", nil })
+	return d.cpu, d.mem
 }
