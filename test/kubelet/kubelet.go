@@ -30,6 +30,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/capacitypods"
 	"github.com/nodevirt/nodevirt/clusterbrain/deploy/imagearchive"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
@@ -307,7 +308,8 @@ func (n *Node) importPause(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	_, err = imagearchive.Write(f, imagearchive.Image{Names: []string{PauseImage}, Entrypoint: []string{"/pause"},
+	// Also the cluster's pause image the brain's capacity pods run.
+	_, err = imagearchive.Write(f, imagearchive.Image{Names: []string{PauseImage, capacitypods.DefaultImage}, Entrypoint: []string{"/pause"},
 		Files: []imagearchive.File{{Path: "/pause", Source: bin, Mode: 0o755}}})
 	if cerr := f.Close(); err == nil {
 		err = cerr

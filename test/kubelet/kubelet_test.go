@@ -20,7 +20,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/capacitypods"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 	"github.com/nodevirt/nodevirt/test/guest"
 )
@@ -266,6 +268,36 @@ spec:
 		t.Fatalf("the VMI once the pod went: %v\n%s", err, out)
 	}
 	step("placed once the pod went")
+
+	// The other way round: a pod that would fit if VMs were not counted
+	// stays Pending, since each VM's capacity pod holds what it takes.
+	if out, err := kubectl("wait", "--for=create", "--timeout=1m", "-n", "kubelet-test-vm", "pod/"+capacitypods.PodName("too-big")); err != nil {
+		t.Fatalf("capacity pod of the second VM: %v\n%s", err, out)
+	}
+	free = n.Status.Allocatable.Memory().Value()
+	if pods, err = kube.CoreV1().Pods("").List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=" + node,
+		LabelSelector: "!" + scheduler.CapacityPodLabel}); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range pods.Items {
+		if p.Status.Phase != corev1.PodSucceeded && p.Status.Phase != corev1.PodFailed {
+			for _, c := range p.Spec.Containers {
+				free -= c.Resources.Requests.Memory().Value()
+			}
+		}
+	}
+	late := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "late", Namespace: "kubelet-test-vm"},
+		Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "pause", Image: PauseImage,
+			ImagePullPolicy: corev1.PullNever, Resources: corev1.ResourceRequirements{Requests: corev1.ResourceList{
+				corev1.ResourceMemory: *resource.NewQuantity(free-64<<20, resource.BinarySI)}}}}}}
+	if _, err := kube.CoreV1().Pods("kubelet-test-vm").Create(ctx, late, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := kubectl("wait", "--for=jsonpath={.status.conditions[?(@.type=='PodScheduled')].reason}=Unschedulable",
+		"--timeout=1m", "-n", "kubelet-test-vm", "pod/late"); err != nil {
+		t.Fatalf("a pod asking for memory VMs hold: %v\n%s", err, out)
+	}
+	step("a pod asking for memory VMs hold is not placed by kube-scheduler")
 }
 
 // vmManifest is a VM whose disk is imported over HTTP by the node agent,
