@@ -260,6 +260,9 @@ func TestManifestsKeepTheirPromises(t *testing.T) {
 	if !slices.Contains(bc.Args, "--identity=$(POD_NAME)") {
 		t.Error("brain replicas would share a leader-election identity")
 	}
+	if !slices.Contains(bc.Args, "--capacity-pods") {
+		t.Error("kube-scheduler would not see the VMs' capacity (--capacity-pods)")
+	}
 	pdb, ok := objs["PodDisruptionBudget/nodevirt-clusterbrain"].(*policyv1.PodDisruptionBudget)
 	if !ok || pdb.Spec.MinAvailable == nil || pdb.Spec.MinAvailable.IntValue() != 1 ||
 		pdb.Spec.Selector.MatchLabels["app.kubernetes.io/name"] != brain.Spec.Selector.MatchLabels["app.kubernetes.io/name"] {
