@@ -355,6 +355,38 @@ spec:
     imagePullPolicy: Never
 `
 
+// volumePodManifest is a pod with a claim of nodevirt's storage class.
+const volumePodManifest = `apiVersion: v1
+kind: PersistentVolumeClaim
+metadata:
+  name: pod-volume
+  namespace: kubelet-test-vm
+spec:
+  storageClassName: hostpath-csi
+  accessModes: [ReadWriteOnce]
+  resources:
+    requests:
+      storage: 16Mi
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: with-volume
+  namespace: kubelet-test-vm
+spec:
+  containers:
+  - name: pause
+    image: ` + PauseImage + `
+    imagePullPolicy: Never
+    volumeMounts:
+    - name: data
+      mountPath: /data
+  volumes:
+  - name: data
+    persistentVolumeClaim:
+      claimName: pod-volume
+`
+
 // runVM runs a VM through the DaemonSet's node agent (TCG), with a pod
 // beside it, and restarts the DaemonSet under the running guest: the guest
 // keeps its QEMU.
@@ -405,6 +437,19 @@ func runVM(t *testing.T, ctx context.Context, kubectl func(...string) (string, e
 		t.Fatalf("pod beside the VM: %v\n%s", err, out)
 	}
 	step("pod beside it Ready")
+	// kubelet mounts a hostpath-csi volume into a pod through the driver
+	// the node agent registered with it.
+	volPod := filepath.Join(t.TempDir(), "volpod.yaml")
+	if err := os.WriteFile(volPod, []byte(volumePodManifest), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := kubectl("apply", "-f", volPod); err != nil {
+		t.Fatalf("apply pod with a volume: %v\n%s", err, out)
+	}
+	if out, err := kubectl("wait", "--for=condition=Ready", "--timeout=3m", "-n", "kubelet-test-vm", "pod/with-volume"); err != nil {
+		t.Fatalf("pod with a hostpath-csi volume: %v\n%s", err, out)
+	}
+	step("pod with a hostpath-csi volume (mounted by kubelet through the agent's driver) Ready")
 
 	domain := "kubelet-test-vm_vm"
 	before, err := exec.CommandContext(ctx, "virsh", "-c", "qemu:///system", "domid", domain).Output()
