@@ -36,9 +36,9 @@ NODEAGENT_BUILDFLAGS := -trimpath -tags grpcnotrace,libvirt_without_lxc
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null)
 BUILD_REVISION := $(shell git rev-parse HEAD 2>/dev/null)
 BUILD_TIME := $(shell git log -1 --format=%cI 2>/dev/null)
-STAMP := -X github.com/nodevirt/nodevirt/clusterbrain/daemon/buildinfo.version=$(VERSION) \
-	-X github.com/nodevirt/nodevirt/clusterbrain/daemon/buildinfo.revision=$(BUILD_REVISION) \
-	-X github.com/nodevirt/nodevirt/clusterbrain/daemon/buildinfo.buildTime=$(BUILD_TIME)
+STAMP := -X github.com/nodevirt/nodevirt/clusterbrain/kit/daemon/buildinfo.version=$(VERSION) \
+	-X github.com/nodevirt/nodevirt/clusterbrain/kit/daemon/buildinfo.revision=$(BUILD_REVISION) \
+	-X github.com/nodevirt/nodevirt/clusterbrain/kit/daemon/buildinfo.buildTime=$(BUILD_TIME)
 
 build: deps
 	@mkdir -p $(BIN)
@@ -199,3 +199,80 @@ vagrant-down:
 # and destroys it, printing how long each step took.
 test-vagrant vagrant-test: vagrant-box vagrant-stage
 	NODES=$(NODES) VAGRANT_BOX=$(VAGRANT_BOX) vagrant/test
+
+# --- Images and cluster manifests (install on an existing cluster) ----------
+# images writes one archive per image into bin/images (ctr -n k8s.io images
+# import, docker load, podman load), tagged $(IMAGE_TAG), built from this tree
+# without a base image or a registry (clusterbrain/cmd/nodevirt-image), and
+# bin/images/nodevirt.yaml: the manifests rendered with those tags.
+# nodeagent: the binary plus exactly the programs it runs and every shared
+# library they load, copied from this host's Debian packages (`make deps`;
+# the image lists each file's package in /usr/share/doc/nodevirt/).
+# clusterbrain, cni and virtctl: static binaries only.
+IMAGES := $(BIN)/images
+IMAGE_REPO ?= localhost/nodevirt
+IMAGE_TAG ?= $(subst +,-,$(VERSION))
+# Once per make run: archives and manifest must agree even if the tree
+# changes meanwhile (VERSION asks git each time it is expanded).
+IMAGE_TAG := $(IMAGE_TAG)
+VIRTCTL_PLATFORMS ?= linux/amd64
+NODEAGENT_IMAGE_TOOLS := nft qemu-img xz mkfs.ext4 e2fsck resize2fs genisoimage unshare mount umount sh mkdir touch readlink dirname ln
+NODEVIRT_IMAGE = $(GO) run ./clusterbrain/cmd/nodevirt-image -created $(BUILD_TIME) \
+	-label org.opencontainers.image.version=$(IMAGE_TAG) -label org.opencontainers.image.revision=$(BUILD_REVISION)
+KUSTOMIZE ?= kubectl kustomize
+DEPLOY := clusterbrain/deploy
+
+.PHONY: images manifests manifests-for-images test-kubelet
+images: deps
+	@rm -rf $(IMAGES) && mkdir -p $(IMAGES)/bin $(IMAGES)/virtctl
+	$(GO) build $(NODEAGENT_BUILDFLAGS) -ldflags='-s -w $(STAMP)' -o $(IMAGES)/bin/ ./nodeagent/cmd/nodeagent
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='-s -w $(STAMP)' -o $(IMAGES)/bin/ ./clusterbrain/cmd/clusterbrain ./cni/cmd/cnv-bridge ./clusterbrain/cmd/nodevirt-copy
+	@for t in $(VIRTCTL_PLATFORMS); do os=$${t%/*}; arch=$${t#*/}; ext=; [ $$os = windows ] && ext=.exe; \
+		CGO_ENABLED=0 GOOS=$$os GOARCH=$$arch $(GO) build -trimpath -ldflags='-s -w $(STAMP)' \
+			-o $(IMAGES)/virtctl/virtctl-$$os-$$arch$$ext ./clusterbrain/cmd/virtctl || exit 1; done
+	$(NODEVIRT_IMAGE) -o $(IMAGES)/nodeagent.tar -name $(IMAGE_REPO)/nodeagent:$(IMAGE_TAG) -merged-usr -etc -libs \
+		-add $(IMAGES)/bin/nodeagent:/usr/local/bin/nodeagent $(foreach t,$(NODEAGENT_IMAGE_TOOLS),-host $(t)) -host /etc/mke2fs.conf \
+		-entrypoint /usr/local/bin/nodeagent
+	$(NODEVIRT_IMAGE) -o $(IMAGES)/clusterbrain.tar -name $(IMAGE_REPO)/clusterbrain:$(IMAGE_TAG) -etc \
+		-add $(IMAGES)/bin/clusterbrain:/usr/local/bin/clusterbrain -entrypoint /usr/local/bin/clusterbrain
+	$(NODEVIRT_IMAGE) -o $(IMAGES)/cni.tar -name $(IMAGE_REPO)/cni:$(IMAGE_TAG) \
+		-add $(IMAGES)/bin/cnv-bridge:/cni/cnv-bridge -add $(IMAGES)/bin/cnv-bridge:/cni/nodevirt-bridge \
+		-add $(IMAGES)/bin/nodevirt-copy:/usr/local/bin/nodevirt-copy \
+		-entrypoint /usr/local/bin/nodevirt-copy -entrypoint -from=/cni -entrypoint -to=/host/opt/cni/bin
+	$(NODEVIRT_IMAGE) -o $(IMAGES)/virtctl.tar -name $(IMAGE_REPO)/virtctl:$(IMAGE_TAG) \
+		$$(for f in $(IMAGES)/virtctl/*; do echo -add $$f:/virtctl/$${f##*/}; done) \
+		-add $(IMAGES)/bin/nodevirt-copy:/usr/local/bin/nodevirt-copy \
+		-entrypoint /usr/local/bin/nodevirt-copy -entrypoint -from=/virtctl -entrypoint -to=/share/virtctl
+	$(MAKE) --no-print-directory manifests-for-images IMAGE_TAG=$(IMAGE_TAG)
+	@ls -l $(IMAGES)/*.tar
+
+# manifests writes the base's RBAC and node restriction files from
+# clusterbrain/rbac and renders the kustomize base into the one-file
+# $(DEPLOY)/nodevirt.yaml (tags as in the base); clusterbrain/deploy's tests
+# fail when any of them disagree.
+manifests:
+	$(GO) test -count=1 -run TestGenerated ./$(DEPLOY) -update
+	$(KUSTOMIZE) $(DEPLOY)/base > $(DEPLOY)/nodevirt.yaml
+
+manifests-for-images:
+	@mkdir -p $(IMAGES)/overlay && printf '%s\n' 'apiVersion: kustomize.config.k8s.io/v1beta1' 'kind: Kustomization' \
+		'resources: [../../../$(DEPLOY)/base]' 'images:' \
+		$(foreach i,nodeagent clusterbrain cni virtctl,'- {name: localhost/nodevirt/$(i), newName: $(IMAGE_REPO)/$(i), newTag: "$(IMAGE_TAG)"}') \
+		> $(IMAGES)/overlay/kustomization.yaml
+	$(KUSTOMIZE) --load-restrictor LoadRestrictionsNone $(IMAGES)/overlay > $(IMAGES)/nodevirt.yaml
+
+# test-kubelet installs nodevirt on a real kubelet node of a local control
+# plane (test/kubelet): containerd and runc from Debian, kubelet and
+# kube-scheduler from the control plane's pin, the images above imported,
+# bin/images/nodevirt.yaml applied; it undoes what kubelet changed on the
+# host. Not part of `make test`; run it alone (it uses the host's libvirtd,
+# /var/lib/kubelet and /opt/cni/bin).
+KUBELET_TEST_PACKAGES := containerd runc
+test-kubelet: images
+	@missing=$$(for p in $(KUBELET_TEST_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing Debian packages: $$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+	NODEVIRT_KUBELET=1 $(GO) test -count=1 -timeout 30m -run TestKubeletInstall -v ./test/kubelet
+# --- end of images and cluster manifests -------------------------------------

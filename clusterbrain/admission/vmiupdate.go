@@ -4,7 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"slices"
+	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 
 	admissionv1 "k8s.io/api/admission/v1"
 	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
@@ -37,7 +37,7 @@ var reservedLabels = []string{
 // privileged reports whether u is one of nodevirt's own daemons (the
 // brain, or a node agent), which play KubeVirt's service accounts.
 func privileged(u authenticationv1.UserInfo) bool {
-	return u.Username == identity.BrainUser || slices.Contains(u.Groups, identity.NodesGroup)
+	return rbac.IsBrain(u.Username, u.Groups) || rbac.IsNodeAgent(u.Username, u.Groups)
 }
 
 // notNodevirt is the match condition of webhooks that only restrict users:
@@ -45,8 +45,9 @@ func privileged(u authenticationv1.UserInfo) bool {
 // all the time: status, labels, finalizers).
 func notNodevirt() []admissionregistrationv1.MatchCondition {
 	return []admissionregistrationv1.MatchCondition{{Name: "not-a-nodevirt-daemon",
-		Expression: fmt.Sprintf("request.userInfo.username != '%s' && (!has(request.userInfo.groups) || !('%s' in request.userInfo.groups))",
-			identity.BrainUser, identity.NodesGroup)}}
+		Expression: fmt.Sprintf("!(request.userInfo.username in ['%s', '%s', '%s']) && (!has(request.userInfo.groups) || !('%s' in request.userInfo.groups || '%s' in request.userInfo.groups))",
+			identity.BrainUser, rbac.ServiceAccountUser(rbac.InstallNamespace, rbac.BrainServiceAccount),
+			rbac.ServiceAccountUser(rbac.InstallNamespace, rbac.NodeAgentServiceAccount), identity.BrainGroup, identity.NodesGroup)}}
 }
 
 func reserved(labels map[string]string) map[string]string {

@@ -62,6 +62,12 @@ type Config struct {
 	// after the window plus fencing.DefaultMargin (package fencing). Never
 	// shorter than the agents' --fencing-window.
 	FencingWindow time.Duration
+	// CapacityPods keeps a pod per bound VMI that holds its CPU and memory
+	// for kube-scheduler and kubelet (package capacitypods): for clusters
+	// where kubelets run pods beside the VMs. CapacityPodImage is the pause
+	// image those pods run (capacitypods.DefaultImage when empty).
+	CapacityPods     bool
+	CapacityPodImage string
 	// Log receives structured logs.
 	Log *slog.Logger
 }

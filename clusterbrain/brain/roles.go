@@ -1,10 +1,13 @@
 package brain
 
 import (
+	"context"
+
 	"k8s.io/client-go/dynamic"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
 	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
+	"github.com/nodevirt/nodevirt/clusterbrain/capacitypods"
 	"github.com/nodevirt/nodevirt/clusterbrain/clidownload"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume"
 	"github.com/nodevirt/nodevirt/clusterbrain/hco"
@@ -96,6 +99,13 @@ var leaderRoles = []RoleFactory{
 		return rbac.NewNodeSecretAccess(d.Kube, d.Config.Namespace, d.Log)
 	},
 	func(d *Deps) (Role, error) {
+		if !d.Config.CapacityPods {
+			return idleRole("capacity-pods"), nil
+		}
+		return capacitypods.New(capacitypods.Config{Kube: d.Kube, VMIs: d.vmis, Image: d.Config.CapacityPodImage,
+			Log: d.Log.With("role", "capacity-pods")})
+	},
+	func(d *Deps) (Role, error) {
 		// Live migrations: the scheduler picks each target node.
 		dyn, err := dynamic.NewForConfig(d.RestConfig)
 		if err != nil {
@@ -108,3 +118,10 @@ var leaderRoles = []RoleFactory{
 			VMInformer: d.vms})
 	},
 }
+
+// idleRole is a role switched off by configuration: it waits for the end.
+type idleRole string
+
+func (r idleRole) Name() string { return string(r) }
+
+func (r idleRole) Run(ctx context.Context) error { <-ctx.Done(); return nil }

@@ -3,6 +3,8 @@
 // certificates.k8s.io/v1 CertificateSigningRequest with identity.NodeSignerName; the
 // signer approves only requests whose requester is that node's own identity
 // (user identity.NodeUser(node), group identity.NodesGroup or system:nodes) and whose content fits a
+// (user identity.NodeUser(node), group identity.NodesGroup or system:nodes; or the
+// node agents' ServiceAccount with a token bound to a pod on node) and whose content fits a
 // node (its name, the names the brain's clients verify, the Node's
 // addresses, TLS usages), signs them with the node CA that only the brain
 // reads (uploadtls), and writes status.certificate: the leaf followed by the
@@ -19,6 +21,7 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"log/slog"
 	"net"
 	"slices"
@@ -206,11 +209,20 @@ func (s *Signer) review(ctx context.Context, csr *certificatesv1.CertificateSign
 	if errs := validation.IsDNS1123Subdomain(node); len(errs) > 0 {
 		return signable{}, fmt.Sprintf("node name %q: %s", node, strings.Join(errs, ", "))
 	}
-	if csr.Spec.Username != identity.NodeUser(node) {
-		return signable{}, fmt.Sprintf("requested by %q, not by node %s (%s)", csr.Spec.Username, node, identity.NodeUser(node))
+	extra := map[string][]string{}
+	for k, v := range csr.Spec.Extra {
+		extra[k] = v
 	}
-	if !slices.Contains(csr.Spec.Groups, identity.NodesGroup) && !slices.Contains(csr.Spec.Groups, KubernetesNodesGroup) {
-		return signable{}, fmt.Sprintf("requester is in neither group %s nor %s", identity.NodesGroup, KubernetesNodesGroup)
+	// The node agents' ServiceAccount with a token bound to a pod on node
+	// (rbac.NodeOf), else the node's own user.
+	if requester, isNode := rbac.NodeOf(csr.Spec.Username, csr.Spec.Groups, extra); !isNode || requester != node {
+		if csr.Spec.Username != identity.NodeUser(node) {
+			return signable{}, fmt.Sprintf("requested by %q, not by node %s (%s, or a node agent token bound to a pod on it)",
+				csr.Spec.Username, node, identity.NodeUser(node))
+		}
+		if !slices.Contains(csr.Spec.Groups, identity.NodesGroup) && !slices.Contains(csr.Spec.Groups, KubernetesNodesGroup) {
+			return signable{}, fmt.Sprintf("requester is in neither group %s nor %s", identity.NodesGroup, KubernetesNodesGroup)
+		}
 	}
 	if !slices.Equal(req.Subject.Organization, []string{identity.NodesGroup}) {
 		return signable{}, fmt.Sprintf("subject organization %v, want [%s]", req.Subject.Organization, identity.NodesGroup)

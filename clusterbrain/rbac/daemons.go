@@ -139,11 +139,23 @@ func DaemonClusterRoles() []*rbacv1.ClusterRole {
 func groupBinding(name, role, group string) (meta metav1.ObjectMeta, ref rbacv1.RoleRef, subjects []rbacv1.Subject) {
 	return metav1.ObjectMeta{Name: name, Labels: map[string]string{"app.kubernetes.io/managed-by": "nodevirt"}},
 		rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: role},
-		[]rbacv1.Subject{{Kind: rbacv1.GroupKind, APIGroup: rbacv1.GroupName, Name: group}}
+		append([]rbacv1.Subject{{Kind: rbacv1.GroupKind, APIGroup: rbacv1.GroupName, Name: group}}, accountsOf(group)...)
 }
 
-// DaemonClusterRoleBindings bind NodeAgentRole to identity.NodesGroup and BrainRole
-// to identity.BrainGroup.
+// accountsOf is the in-cluster ServiceAccount that plays group's daemons
+// (serviceaccounts.go), bound wherever the group is.
+func accountsOf(group string) []rbacv1.Subject {
+	switch group {
+	case identity.NodesGroup:
+		return []rbacv1.Subject{serviceAccountSubject(NodeAgentServiceAccount)}
+	case identity.BrainGroup:
+		return []rbacv1.Subject{serviceAccountSubject(BrainServiceAccount)}
+	}
+	return nil
+}
+
+// DaemonClusterRoleBindings bind NodeAgentRole to NodesGroup and the node
+// agents' ServiceAccount, BrainRole to BrainGroup and the brain's.
 func DaemonClusterRoleBindings() []*rbacv1.ClusterRoleBinding {
 	var out []*rbacv1.ClusterRoleBinding
 	for _, b := range [][2]string{{NodeAgentRole, identity.NodesGroup}, {BrainRole, identity.BrainGroup}} {

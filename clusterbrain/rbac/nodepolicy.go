@@ -18,6 +18,9 @@ import (
 // ValidatingAdmissionPolicies (CEL, evaluated by the API server itself)
 // narrow each write of a node agent — a user named identity.NodeUser(<node>) in
 // identity.NodesGroup — to the objects of that node:
+// narrow each write of a node agent — a user named NodeUser(<node>) in
+// NodesGroup, or the agents' ServiceAccount with a token bound to a pod on
+// <node> (NodeOf) — to the objects of that node:
 //
 //   - Nodes (and their status): only its own, by name.
 //   - Leases: only its own, by name.
@@ -34,16 +37,20 @@ import (
 //     (volume.kubernetes.io/selected-node or kubevirt.io/provisionOnNode),
 //     and it cannot change that placement.
 //
-// A node agent whose user name does not carry the prefix can write none of
-// these. Reads cannot be guarded by admission; see NodeAgentRules.
+// A node agent whose user name does not carry the prefix, or whose token
+// names no node, can write none of these. Reads cannot be guarded by admission; see NodeAgentRules.
 const NodeRestrictionPolicy = "nodevirt-node-restriction"
 
 // The CEL pieces the policies share: the request is a node agent's, and
 // its node's name ("" for a user name without the prefix).
 var (
-	celIsNode   = "request.userInfo.groups.exists(g, g == '" + identity.NodesGroup + "')"
-	celNodeName = fmt.Sprintf("request.userInfo.username.startsWith('%s') ? request.userInfo.username.substring(%d) : ''",
-		identity.NodeUserPrefix, len(identity.NodeUserPrefix))
+	celIsNode = "(has(request.userInfo.groups) && request.userInfo.groups.exists(g, g == '" + identity.NodesGroup + "')) || " + celNodeAccount
+	// A certificate's system:node:<node>, else the pod-bound token's node
+	// (see NodeOf).
+	celNodeName = fmt.Sprintf("request.userInfo.username.startsWith('%s') ? request.userInfo.username.substring(%d) : "+
+		"((%s) && has(request.userInfo.extra) && '%s' in request.userInfo.extra && size(request.userInfo.extra['%s']) == 1 ? "+
+		"request.userInfo.extra['%s'][0] : '')",
+		identity.NodeUserPrefix, len(identity.NodeUserPrefix), celNodeAccount, NodeNameExtra, NodeNameExtra, NodeNameExtra)
 )
 
 // nodePolicy is one policy of the node restriction.

@@ -79,6 +79,7 @@ type Scheduler struct {
 	cfg      Config
 	factory  informers.SharedInformerFactory
 	nodes    cache.SharedIndexInformer
+	pods     cache.SharedIndexInformer // bound, not ended, stripped (pods.go)
 	vmis     cache.SharedIndexInformer
 	nads     cache.SharedIndexInformer
 	kvs      cache.SharedIndexInformer
@@ -149,6 +150,7 @@ func New(cfg Config) (*Scheduler, error) {
 	s := &Scheduler{
 		cfg: cfg, factory: f,
 		nodes:    f.Core().V1().Nodes().Informer(),
+		pods:     podInformer(f),
 		vmis:     cfg.VMIInformer,
 		nads:     cfg.Virt.NADs.Informer("", 0, nil),
 		kvs:      cfg.Virt.KubeVirts.Informer("", 0, nil),
@@ -214,6 +216,11 @@ func New(cfg Config) (*Scheduler, error) {
 		UpdateFunc: func(any, any) { s.retryWaiting() },
 	}
 	_, _ = s.nodes.AddEventHandler(retry)
+	// A pod that ends or goes frees its node's capacity.
+	_, _ = s.pods.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		UpdateFunc: func(any, any) { s.retryWaiting() },
+		DeleteFunc: func(any) { s.retryWaiting() },
+	})
 	_, _ = s.nads.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		// A NAD's resource name is part of the memoised demands.
 		AddFunc:    func(any) { s.forgetPlacements(); s.retryWaiting() },
@@ -444,6 +451,7 @@ func (s *Scheduler) snapshot() []*nodeState {
 			}
 			st.add(s.placedOfLocked(vmi))
 		}
+		s.addPods(st)
 	}
 	s.memoMu.Unlock()
 	for _, a := range assumed {

@@ -66,6 +66,11 @@ type Config struct {
 	LibvirtURI string
 	// CSISocket is where the hostpath CSI driver listens.
 	CSISocket string
+	// KubeletPluginDir is kubelet's plugin registry directory, where the
+	// agent registers the CSI driver so kubelet's pods can use its volumes
+	// (pluginreg.DefaultDir when empty, "-" for none; a missing directory
+	// means no kubelet).
+	KubeletPluginDir string
 	// Pools maps storage pool names to directories.
 	Pools map[string]string
 	// HostDiskRoot is the only directory hostDisk volumes may name files

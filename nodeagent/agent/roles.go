@@ -1,9 +1,12 @@
 package agent
 
 import (
+	"context"
 	"path/filepath"
 
+	"github.com/nodevirt/nodevirt/csi"
 	"github.com/nodevirt/nodevirt/nodeagent/handler"
+	"github.com/nodevirt/nodevirt/nodeagent/pluginreg"
 )
 
 // nodeRoles are the node agent's jobs, each in its own package.
@@ -16,6 +19,17 @@ var nodeRoles = []RoleFactory{
 	newPodNetworkRole,
 	newHandlerRole,
 	newMetricsRole, // after the handler: reads statistics over its connections
+	newPluginRegistrationRole,
+}
+
+// newPluginRegistrationRole registers the CSI driver with the node's
+// kubelet, if it has one (package pluginreg); none with KubeletPluginDir "-".
+func newPluginRegistrationRole(d *Deps) (Role, error) {
+	if d.Config.KubeletPluginDir == "-" {
+		return namedRole{"kubelet-plugin-registration", func(ctx context.Context) error { <-ctx.Done(); return nil }}, nil
+	}
+	return pluginreg.New(pluginreg.Config{Dir: d.Config.KubeletPluginDir, DriverName: csi.DriverName,
+		Endpoint: d.Config.CSISocket, Log: d.Log.With("role", "kubelet-plugin-registration")})
 }
 
 // NetStateDir is where the agent's bridge attachments (taps, spoof-check

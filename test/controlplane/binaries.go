@@ -74,21 +74,101 @@ func EnsureBinaries(ctx context.Context, cacheDir string) (Binaries, error) {
 		{"k8s.io/kubernetes/cmd/kube-apiserver", b.APIServer},
 		{"k8s.io/kubernetes/cmd/kube-controller-manager", b.ControllerManager},
 	} {
-		if exists(target.out) {
-			continue
-		}
-		tmp := target.out + ".building"
-		cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-ldflags=-s -w", "-o", tmp, target.pkg)
-		cmd.Dir = mod
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOWORK=off")
-		if out, err := cmd.CombinedOutput(); err != nil {
-			return Binaries{}, fmt.Errorf("build %s: %w\n%s", target.pkg, err, out)
-		}
-		if err := os.Rename(tmp, target.out); err != nil {
+		if err := buildCommand(ctx, mod, target.pkg, target.out); err != nil {
 			return Binaries{}, err
 		}
 	}
 	return b, nil
+}
+
+// NodeBinaries are the programs of a worker node with a kubelet.
+type NodeBinaries struct {
+	Kubelet   string
+	Scheduler string
+}
+
+// EnsureNodeBinaries returns kubelet and kube-scheduler built from the same
+// pin as EnsureBinaries' programs, building them into cacheDir once.
+func EnsureNodeBinaries(ctx context.Context, cacheDir string) (NodeBinaries, error) {
+	if cacheDir == "" {
+		cacheDir = DefaultCacheDir
+	}
+	root, err := RepoRoot()
+	if err != nil {
+		return NodeBinaries{}, err
+	}
+	mod := filepath.Join(root, toolsModule)
+	key, err := PinKey(mod)
+	if err != nil {
+		return NodeBinaries{}, err
+	}
+	dir := filepath.Join(cacheDir, key)
+	b := NodeBinaries{filepath.Join(dir, "kubelet"), filepath.Join(dir, "kube-scheduler")}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return NodeBinaries{}, err
+	}
+	lock, err := os.OpenFile(filepath.Join(cacheDir, ".lock"), os.O_CREATE|os.O_RDWR, 0o600)
+	if err != nil {
+		return NodeBinaries{}, err
+	}
+	defer lock.Close()
+	if err := unix.Flock(int(lock.Fd()), unix.LOCK_EX); err != nil {
+		return NodeBinaries{}, fmt.Errorf("lock %s: %w", cacheDir, err)
+	}
+	defer unix.Flock(int(lock.Fd()), unix.LOCK_UN)
+	for _, target := range []struct{ pkg, out string }{
+		{"k8s.io/kubernetes/cmd/kubelet", b.Kubelet},
+		{"k8s.io/kubernetes/cmd/kube-scheduler", b.Scheduler},
+	} {
+		if err := buildCommand(ctx, mod, target.pkg, target.out); err != nil {
+			return NodeBinaries{}, err
+		}
+	}
+	return b, nil
+}
+
+// buildCommand builds pkg of the tools module mod into out unless it is
+// there, stamped with the pinned release's version (unstamped Kubernetes
+// binaries report v0.0.0-master+$Format:%H$, which kubectl version refuses).
+func buildCommand(ctx context.Context, mod, pkg, out string) error {
+	if exists(out) {
+		return nil
+	}
+	version, err := pinnedVersion(mod)
+	if err != nil {
+		return err
+	}
+	major, minor, _ := strings.Cut(strings.TrimPrefix(version, "v"), ".")
+	minor, _, _ = strings.Cut(minor, ".")
+	const v = "k8s.io/component-base/version"
+	ldflags := fmt.Sprintf("-s -w -X %s.gitVersion=%s -X %s.gitMajor=%s -X %s.gitMinor=%s -X %s.gitTreeState=clean",
+		v, version, v, major, v, minor, v)
+	tmp := out + ".building"
+	cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-ldflags="+ldflags, "-o", tmp, pkg)
+	cmd.Dir = mod
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOWORK=off")
+	if o, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("build %s: %w\n%s", pkg, err, o)
+	}
+	return os.Rename(tmp, out)
+}
+
+// pinnedVersion is the k8s.io/kubernetes version the tools module requires.
+func pinnedVersion(mod string) (string, error) {
+	data, err := os.ReadFile(filepath.Join(mod, "go.mod"))
+	if err != nil {
+		return "", err
+	}
+	for _, line := range strings.Split(string(data), "\n") {
+		f := strings.Fields(line)
+		if len(f) >= 2 && (f[0] == "k8s.io/kubernetes" || (len(f) >= 3 && f[0] == "require" && f[1] == "k8s.io/kubernetes")) {
+			if f[0] == "require" {
+				return f[2], nil
+			}
+			return f[1], nil
+		}
+	}
+	return "", fmt.Errorf("%s/go.mod requires no k8s.io/kubernetes", mod)
 }
 
 // PinKey names a build of a tools module (a directory with go.mod and

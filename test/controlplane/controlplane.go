@@ -44,6 +44,10 @@ type Config struct {
 	// ControllerManager also runs kube-controller-manager (PV binding,
 	// garbage collection, namespace deletion).
 	ControllerManager bool
+	// NodeAuthorizer authorizes kubelets as a real cluster does (Node,RBAC
+	// and the NodeRestriction admission plugin) and has the API server
+	// reach them at their InternalIP (the kubelet test).
+	NodeAuthorizer bool
 	// Detach starts the processes in their own sessions, writing pid files
 	// under Dir, so they outlive the caller (the lab). Otherwise they die
 	// with the caller.
@@ -184,14 +188,19 @@ func (c *ControlPlane) etcdArgs(p portSet) []string {
 
 func (c *ControlPlane) apiserverArgs(p portSet) []string {
 	f := c.pki.path
-	return []string{
+	authz, admission, kubelets := "RBAC", "", []string{}
+	if c.cfg.NodeAuthorizer {
+		authz, admission = "Node,RBAC", ",NodeRestriction"
+		kubelets = append(kubelets, "--kubelet-preferred-address-types=InternalIP")
+	}
+	return append(kubelets, []string{
 		fmt.Sprintf("--etcd-servers=http://127.0.0.1:%d", p.etcdClient),
 		"--bind-address=" + c.cfg.BindAddress, "--advertise-address=127.0.0.1",
 		fmt.Sprintf("--secure-port=%d", p.apiserver),
 		"--tls-cert-file=" + f("apiserver.crt"), "--tls-private-key-file=" + f("apiserver.key"),
 		"--client-ca-file=" + f("ca.crt"),
-		"--authorization-mode=RBAC",
-		"--enable-admission-plugins=NamespaceLifecycle,ServiceAccount,DefaultStorageClass,MutatingAdmissionWebhook,ValidatingAdmissionWebhook,ValidatingAdmissionPolicy,ResourceQuota",
+		"--authorization-mode=" + authz,
+		"--enable-admission-plugins=NamespaceLifecycle,ServiceAccount,DefaultStorageClass,MutatingAdmissionWebhook,ValidatingAdmissionWebhook,ValidatingAdmissionPolicy,ResourceQuota" + admission,
 		"--service-account-issuer=https://kubernetes.default.svc.cluster.local",
 		"--service-account-key-file=" + f("sa.pub"), "--service-account-signing-key-file=" + f("sa.key"),
 		"--service-cluster-ip-range=10.0.0.0/24",
@@ -207,7 +216,7 @@ func (c *ControlPlane) apiserverArgs(p portSet) []string {
 		"--allow-privileged=true",
 		"--profiling=false",
 		"--v=0",
-	}
+	}...)
 }
 
 func (c *ControlPlane) controllerManagerArgs() []string {

@@ -12,6 +12,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 	"github.com/nodevirt/nodevirt/clusterbrain/brain"
+	"github.com/nodevirt/nodevirt/clusterbrain/capacitypods"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon/buildinfo"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
@@ -32,6 +33,8 @@ func main() {
 	flag.StringVar(&cfg.VirtctlDir, "virtctl-dir", "/usr/local/share/nodevirt/virtctl", "directory of the virtctl builds served for download")
 	flag.DurationVar(&cfg.LeaseDuration, "lease-duration", 0, "leader lease duration (default 10s)")
 	flag.DurationVar(&cfg.FencingWindow, "fencing-window", 0, "how long a node may miss its lease renewals before its agent stops its guests; its VMIs fail over after this plus a 10s margin (default 30s)")
+	flag.BoolVar(&cfg.CapacityPods, "capacity-pods", false, "keep a pod per bound VMI holding its CPU and memory, so kube-scheduler and kubelet count VMs (clusters with kubelets)")
+	flag.StringVar(&cfg.CapacityPodImage, "capacity-pod-image", capacitypods.DefaultImage, "the pause image capacity pods run")
 	installRoles := flag.Bool("install-roles", false, "install the daemons' cluster roles and bindings (run once with an administrator's kubeconfig), then exit")
 	showVersion := flag.Bool("version", false, buildinfo.FlagUsage)
 	flag.Parse()

@@ -34,6 +34,7 @@ func main() {
 	flag.StringVar(&cfg.Emulation, "emulation", "auto", "auto (probe KVM), on (TCG) or off (require KVM)")
 	flag.StringVar(&cfg.LibvirtURI, "libvirt-uri", "qemu:///system", "libvirt connection URI")
 	flag.StringVar(&cfg.CSISocket, "csi-socket", "/var/lib/kubelet/plugins/kubevirt.io.hostpath-provisioner/csi.sock", "CSI driver socket")
+	flag.StringVar(&cfg.KubeletPluginDir, "kubelet-plugin-dir", "", "kubelet's plugin registry directory, where the CSI driver registers with kubelet (default /var/lib/kubelet/plugins_registry; - for none)")
 	flag.StringVar(&cfg.HostDiskRoot, "host-disk-root", hostdisk.DefaultRoot, "the only directory hostDisk volumes may name files in (no symlinks followed below it)")
 	flag.StringVar(&pools, "pools", "", "storage pools as name=path,name=path (default: default=<state-dir>/pools/default)")
 	flag.StringVar(&cfg.UploadAddr, "upload-addr", ":8447", "listen address of the upload receiver for the brain's upload proxy (- for none)")
