@@ -8,6 +8,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/clidownload"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume"
 	"github.com/nodevirt/nodevirt/clusterbrain/hco"
+	"github.com/nodevirt/nodevirt/clusterbrain/hcoconvert"
 	"github.com/nodevirt/nodevirt/clusterbrain/instancetypes"
 	"github.com/nodevirt/nodevirt/clusterbrain/macpool"
 	"github.com/nodevirt/nodevirt/clusterbrain/metrics"
@@ -43,7 +44,9 @@ var everyBrainRoles = []RoleFactory{
 			admission.Deps{Kube: d.Kube, Virt: d.Virt, Log: d.Log},
 			admission.RegisterDataVolumes,
 			macpool.Register(macpool.Config{RestConfig: d.RestConfig, Namespace: d.Config.Namespace}),
-			hco.Webhooks(d.Config.Namespace), datavolume.Webhooks())
+			hco.Webhooks(d.Config.Namespace), datavolume.Webhooks(),
+			// hco.kubevirt.io/v1 ↔ v1beta1 (the stored version).
+			hcoconvert.Register(d.RestConfig))
 	},
 }
 

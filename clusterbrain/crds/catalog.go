@@ -14,6 +14,7 @@ import (
 	instancetypev1beta1 "kubevirt.io/api/instancetype/v1beta1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
+	hcov1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1"
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
 	hppv1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hostpathprovisioner/v1beta1"
 	cnaov1 "github.com/nodevirt/nodevirt/clusterbrain/apis/networkaddons/v1"
@@ -36,6 +37,16 @@ type Kind struct {
 	// Annotations go on the CRD (api-approved.kubernetes.io for the
 	// protected *.k8s.io groups).
 	Annotations map[string]string
+	// Served are more versions served beside Version, which stays the
+	// stored one. The CRD's spec.conversion is left to the role that
+	// serves the conversion webhook (Install never writes it).
+	Served []ServedVersion
+}
+
+// ServedVersion is a version served, not stored, with its own root type.
+type ServedVersion struct {
+	Name string
+	Type reflect.Type
 }
 
 func col(name, typ, path string, priority int32) apiextensionsv1.CustomResourceColumnDefinition {
@@ -112,7 +123,8 @@ func Catalog() []Kind {
 			Columns: []apiextensionsv1.CustomResourceColumnDefinition{age,
 				col("Available", "string", ".status.conditions[?(@.type=='Available')].status", 0),
 				col("Degraded", "string", ".status.conditions[?(@.type=='Degraded')].status", 0)},
-			Type: reflect.TypeOf(hcov1beta1.HyperConverged{})},
+			Type:   reflect.TypeOf(hcov1beta1.HyperConverged{}),
+			Served: []ServedVersion{{Name: "v1", Type: reflect.TypeOf(hcov1.HyperConverged{})}}},
 		{Group: "k8s.cni.cncf.io", Version: "v1", Kind: "NetworkAttachmentDefinition", Plural: "network-attachment-definitions", Singular: "network-attachment-definition",
 			ShortNames: []string{"net-attach-def"}, Namespaced: true,
 			Type: reflect.TypeOf(nadv1.NetworkAttachmentDefinition{})},
@@ -147,6 +159,13 @@ func (k Kind) Definition() *apiextensionsv1.CustomResourceDefinition {
 	if k.Status {
 		v.Subresources = &apiextensionsv1.CustomResourceSubresources{Status: &apiextensionsv1.CustomResourceSubresourceStatus{}}
 	}
+	versions := []apiextensionsv1.CustomResourceDefinitionVersion{v}
+	for _, sv := range k.Served {
+		o := v
+		o.Name, o.Storage = sv.Name, false
+		o.Schema = &apiextensionsv1.CustomResourceValidation{OpenAPIV3Schema: Schema(sv.Type)}
+		versions = append(versions, o)
+	}
 	return &apiextensionsv1.CustomResourceDefinition{
 		TypeMeta: metav1.TypeMeta{APIVersion: "apiextensions.k8s.io/v1", Kind: "CustomResourceDefinition"},
 		ObjectMeta: metav1.ObjectMeta{Name: k.Plural + "." + k.Group, Labels: map[string]string{"app.kubernetes.io/managed-by": "nodevirt"},
@@ -155,7 +174,7 @@ func (k Kind) Definition() *apiextensionsv1.CustomResourceDefinition {
 			Group: k.Group, Scope: scope,
 			Names: apiextensionsv1.CustomResourceDefinitionNames{Kind: k.Kind, ListKind: k.Kind + "List",
 				Plural: k.Plural, Singular: k.Singular, ShortNames: k.ShortNames, Categories: k.Categories},
-			Versions: []apiextensionsv1.CustomResourceDefinitionVersion{v},
+			Versions: versions,
 		},
 	}
 }
