@@ -68,7 +68,8 @@ var leaderRoles = []RoleFactory{
 		return datavolume.New(datavolume.Config{Kube: d.Kube, Virt: d.Virt, Log: d.Log, Snapshots: snapshotv1.NewClient(dyn), Namespace: d.Config.Namespace})
 	},
 	func(d *Deps) (Role, error) {
-		return hco.New(hco.Config{Namespace: d.Config.Namespace, Kube: d.Kube, Virt: d.Virt, Log: d.Log.With("role", "hco"), BrainHealth: d.Health.Ready})
+		return hco.New(hco.Config{Namespace: d.Config.Namespace, Kube: d.Kube, Virt: d.Virt, Log: d.Log.With("role", "hco"), BrainHealth: d.Health.Ready,
+			Probes: childProbes(d)})
 	},
 	func(d *Deps) (Role, error) {
 		return instancetypes.New(instancetypes.Config{Virt: d.Virt, Namespace: d.Config.Namespace, Log: d.Log.With("role", "common-instancetypes")})
@@ -102,4 +103,26 @@ var leaderRoles = []RoleFactory{
 		return macpool.NewReconciler(macpool.Config{RestConfig: d.RestConfig, Virt: d.Virt, Namespace: d.Config.Namespace, Log: d.Log.With("role", "macpool"),
 			VMInformer: d.vms})
 	},
+}
+
+// childProbes are the brain's parts each HyperConverged child stands for
+// (the node agents' parts are judged from their Nodes by the hco role).
+func childProbes(d *Deps) map[string][]hco.Probe {
+	h := d.Health
+	return map[string][]hco.Probe{
+		"KubeVirt": {
+			hco.RoleRunning(h, "VM controller", "vm-controller"),
+			hco.RoleRunning(h, "scheduler", "scheduler"),
+			hco.RoleRunning(h, "admission webhooks", "admission"),
+		},
+		"CDI": {
+			hco.RoleRunning(h, "DataVolume controller", "datavolume"),
+			hco.RoleRunning(h, "upload proxy", "upload"),
+			hco.WebhookPublished(d.Kube, "DataVolume webhook", false, admission.ValidatingConfigName, admission.DataVolumeValidatorName),
+		},
+		"NetworkAddonsConfig": {
+			hco.RoleRunning(h, "MAC pool", "macpool-reconciler"),
+			hco.WebhookPublished(d.Kube, "MAC pool webhook", true, admission.MutatingConfigName, macpool.WebhookName),
+		},
+	}
 }

@@ -41,7 +41,7 @@ func (c *Controller) reconcileChildren(ctx context.Context, hc *hcov1beta1.Hyper
 	if want.HPP != nil {
 		kinds = append(kinds, kindHPP)
 	}
-	health := judge(kinds, nodes)
+	health := judge(kinds, nodes, probeAll(ctx, c.cfg.Probes))
 	byKind := map[string]componentHealth{}
 	for _, h := range health {
 		byKind[h.Kind] = h

@@ -52,6 +52,15 @@ type Config struct {
 	BrainHealth func() error
 	// Resync re-reconciles periodically (default 5m).
 	Resync time.Duration
+	// Probes check, per child kind ("CDI", "NetworkAddonsConfig", "SSP",
+	// "HostPathProvisioner", "KubeVirt"), the brain's parts the child
+	// stands for; a failing one makes the child unavailable, naming it.
+	// The node agents are judged from their Nodes without a probe. Nil:
+	// the brain's parts are not checked.
+	Probes map[string][]Probe
+	// ProbeEvery re-reconciles this often while Probes are set, since
+	// nothing watched signals a role stopping (default 30s).
+	ProbeEvery time.Duration
 }
 
 func (c *Config) defaults() {
@@ -66,6 +75,9 @@ func (c *Config) defaults() {
 	}
 	if c.Resync == 0 {
 		c.Resync = 5 * time.Minute
+	}
+	if c.ProbeEvery == 0 {
+		c.ProbeEvery = 30 * time.Second
 	}
 }
 
@@ -249,7 +261,11 @@ func (c *Controller) Sync(ctx context.Context, ns, name string) (time.Duration, 
 	if err != nil {
 		return 0, err
 	}
-	return 0, c.writeStatus(ctx, hc, aggregate(health, brainErr), related)
+	var again time.Duration
+	if len(c.cfg.Probes) > 0 {
+		again = c.cfg.ProbeEvery
+	}
+	return again, c.writeStatus(ctx, hc, aggregate(health, brainErr), related)
 }
 
 // refuse marks a HyperConverged that is not the singleton, rendering
