@@ -21,6 +21,7 @@ import (
 	sspv1beta2 "github.com/nodevirt/nodevirt/clusterbrain/apis/ssp/v1beta2"
 	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
 	macv1alpha1 "github.com/nodevirt/nodevirt/clusterbrain/macpool/api/v1alpha1"
+	"github.com/nodevirt/nodevirt/clusterbrain/ssp/templates"
 )
 
 // Kind describes one served resource.
@@ -134,6 +135,11 @@ func Catalog() []Kind {
 			Status: true, Type: reflect.TypeOf(hppv1beta1.HostPathProvisioner{})},
 		{Group: "ssp.kubevirt.io", Version: "v1beta2", Kind: "SSP", Plural: "ssps", Singular: "ssp",
 			Namespaced: true, Status: true, Type: reflect.TypeOf(sspv1beta2.SSP{})},
+		// template.openshift.io/v1 Templates as stored (the brain's
+		// aggregated API serves them under their own group).
+		{Group: templates.StorageGroup, Version: templates.StorageVersion, Kind: templates.StorageKind, Plural: templates.StorageResource,
+			Singular: "storedtemplate", Namespaced: true, Columns: []apiextensionsv1.CustomResourceColumnDefinition{age},
+			Type: reflect.TypeOf(templates.StoredTemplate{})},
 		{Group: "nodevirt.io", Version: "v1alpha1", Kind: "MACAllocation", Plural: "macallocations", Singular: "macallocation",
 			ShortNames: []string{"macalloc"}, Columns: []apiextensionsv1.CustomResourceColumnDefinition{
 				// A record is a block of addresses (the block's first MAC,

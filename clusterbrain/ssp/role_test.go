@@ -1,0 +1,212 @@
+package ssp
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	sspv1beta2 "github.com/nodevirt/nodevirt/clusterbrain/apis/ssp/v1beta2"
+	"github.com/nodevirt/nodevirt/clusterbrain/crds"
+	"github.com/nodevirt/nodevirt/clusterbrain/ssp/templateapi"
+	"github.com/nodevirt/nodevirt/clusterbrain/ssp/templates"
+	"github.com/nodevirt/nodevirt/test/controlplane"
+)
+
+func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
+
+var served = schema.GroupVersionResource{Group: "template.openshift.io", Version: "v1", Resource: "templates"}
+
+func testLog() *slog.Logger {
+	if os.Getenv("SSP_TEST_LOG") != "" {
+		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
+	return slog.New(slog.NewTextHandler(io.Discard, nil))
+}
+
+func eventually(t *testing.T, timeout time.Duration, f func() error) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		err := f()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after %v: %v", timeout, err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+type env struct {
+	kube kubernetes.Interface
+	dyn  dynamic.Interface
+	virt *client.Set
+	role *Role
+	ns   string // the SSP's namespace
+}
+
+// start installs the CRDs and runs the role and the template API.
+func start(t *testing.T) *env {
+	t.Helper()
+	cp := controlplane.Shared(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	if err := crds.Install(ctx, apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.Catalog()); err != nil {
+		t.Fatal(err)
+	}
+	e := &env{kube: cp.Clientset(t), dyn: dynamic.NewForConfigOrDie(cp.RestConfig), ns: cp.Namespace(t)}
+	var err error
+	if e.virt, err = client.NewSet(cp.RestConfig); err != nil {
+		t.Fatal(err)
+	}
+	if e.role, err = New(Config{Kube: e.kube, Dynamic: e.dyn, Virt: e.virt, Log: testLog()}); err != nil {
+		t.Fatal(err)
+	}
+	api, err := templateapi.New(templateapi.Config{Kube: e.kube, Dynamic: e.dyn, Namespace: e.ns, Addr: ":0", Log: testLog()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{}, 2)
+	go func() { _ = e.role.Run(ctx); done <- struct{}{} }()
+	go func() { _ = api.Run(ctx); done <- struct{}{} }()
+	t.Cleanup(func() { cancel(); <-done; <-done })
+	select {
+	case <-api.Ready():
+	case <-time.After(60 * time.Second):
+		t.Fatal("template API not ready")
+	}
+	return e
+}
+
+func (e *env) createSSP(t *testing.T, templatesNS string) {
+	t.Helper()
+	s := &sspv1beta2.SSP{ObjectMeta: metav1.ObjectMeta{Name: "ssp", Namespace: e.ns},
+		Spec: sspv1beta2.SSPSpec{CommonTemplates: sspv1beta2.CommonTemplates{Namespace: templatesNS}}}
+	if _, err := e.virt.SSPs.Create(context.Background(), s); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestCommonTemplatesServedReconciledProcessedAndRemoved(t *testing.T) {
+	e := start(t)
+	ctx := context.Background()
+	tns := e.ns + "-templates" // the HCO's commonTemplatesNamespace, honoured
+	t.Cleanup(func() { _ = e.kube.CoreV1().Namespaces().Delete(context.Background(), tns, metav1.DeleteOptions{}) })
+	e.createSSP(t, tns)
+	want := len(templates.Render(tns))
+	api := e.dyn.Resource(served).Namespace(tns)
+	eventually(t, 90*time.Second, func() error {
+		if err := e.role.Health(); err != nil {
+			return err
+		}
+		list, err := api.List(ctx, metav1.ListOptions{LabelSelector: "os.template.kubevirt.io/fedora43=true"})
+		if err != nil {
+			return err
+		}
+		if len(list.Items) != 9 {
+			return fmt.Errorf("%d fedora templates through template.openshift.io, want 9", len(list.Items))
+		}
+		all, err := api.List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return err
+		}
+		if len(all.Items) != want {
+			return fmt.Errorf("%d templates, want %d", len(all.Items), want)
+		}
+		return nil
+	})
+
+	// An edit through the API is reverted.
+	patch := []byte(`{"metadata":{"labels":{"template.kubevirt.io/version":"hacked"}},"parameters":[{"name":"NAME","value":"x"}]}`)
+	if _, err := api.Patch(ctx, "rhel9-server-small", types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		t.Fatalf("patch through template.openshift.io: %v", err)
+	}
+	eventually(t, 30*time.Second, func() error {
+		got, err := api.Get(ctx, "rhel9-server-small", metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		params, _ := got.Object["parameters"].([]any)
+		if got.GetLabels()[templates.LabelVersion] != templates.Version || len(params) != 4 {
+			return fmt.Errorf("not reverted: labels %v, %d parameters", got.GetLabels(), len(params))
+		}
+		if got.GetAPIVersion() != "template.openshift.io/v1" || got.GetKind() != "Template" {
+			return fmt.Errorf("served as %s %s", got.GetAPIVersion(), got.GetKind())
+		}
+		return nil
+	})
+	if e.role.Reverts() == 0 {
+		t.Error("no revert counted")
+	}
+
+	// Processing as oc process does: GET the template, POST it with values.
+	tmpl, err := api.Get(ctx, "fedora-server-small", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	params := tmpl.Object["parameters"].([]any)
+	for _, p := range params {
+		if pm := p.(map[string]any); pm["name"] == "DATA_SOURCE_NAME" {
+			pm["value"] = "my-fedora"
+		}
+	}
+	body, _ := json.Marshal(tmpl.Object)
+	raw, err := e.kube.CoreV1().RESTClient().Post().AbsPath("/apis/template.openshift.io/v1/namespaces/" + tns + "/processedtemplates").
+		Body(body).SetHeader("Content-Type", "application/json").DoRaw(ctx)
+	if err != nil {
+		t.Fatalf("processedtemplates: %v: %s", err, raw)
+	}
+	var processed map[string]any
+	if err := json.Unmarshal(raw, &processed); err != nil {
+		t.Fatal(err)
+	}
+	vm, _ := json.Marshal(processed["objects"].([]any)[0])
+	if strings.Contains(string(vm), "${") || !strings.Contains(string(vm), `"name":"my-fedora"`) ||
+		!regexp.MustCompile(`"name":"fedora-[a-z0-9]{16}"`).Match(vm) {
+		t.Errorf("processed VM: %s", vm)
+	}
+	bad, _ := json.Marshal(map[string]any{"apiVersion": "template.openshift.io/v1", "kind": "Template",
+		"metadata": map[string]any{"name": "x"}, "objects": []any{}, "parameters": []any{map[string]any{"name": "P", "required": true}}})
+	if raw, err := e.kube.CoreV1().RESTClient().Post().AbsPath("/apis/template.openshift.io/v1/namespaces/" + tns + "/processedtemplates").
+		Body(bad).SetHeader("Content-Type", "application/json").DoRaw(ctx); err == nil || !strings.Contains(string(raw), "required") {
+		t.Errorf("a missing required parameter was processed: %v %s", err, raw)
+	}
+
+	// A user's own template in the same namespace is left alone.
+	own := map[string]any{"apiVersion": "template.openshift.io/v1", "kind": "Template", "metadata": map[string]any{"name": "mine"}, "objects": []any{}}
+	ownData, _ := json.Marshal(own)
+	if raw, err := e.kube.CoreV1().RESTClient().Post().AbsPath("/apis/template.openshift.io/v1/namespaces/" + tns + "/templates").
+		Body(ownData).SetHeader("Content-Type", "application/json").DoRaw(ctx); err != nil {
+		t.Fatalf("create a user template: %v %s", err, raw)
+	}
+
+	// Removed with the SSP.
+	if err := e.virt.SSPs.Delete(ctx, e.ns, "ssp", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 60*time.Second, func() error {
+		all, err := api.List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return err
+		}
+		if len(all.Items) != 1 || all.Items[0].GetName() != "mine" {
+			return fmt.Errorf("%d templates left", len(all.Items))
+		}
+		return nil
+	})
+}
