@@ -1,9 +1,13 @@
 package brain
 
 import (
+	"context"
+	"errors"
+
 	"k8s.io/client-go/dynamic"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
+	"github.com/nodevirt/nodevirt/clusterbrain/aggregated"
 	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
 	"github.com/nodevirt/nodevirt/clusterbrain/clidownload"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume"
@@ -17,6 +21,9 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/nodefailure"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
+	"github.com/nodevirt/nodevirt/clusterbrain/ssp"
+	"github.com/nodevirt/nodevirt/clusterbrain/ssp/templateapi"
+	"github.com/nodevirt/nodevirt/clusterbrain/ssp/templates"
 	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
 	"github.com/nodevirt/nodevirt/clusterbrain/upload"
 	"github.com/nodevirt/nodevirt/clusterbrain/vmcontroller"
@@ -33,6 +40,14 @@ var everyBrainRoles = []RoleFactory{
 	},
 	func(d *Deps) (Role, error) {
 		return subresources.ForBrain(d.RestConfig, d.Kube, d.Virt, d.Config.Namespace, d.Config.SubresourcesAddr, d.Log.With("role", "subresources"))
+	},
+	func(d *Deps) (Role, error) {
+		dyn, err := dynamic.NewForConfig(d.RestConfig)
+		if err != nil {
+			return nil, err
+		}
+		return templateapi.New(templateapi.Config{Kube: d.Kube, Dynamic: dyn, Namespace: d.Config.Namespace,
+			Addr: d.Config.TemplateAPIAddr, Log: d.Log.With("role", "template-api")})
 	},
 	func(d *Deps) (Role, error) {
 		return metrics.NewBrainServer(d.Config.MetricsAddr, d.Virt, d.Log.With("role", "metrics")), nil
@@ -66,6 +81,16 @@ var leaderRoles = []RoleFactory{
 			return nil, err
 		}
 		return datavolume.New(datavolume.Config{Kube: d.Kube, Virt: d.Virt, Log: d.Log, Snapshots: snapshotv1.NewClient(dyn), Namespace: d.Config.Namespace})
+	},
+	func(d *Deps) (Role, error) {
+		// Before hco, which probes it for the SSP child.
+		dyn, err := dynamic.NewForConfig(d.RestConfig)
+		if err != nil {
+			return nil, err
+		}
+		r, err := ssp.New(ssp.Config{Kube: d.Kube, Dynamic: dyn, Virt: d.Virt, Log: d.Log.With("role", "ssp-templates")})
+		d.ssp = r
+		return r, err
 	},
 	func(d *Deps) (Role, error) {
 		return hco.New(hco.Config{Namespace: d.Config.Namespace, Kube: d.Kube, Virt: d.Virt, Log: d.Log.With("role", "hco"), BrainHealth: d.Health.Ready,
@@ -120,9 +145,34 @@ func childProbes(d *Deps) map[string][]hco.Probe {
 			hco.RoleRunning(h, "upload proxy", "upload"),
 			hco.WebhookPublished(d.Kube, "DataVolume webhook", false, admission.ValidatingConfigName, admission.DataVolumeValidatorName),
 		},
+		"SSP": {
+			hco.RoleRunning(h, "common templates", "ssp-templates"),
+			{What: "common templates", Check: func(context.Context) error { return d.ssp.Health() }},
+			hco.RoleRunning(h, "template API", "template-api"),
+			{What: "template API", Check: apiServiceAvailable(d, templates.Group, templates.APIVersion)},
+		},
 		"NetworkAddonsConfig": {
 			hco.RoleRunning(h, "MAC pool", "macpool-reconciler"),
 			hco.WebhookPublished(d.Kube, "MAC pool webhook", true, admission.MutatingConfigName, macpool.WebhookName),
 		},
+	}
+}
+
+// apiServiceAvailable probes that the aggregator reports the group
+// version's APIService Available.
+func apiServiceAvailable(d *Deps, group, version string) func(context.Context) error {
+	return func(ctx context.Context) error {
+		dyn, err := dynamic.NewForConfig(d.RestConfig)
+		if err != nil {
+			return err
+		}
+		ok, msg, err := aggregated.APIServiceAvailable(ctx, dyn, group, version)
+		switch {
+		case err != nil:
+			return err
+		case !ok:
+			return errors.New("APIService " + version + "." + group + " not available: " + msg)
+		}
+		return nil
 	}
 }

@@ -109,6 +109,9 @@ type Controller struct {
 	mu          sync.Mutex
 	lastApplied map[string]string // child kind → hash of the spec last written
 	reverts     map[string]int    // child kind → out-of-band edits reverted
+	// probesFailing says the last reconcile found a part missing: the
+	// next probe comes sooner.
+	probesFailing bool
 }
 
 // New validates cfg and builds the role.
@@ -264,6 +267,11 @@ func (c *Controller) Sync(ctx context.Context, ns, name string) (time.Duration, 
 	var again time.Duration
 	if len(c.cfg.Probes) > 0 {
 		again = c.cfg.ProbeEvery
+		c.mu.Lock()
+		if c.probesFailing && again > 5*time.Second {
+			again = 5 * time.Second
+		}
+		c.mu.Unlock()
 	}
 	return again, c.writeStatus(ctx, hc, aggregate(health, brainErr), related)
 }

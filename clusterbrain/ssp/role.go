@@ -271,4 +271,3 @@ func jsonEqual(a, b any) bool {
 	y, _ := json.Marshal(b)
 	return reflect.DeepEqual(x, y)
 }
-

@@ -1,6 +1,7 @@
 package ssp
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -24,6 +25,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/ssp/templateapi"
 	"github.com/nodevirt/nodevirt/clusterbrain/ssp/templates"
+	"github.com/nodevirt/nodevirt/clusterbrain/virtctl"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
 
@@ -166,7 +168,7 @@ func TestCommonTemplatesServedReconciledProcessedAndRemoved(t *testing.T) {
 		}
 	}
 	body, _ := json.Marshal(tmpl.Object)
-	raw, err := e.kube.CoreV1().RESTClient().Post().AbsPath("/apis/template.openshift.io/v1/namespaces/" + tns + "/processedtemplates").
+	raw, err := e.kube.CoreV1().RESTClient().Post().AbsPath("/apis/template.openshift.io/v1/namespaces/"+tns+"/processedtemplates").
 		Body(body).SetHeader("Content-Type", "application/json").DoRaw(ctx)
 	if err != nil {
 		t.Fatalf("processedtemplates: %v: %s", err, raw)
@@ -182,15 +184,42 @@ func TestCommonTemplatesServedReconciledProcessedAndRemoved(t *testing.T) {
 	}
 	bad, _ := json.Marshal(map[string]any{"apiVersion": "template.openshift.io/v1", "kind": "Template",
 		"metadata": map[string]any{"name": "x"}, "objects": []any{}, "parameters": []any{map[string]any{"name": "P", "required": true}}})
-	if raw, err := e.kube.CoreV1().RESTClient().Post().AbsPath("/apis/template.openshift.io/v1/namespaces/" + tns + "/processedtemplates").
+	if raw, err := e.kube.CoreV1().RESTClient().Post().AbsPath("/apis/template.openshift.io/v1/namespaces/"+tns+"/processedtemplates").
 		Body(bad).SetHeader("Content-Type", "application/json").DoRaw(ctx); err == nil || !strings.Contains(string(raw), "required") {
 		t.Errorf("a missing required parameter was processed: %v %s", err, raw)
+	}
+
+	// virtctl create vm --template prints, then creates, the VM.
+	kc := t.TempDir() + "/kubeconfig"
+	if err := controlplane.Shared(t).WriteKubeconfig(kc, "ssp-admin", "system:masters"); err != nil {
+		t.Fatal(err)
+	}
+	var out, errOut bytes.Buffer
+	args := []string{"--kubeconfig", kc, "-n", e.ns, "create", "vm", "--template", tns + "/rhel9-server-small", "-p", "DATA_SOURCE_NAME=golden", "--name", "from-template"}
+	if code := virtctl.Run(ctx, args, virtctl.IO{Out: &out, Err: &errOut}); code != 0 ||
+		!strings.Contains(out.String(), "name: from-template") || !strings.Contains(out.String(), "name: golden") {
+		t.Fatalf("virtctl %v: %d\n%s\n%s", args, code, out.String(), errOut.String())
+	}
+	out.Reset()
+	if code := virtctl.Run(ctx, append(args, "--create"), virtctl.IO{Out: &out, Err: &errOut}); code != 0 {
+		t.Fatalf("virtctl --create: %s", errOut.String())
+	}
+	gotVM, err := e.virt.VMs.Get(ctx, e.ns, "from-template")
+	if err != nil {
+		t.Fatalf("the VM from the template: %v", err)
+	}
+	if gotVM.Labels[templates.LabelVMTemplate] != "rhel9-server-small" || gotVM.Spec.Template.Spec.Domain.Memory.Guest.String() != "2Gi" {
+		t.Errorf("VM from template: labels %v, memory %v", gotVM.Labels, gotVM.Spec.Template.Spec.Domain.Memory.Guest)
+	}
+	if code := virtctl.Run(ctx, []string{"--kubeconfig", kc, "create", "vm", "--template", tns + "/rhel9-server-small", "-p", "NOPE=1"},
+		virtctl.IO{Out: &out, Err: &errOut}); code == 0 {
+		t.Error("an unknown parameter was accepted")
 	}
 
 	// A user's own template in the same namespace is left alone.
 	own := map[string]any{"apiVersion": "template.openshift.io/v1", "kind": "Template", "metadata": map[string]any{"name": "mine"}, "objects": []any{}}
 	ownData, _ := json.Marshal(own)
-	if raw, err := e.kube.CoreV1().RESTClient().Post().AbsPath("/apis/template.openshift.io/v1/namespaces/" + tns + "/templates").
+	if raw, err := e.kube.CoreV1().RESTClient().Post().AbsPath("/apis/template.openshift.io/v1/namespaces/"+tns+"/templates").
 		Body(ownData).SetHeader("Content-Type", "application/json").DoRaw(ctx); err != nil {
 		t.Fatalf("create a user template: %v %s", err, raw)
 	}
