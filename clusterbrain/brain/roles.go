@@ -24,6 +24,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/ssp"
 	"github.com/nodevirt/nodevirt/clusterbrain/ssp/templateapi"
 	"github.com/nodevirt/nodevirt/clusterbrain/ssp/templates"
+	"github.com/nodevirt/nodevirt/clusterbrain/ssp/validator"
 	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
 	"github.com/nodevirt/nodevirt/clusterbrain/upload"
 	"github.com/nodevirt/nodevirt/clusterbrain/vmcontroller"
@@ -61,7 +62,9 @@ var everyBrainRoles = []RoleFactory{
 			macpool.Register(macpool.Config{RestConfig: d.RestConfig, Namespace: d.Config.Namespace}),
 			hco.Webhooks(d.Config.Namespace), datavolume.Webhooks(),
 			// hco.kubevirt.io/v1 ↔ v1beta1 (the stored version).
-			hcoconvert.Register(d.RestConfig))
+			hcoconvert.Register(d.RestConfig),
+			// SSP's template validator.
+			validator.Register(d.RestConfig))
 	},
 }
 
@@ -150,6 +153,7 @@ func childProbes(d *Deps) map[string][]hco.Probe {
 			{What: "common templates", Check: func(context.Context) error { return d.ssp.Health() }},
 			hco.RoleRunning(h, "template API", "template-api"),
 			{What: "template API", Check: apiServiceAvailable(d, templates.Group, templates.APIVersion)},
+			hco.WebhookPublished(d.Kube, "template validator", false, admission.ValidatingConfigName, validator.WebhookName),
 		},
 		"NetworkAddonsConfig": {
 			hco.RoleRunning(h, "MAC pool", "macpool-reconciler"),
