@@ -10,6 +10,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/aggregated"
 	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/apis/volumesnapshot/v1"
 	"github.com/nodevirt/nodevirt/clusterbrain/clidownload"
+	"github.com/nodevirt/nodevirt/clusterbrain/dataimportcron"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume"
 	"github.com/nodevirt/nodevirt/clusterbrain/hco"
 	"github.com/nodevirt/nodevirt/clusterbrain/hcoconvert"
@@ -86,6 +87,10 @@ var leaderRoles = []RoleFactory{
 		return datavolume.New(datavolume.Config{Kube: d.Kube, Virt: d.Virt, Log: d.Log, Snapshots: snapshotv1.NewClient(dyn), Namespace: d.Config.Namespace})
 	},
 	func(d *Deps) (Role, error) {
+		// Golden images: DataImportCrons and DataSources' Ready.
+		return dataimportcron.New(dataimportcron.Config{Virt: d.Virt, Log: d.Log.With("role", "dataimportcron")})
+	},
+	func(d *Deps) (Role, error) {
 		// Before hco, which probes it for the SSP child.
 		dyn, err := dynamic.NewForConfig(d.RestConfig)
 		if err != nil {
@@ -146,6 +151,7 @@ func childProbes(d *Deps) map[string][]hco.Probe {
 		"CDI": {
 			hco.RoleRunning(h, "DataVolume controller", "datavolume"),
 			hco.RoleRunning(h, "upload proxy", "upload"),
+			hco.RoleRunning(h, "DataImportCron controller", "dataimportcron"),
 			hco.WebhookPublished(d.Kube, "DataVolume webhook", false, admission.ValidatingConfigName, admission.DataVolumeValidatorName),
 		},
 		"SSP": {
