@@ -1,7 +1,9 @@
 // Package ssp is the brain's SSP role: it keeps the common templates of
 // every SSP CR (rendered by the hco role) in the SSP's
 // spec.commonTemplates.namespace — created, versioned, edits reverted,
-// removed with the SSP — and reports whether they are in place (the
+// removed with the SSP — and the SSP's boot sources (DataImportCrons from
+// spec.commonTemplates.dataImportCronTemplates, crons.go), and reports
+// whether they are in place (the
 // HyperConverged's SSP child follows that). The template.openshift.io API
 // itself is package templateapi; the catalogue is package templates.
 package ssp
@@ -109,13 +111,14 @@ func (r *Role) Run(ctx context.Context) error {
 			return r.cfg.Dynamic.Resource(storedGVR).Watch(ctx, o)
 		},
 	}, &unstructured.Unstructured{}, r.cfg.Resync, cache.Indexers{})
-	for _, inf := range []cache.SharedIndexInformer{ssps, stored} {
+	crons := r.cfg.Virt.DataImportCrons.Informer("", r.cfg.Resync, func(o *metav1.ListOptions) { o.LabelSelector = cronSelector })
+	for _, inf := range []cache.SharedIndexInformer{ssps, stored, crons} {
 		if _, err := inf.AddEventHandler(kick); err != nil {
 			return err
 		}
 		go inf.RunWithContext(ctx)
 	}
-	if !cache.WaitForCacheSync(ctx.Done(), ssps.HasSynced, stored.HasSynced) {
+	if !cache.WaitForCacheSync(ctx.Done(), ssps.HasSynced, stored.HasSynced, crons.HasSynced) {
 		return ctx.Err()
 	}
 	r.queue.Add(key)
@@ -212,6 +215,9 @@ func (r *Role) Sync(ctx context.Context) error {
 	}
 	if created > 0 {
 		r.cfg.Log.Info("created common templates", "count", created, "version", templates.Version)
+	}
+	if err := r.syncCrons(ctx, ssps); err != nil {
+		errs = append(errs, err)
 	}
 	if len(ssps) == 0 {
 		return errors.Join(append(errs, errors.New("no SSP asks for common templates"))...)

@@ -14,13 +14,16 @@ import (
 	"time"
 
 	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
+	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
+	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1beta1"
 	sspv1beta2 "github.com/nodevirt/nodevirt/clusterbrain/apis/ssp/v1beta2"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/ssp/templateapi"
@@ -223,6 +226,58 @@ func TestCommonTemplatesServedReconciledProcessedAndRemoved(t *testing.T) {
 		Body(ownData).SetHeader("Content-Type", "application/json").DoRaw(ctx); err != nil {
 		t.Fatalf("create a user template: %v %s", err, raw)
 	}
+
+	// Boot sources: the SSP's dataImportCronTemplates become
+	// DataImportCrons; edits are reverted; dropping one removes it.
+	url := "docker://registry.invalid/os:latest"
+	withCron, err := e.virt.SSPs.Get(ctx, e.ns, "ssp")
+	if err != nil {
+		t.Fatal(err)
+	}
+	withCron.Spec.CommonTemplates.DataImportCronTemplates = []hcov1beta1.DataImportCronTemplate{{
+		ObjectMeta: metav1.ObjectMeta{Name: "os-image-cron", Namespace: tns},
+		Spec: &cdiv1.DataImportCronSpec{Schedule: "0 */12 * * *", ManagedDataSource: "os",
+			Template: cdiv1.DataVolume{Spec: cdiv1.DataVolumeSpec{Source: &cdiv1.DataVolumeSource{Registry: &cdiv1.DataVolumeSourceRegistry{URL: &url}}}}}}}
+	if _, err := e.virt.SSPs.Update(ctx, withCron); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 30*time.Second, func() error {
+		dic, err := e.virt.DataImportCrons.Get(ctx, tns, "os-image-cron")
+		if err != nil {
+			return err
+		}
+		if dic.Spec.Schedule != "0 */12 * * *" {
+			return fmt.Errorf("schedule %q", dic.Spec.Schedule)
+		}
+		if dic.Spec.ManagedDataSource == "os" {
+			return nil
+		}
+		return fmt.Errorf("dataimportcron %+v", dic.Spec)
+	})
+	if _, err := e.virt.DataImportCrons.Patch(ctx, tns, "os-image-cron", types.MergePatchType, []byte(`{"spec":{"schedule":"* * * * *"}}`), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 30*time.Second, func() error {
+		dic, err := e.virt.DataImportCrons.Get(ctx, tns, "os-image-cron")
+		if err != nil || dic.Spec.Schedule != "0 */12 * * *" {
+			return fmt.Errorf("edit not reverted: %v %v", dic, err)
+		}
+		return nil
+	})
+	withCron, err = e.virt.SSPs.Get(ctx, e.ns, "ssp")
+	if err != nil {
+		t.Fatal(err)
+	}
+	withCron.Spec.CommonTemplates.DataImportCronTemplates = nil
+	if _, err := e.virt.SSPs.Update(ctx, withCron); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 30*time.Second, func() error {
+		if _, err := e.virt.DataImportCrons.Get(ctx, tns, "os-image-cron"); !apierrors.IsNotFound(err) {
+			return fmt.Errorf("dropped boot source still there: %v", err)
+		}
+		return nil
+	})
 
 	// Removed with the SSP.
 	if err := e.virt.SSPs.Delete(ctx, e.ns, "ssp", metav1.DeleteOptions{}); err != nil {
