@@ -43,3 +43,21 @@ func TestBootSourcesFollowEnableCommonBootImageImport(t *testing.T) {
 		t.Errorf("with enableCommonBootImageImport off: %d templates, want the user's 2", n)
 	}
 }
+
+func TestV1OnlyFieldsWarn(t *testing.T) {
+	hc := hcoFrom(t, `{"metadata":{"annotations":{"hco.kubevirt.io/v1-only-fields":"{\"deployment\":{\"deployNetworkResourcesInjector\":true}}"}}}`)
+	w, err := Validate(hc, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := false
+	for _, s := range w {
+		found = found || s == "spec.deployment.deployNetworkResourcesInjector (hco.kubevirt.io/v1) has no effect in nodevirt"
+	}
+	if !found {
+		t.Errorf("warnings %q", w)
+	}
+	if w, _ := Validate(hc, hc); len(w) != 0 {
+		t.Errorf("unchanged v1-only field warned again: %q", w)
+	}
+}
