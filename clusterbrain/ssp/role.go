@@ -152,6 +152,9 @@ func (r *Role) Sync(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("list ssps: %w", err)
 	}
+	if err := r.ensureRoles(ctx); err != nil {
+		return err
+	}
 	want := map[string]map[string]any{} // namespace/name → stored template
 	for _, s := range ssps {
 		if s.DeletionTimestamp != nil {
@@ -162,6 +165,9 @@ func (r *Role) Sync(ctx context.Context) error {
 			continue
 		}
 		if err := r.ensureNamespace(ctx, ns); err != nil {
+			return err
+		}
+		if err := r.ensureReaders(ctx, ns); err != nil {
 			return err
 		}
 		for _, t := range templates.Render(ns) {

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	rbacv1 "k8s.io/api/rbac/v1"
 	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -20,6 +21,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/apis/client"
@@ -32,7 +34,8 @@ import (
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
 
-func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
+// The controller manager folds the template roles into admin, edit and view.
+func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{ControllerManager: true}) }
 
 var served = schema.GroupVersionResource{Group: "template.openshift.io", Version: "v1", Resource: "templates"}
 
@@ -217,6 +220,36 @@ func TestCommonTemplatesServedReconciledProcessedAndRemoved(t *testing.T) {
 	if code := virtctl.Run(ctx, []string{"--kubeconfig", kc, "create", "vm", "--template", tns + "/rhel9-server-small", "-p", "NOPE=1"},
 		virtctl.IO{Out: &out, Err: &errOut}); code == 0 {
 		t.Error("an unknown parameter was accepted")
+	}
+
+	// An ordinary user with edit in her namespace reads the common
+	// templates and processes them there, and cannot write the shared ones.
+	aliceKC := t.TempDir() + "/alice"
+	if err := controlplane.Shared(t).WriteKubeconfig(aliceKC, "alice"); err != nil {
+		t.Fatal(err)
+	}
+	rb := &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Name: "alice-edit", Namespace: e.ns},
+		RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: "edit"},
+		Subjects: []rbacv1.Subject{{APIGroup: rbacv1.GroupName, Kind: rbacv1.UserKind, Name: "alice"}}}
+	if _, err := e.kube.RbacV1().RoleBindings(e.ns).Create(ctx, rb, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 30*time.Second, func() error { // the aggregation controller folds the template roles into edit
+		out.Reset()
+		errOut.Reset()
+		if code := virtctl.Run(ctx, []string{"--kubeconfig", aliceKC, "-n", e.ns, "create", "vm", "--template", tns + "/fedora-server-small"},
+			virtctl.IO{Out: &out, Err: &errOut}); code != 0 {
+			return fmt.Errorf("alice: %s", errOut.String())
+		}
+		return nil
+	})
+	aliceCfg, err := clientcmd.BuildConfigFromFlags("", aliceKC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	aliceTemplates := dynamic.NewForConfigOrDie(aliceCfg).Resource(served).Namespace(tns)
+	if _, err := aliceTemplates.Patch(ctx, "fedora-server-small", types.MergePatchType, []byte(`{"message":"x"}`), metav1.PatchOptions{}); !apierrors.IsForbidden(err) {
+		t.Errorf("alice edited a common template: %v", err)
 	}
 
 	// A user's own template in the same namespace is left alone.

@@ -62,9 +62,12 @@ func (c *Client) ProcessTemplate(ctx context.Context, ref string, values map[str
 	if err != nil {
 		return nil, err
 	}
-	raw, err = rc.Post().AbsPath(base+"/processedtemplates").Body(body).SetHeader("Content-Type", "application/json").DoRaw(ctx)
+	// Processed in the client's namespace, as oc process does: users may
+	// read the shared templates without writing where they live.
+	raw, err = rc.Post().AbsPath("/apis/template.openshift.io/v1/namespaces/"+c.Namespace+"/processedtemplates").
+		Body(body).SetHeader("Content-Type", "application/json").DoRaw(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("process template %s/%s: %w", ns, name, err)
+		return nil, fmt.Errorf("process template %s/%s in %s: %w: %s", ns, name, c.Namespace, err, strings.TrimSpace(string(raw)))
 	}
 	var out struct {
 		Objects []map[string]any `json:"objects"`
