@@ -21,6 +21,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/metadata"
 	"k8s.io/client-go/tools/clientcmd"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
@@ -139,6 +140,19 @@ func TestCommonTemplatesServedReconciledProcessedAndRemoved(t *testing.T) {
 		return nil
 	})
 
+	// Metadata-only clients (the garbage collector's, the namespace
+	// controller's) list and watch templates too.
+	meta := metadata.NewForConfigOrDie(controlplane.Shared(t).RestConfig).Resource(served).Namespace(tns)
+	ml, err := meta.List(ctx, metav1.ListOptions{})
+	if err != nil || len(ml.Items) != want || ml.Items[0].Kind != "PartialObjectMetadata" || ml.Items[0].Name == "" {
+		t.Fatalf("metadata list: %v, %+v", err, ml)
+	}
+	mw, err := meta.Watch(ctx, metav1.ListOptions{ResourceVersion: ml.ResourceVersion})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mw.Stop()
+
 	// An edit through the API is reverted.
 	patch := []byte(`{"metadata":{"labels":{"template.kubevirt.io/version":"hacked"}},"parameters":[{"name":"NAME","value":"x"}]}`)
 	if _, err := api.Patch(ctx, "rhel9-server-small", types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
@@ -160,6 +174,14 @@ func TestCommonTemplatesServedReconciledProcessedAndRemoved(t *testing.T) {
 	})
 	if e.role.Reverts() == 0 {
 		t.Error("no revert counted")
+	}
+	select {
+	case ev := <-mw.ResultChan():
+		if pm, ok := ev.Object.(*metav1.PartialObjectMetadata); !ok || pm.Name != "rhel9-server-small" {
+			t.Errorf("metadata watch event %s %#v", ev.Type, ev.Object)
+		}
+	case <-time.After(10 * time.Second):
+		t.Error("no metadata watch event for the edit")
 	}
 
 	// Processing as oc process does: GET the template, POST it with values.
@@ -323,6 +345,17 @@ func TestCommonTemplatesServedReconciledProcessedAndRemoved(t *testing.T) {
 		}
 		if len(all.Items) != 1 || all.Items[0].GetName() != "mine" {
 			return fmt.Errorf("%d templates left", len(all.Items))
+		}
+		return nil
+	})
+
+	// The namespace controller empties and removes a templates namespace.
+	if err := e.kube.CoreV1().Namespaces().Delete(ctx, tns, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 90*time.Second, func() error {
+		if _, err := e.kube.CoreV1().Namespaces().Get(ctx, tns, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+			return fmt.Errorf("namespace %s not deleted: %v", tns, err)
 		}
 		return nil
 	})

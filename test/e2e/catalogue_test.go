@@ -34,7 +34,10 @@ func TestVMFromCatalogue(t *testing.T) {
 	e.allowInsecureRegistry(t, host)
 
 	url := "docker://" + host + "/e2e/os:latest"
-	cron := &cdiv1.DataImportCron{ObjectMeta: metav1.ObjectMeta{Name: "os-image-cron", Namespace: n.name},
+	// Bound at once, as HCO's boot sources ask: nothing consumes the
+	// golden image's claim itself.
+	cron := &cdiv1.DataImportCron{ObjectMeta: metav1.ObjectMeta{Name: "os-image-cron", Namespace: n.name,
+		Annotations: map[string]string{"cdi.kubevirt.io/storage.bind.immediate.requested": "true"}},
 		Spec: cdiv1.DataImportCronSpec{Schedule: "0 */12 * * *", ManagedDataSource: "os",
 			Template: cdiv1.DataVolume{Spec: cdiv1.DataVolumeSpec{
 				Source: &cdiv1.DataVolumeSource{Registry: &cdiv1.DataVolumeSourceRegistry{URL: &url}},

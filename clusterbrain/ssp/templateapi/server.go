@@ -256,17 +256,21 @@ func (s *Server) templates(w http.ResponseWriter, r *http.Request, req request, 
 	case "get":
 		var got *unstructured.Unstructured
 		if got, err = res.Get(ctx, req.name, metav1.GetOptions{ResourceVersion: q.Get("resourceVersion")}); err == nil {
-			out = fromStored(got.Object)
+			out = s.shape(r, fromStored(got.Object))
 		}
 	case "list":
 		var list *unstructured.UnstructuredList
 		if list, err = res.List(ctx, listOptions(q)); err == nil {
 			items := make([]any, 0, len(list.Items))
 			for _, it := range list.Items {
-				items = append(items, fromStored(it.Object))
+				items = append(items, s.shape(r, fromStored(it.Object)))
 			}
 			md, _ := list.Object["metadata"].(map[string]any)
-			out = map[string]any{"apiVersion": gv, "kind": "TemplateList", "metadata": md, "items": items}
+			kind, apiVersion := "TemplateList", gv
+			if metadataOnly(r) {
+				kind, apiVersion = "PartialObjectMetadataList", metaGV
+			}
+			out = map[string]any{"apiVersion": apiVersion, "kind": kind, "metadata": md, "items": items}
 		}
 	case "watch":
 		s.watch(w, r, res, listOptions(q))
@@ -390,7 +394,7 @@ func (s *Server) watch(w http.ResponseWriter, r *http.Request, res dynamic.Resou
 			var obj any = ev.Object
 			if u, isU := ev.Object.(*unstructured.Unstructured); isU {
 				if u.GetKind() == templates.StorageKind {
-					obj = fromStored(u.Object)
+					obj = s.shape(r, fromStored(u.Object))
 				} else {
 					obj = u.Object
 				}
@@ -403,6 +407,23 @@ func (s *Server) watch(w http.ResponseWriter, r *http.Request, res dynamic.Resou
 			}
 		}
 	}
+}
+
+const metaGV = "meta.k8s.io/v1"
+
+// metadataOnly says the client asked for PartialObjectMetadata (the
+// metadata informers of the garbage collector and the namespace
+// controller do).
+func metadataOnly(r *http.Request) bool {
+	return strings.Contains(r.Header.Get("Accept"), "as=PartialObjectMetadata")
+}
+
+// shape returns obj as the client asked for it: whole, or its metadata.
+func (s *Server) shape(r *http.Request, obj map[string]any) map[string]any {
+	if !metadataOnly(r) {
+		return obj
+	}
+	return map[string]any{"apiVersion": metaGV, "kind": "PartialObjectMetadata", "metadata": obj["metadata"]}
 }
 
 // serveDiscovery answers the discovery and health paths.
