@@ -31,6 +31,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/ssp/templateapi"
 	"github.com/nodevirt/nodevirt/clusterbrain/ssp/templates"
+	"github.com/nodevirt/nodevirt/clusterbrain/tekton"
 	"github.com/nodevirt/nodevirt/clusterbrain/virtctl"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
@@ -242,6 +243,29 @@ func TestCommonTemplatesServedReconciledProcessedAndRemoved(t *testing.T) {
 	if code := virtctl.Run(ctx, []string{"--kubeconfig", kc, "create", "vm", "--template", tns + "/rhel9-server-small", "-p", "NOPE=1"},
 		virtctl.IO{Out: &out, Err: &errOut}); code == 0 {
 		t.Error("an unknown parameter was accepted")
+	}
+
+	// The pipeline task create-vm-from-template, as a TaskRun passes it
+	// its parameters (the array after --).
+	resultsDir := t.TempDir()
+	admin, err := virtctl.NewClient(controlplane.Shared(t).RestConfig, e.ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out.Reset()
+	errOut.Reset()
+	if code := tekton.Run(ctx, []string{"create-vm-from-template", "--results-dir=" + resultsDir, "--templateName=centos-stream9-server-small",
+		"--templateNamespace=" + tns, "--vmNamespace=" + e.ns, "--startVM=false", "--runStrategy=", "--array-param=templateParams", "--",
+		"NAME:from-task", "DATA_SOURCE_NAME:golden"}, tekton.Env{Out: &out, Err: &errOut,
+		Connect: func(string) (*virtctl.Client, error) { return admin, nil }}); code != 0 {
+		t.Fatalf("create-vm-from-template: %s%s", out.String(), errOut.String())
+	}
+	if data, _ := os.ReadFile(resultsDir + "/name"); string(data) != "from-task" {
+		t.Errorf("result name %q", data)
+	}
+	if task, err := e.virt.VMs.Get(ctx, e.ns, "from-task"); err != nil || task.Spec.RunStrategy == nil || *task.Spec.RunStrategy != "Halted" ||
+		task.Spec.DataVolumeTemplates[0].Spec.SourceRef.Name != "golden" {
+		t.Errorf("the task's VM: %v %+v", err, task)
 	}
 
 	// An ordinary user with edit in her namespace reads the common
