@@ -91,6 +91,10 @@ func (r *Role) Reverts() int {
 
 const key = "common-templates"
 
+// errNoSSP is the role's state before the hco role renders an SSP: not
+// healthy, but nothing to retry (the SSP's creation wakes the role).
+var errNoSSP = errors.New("no SSP asks for common templates")
+
 // Run watches the SSP CRs and the stored templates and reconciles until
 // ctx ends.
 func (r *Role) Run(ctx context.Context) error {
@@ -132,7 +136,7 @@ func (r *Role) Run(ctx context.Context) error {
 			r.mu.Lock()
 			r.state = err
 			r.mu.Unlock()
-			if err != nil && ctx.Err() == nil {
+			if err != nil && ctx.Err() == nil && !errors.Is(err, errNoSSP) {
 				r.cfg.Log.Warn("reconcile common templates", "err", err)
 				r.queue.AddRateLimited(k)
 			} else {
@@ -226,7 +230,7 @@ func (r *Role) Sync(ctx context.Context) error {
 		errs = append(errs, err)
 	}
 	if len(ssps) == 0 {
-		return errors.Join(append(errs, errors.New("no SSP asks for common templates"))...)
+		return errors.Join(append(errs, errNoSSP)...)
 	}
 	return errors.Join(errs...)
 }
