@@ -229,8 +229,8 @@ func (r *Role) Sync(ctx context.Context) error {
 	if err := r.syncCrons(ctx, ssps); err != nil {
 		errs = append(errs, err)
 	}
-	if len(ssps) == 0 {
-		return errors.Join(append(errs, errNoSSP)...)
+	if len(ssps) == 0 && len(errs) == 0 {
+		return errNoSSP
 	}
 	return errors.Join(errs...)
 }
