@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"os/exec"
 	"regexp"
 	"strings"
 	"testing"
@@ -243,6 +244,16 @@ func TestCommonTemplatesServedReconciledProcessedAndRemoved(t *testing.T) {
 	if code := virtctl.Run(ctx, []string{"--kubeconfig", kc, "create", "vm", "--template", tns + "/rhel9-server-small", "-p", "NOPE=1"},
 		virtctl.IO{Out: &out, Err: &errOut}); code == 0 {
 		t.Error("an unknown parameter was accepted")
+	}
+
+	// kubectl finds and prints them as it does OpenShift's.
+	if outK, err := exec.Command("kubectl", "--kubeconfig", kc, "get", "templates", "-n", tns, "-l", "os.template.kubevirt.io/fedora43=true", "-o", "name").CombinedOutput(); err != nil ||
+		len(strings.Fields(string(outK))) != 9 || !strings.Contains(string(outK), "template.template.openshift.io/fedora-server-small") {
+		t.Errorf("kubectl get templates -o name: %v\n%s", err, outK)
+	}
+	if outK, err := exec.Command("kubectl", "--kubeconfig", kc, "get", "templates", "-n", tns).CombinedOutput(); err != nil ||
+		!strings.Contains(string(outK), "windows2k25-server-medium") {
+		t.Errorf("kubectl get templates: %v\n%s", err, outK)
 	}
 
 	// The pipeline task create-vm-from-template, as a TaskRun passes it

@@ -444,10 +444,12 @@ func (s *Server) serveDiscovery(w http.ResponseWriter, r *http.Request) bool {
 		aggregated.WriteJSON(w, http.StatusOK, group)
 	case "/apis/" + gv:
 		aggregated.WriteJSON(w, http.StatusOK, metav1.APIResourceList{TypeMeta: metav1.TypeMeta{Kind: "APIResourceList", APIVersion: "v1"},
+			// Alphabetical, as kube-apiserver lists them: kubectl maps a kind
+			// to the last resource that serves it, which must be templates.
 			GroupVersion: gv, APIResources: []metav1.APIResource{
+				{Name: "processedtemplates", SingularName: "processedtemplate", Namespaced: true, Kind: "Template", Verbs: metav1.Verbs{"create"}},
 				{Name: "templates", SingularName: "template", Namespaced: true, Kind: "Template",
 					Verbs: metav1.Verbs{"create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"}},
-				{Name: "processedtemplates", SingularName: "processedtemplate", Namespaced: true, Kind: "Template", Verbs: metav1.Verbs{"create"}},
 			}})
 	case "/healthz":
 		aggregated.WriteJSON(w, http.StatusOK, map[string]string{"status": "ok"})
