@@ -24,7 +24,8 @@ import (
 // DATA_SOURCE_NAME/DATA_SOURCE_NAMESPACE naming that DataSource, makes a
 // VM the template validator admits; its disk is cloned from the golden
 // image and the guest boots. The template's 30Gi disk request is lowered
-// to 1Gi here to spare the shared machine's disk.
+// to 1Gi here to spare the shared machine's disk, and the serial console is
+// logged for the suite to read.
 func TestVMFromCatalogue(t *testing.T) {
 	t.Parallel()
 	e := require(t)
@@ -118,6 +119,9 @@ func TestVMFromCatalogue(t *testing.T) {
 
 	always := kubevirtv1.RunStrategyAlways
 	vm.Spec.RunStrategy = &always
+	// How this suite reads a guest's serial console.
+	logSerial := true
+	vm.Spec.Template.Spec.Domain.Devices.LogSerialConsole = &logSerial
 	n.createVM(vm)
 	if vm.Labels[templates.LabelVMTemplate] != name {
 		t.Errorf("vm labels %v", vm.Labels)
