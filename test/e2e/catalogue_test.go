@@ -9,6 +9,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
@@ -111,11 +112,25 @@ func TestVMFromCatalogue(t *testing.T) {
 
 	// Below the template's minimum memory the validator refuses it.
 	small := vm.DeepCopy()
+	small.Name = "catalogue-small"
+	small.Spec.DataVolumeTemplates[0].Name = small.Name
+	small.Spec.Template.Spec.Volumes[0].DataVolume.Name = small.Name
 	q := resource.MustParse("512Mi")
 	small.Spec.Template.Spec.Domain.Memory.Guest = &q
-	if _, err := e.virt.VMs.Create(ctx, small); err == nil || !strings.Contains(err.Error(), "This VM requires more memory.") {
-		t.Errorf("a VM below its template's minimum memory: %v", err)
-	}
+	n.eventually(30*time.Second, "the template validator refuses a VM below the template's minimum memory", func() (bool, string) {
+		_, err := e.virt.VMs.Create(ctx, small)
+		if err == nil { // admitted before the brain published the validator
+			_ = e.virt.VMs.Delete(ctx, n.name, small.Name, metav1.DeleteOptions{})
+			for i := 0; i < 100; i++ {
+				if _, err := e.virt.VMs.Get(ctx, n.name, small.Name); apierrors.IsNotFound(err) {
+					break
+				}
+				time.Sleep(200 * time.Millisecond)
+			}
+			return false, "admitted"
+		}
+		return strings.Contains(err.Error(), "This VM requires more memory.: value 536870912 is lower than minimum [1610612736]"), err.Error()
+	})
 
 	always := kubevirtv1.RunStrategyAlways
 	vm.Spec.RunStrategy = &always
