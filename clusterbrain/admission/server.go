@@ -96,6 +96,7 @@ type Server struct {
 	paths    map[string]bool
 	url      string
 	runners  []func(context.Context) error
+	onPub    []func(ctx context.Context, url string, bundle []byte) error
 	ready    chan struct{}
 }
 
@@ -153,6 +154,28 @@ func (s *Server) Handle(path string, h AdmitFunc) {
 	}
 	s.paths[path] = true
 	s.mux.Handle(path, s.review(path, h))
+}
+
+// HandleHTTP serves h on path as it is (for reviews that are not
+// admission reviews, such as a CRD's ConversionReview).
+func (s *Server) HandleHTTP(path string, h http.Handler) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.paths[path] {
+		panic(fmt.Sprintf("admission: path %s registered twice", path))
+	}
+	s.paths[path] = true
+	s.mux.Handle(path, h)
+}
+
+// OnPublish calls f with the server's base URL and CA bundle each time the
+// webhook configurations are published (start, CA rotation, takeover), so
+// that other registrations naming this server (a CRD's conversion webhook)
+// follow it.
+func (s *Server) OnPublish(f func(ctx context.Context, url string, bundle []byte) error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.onPub = append(s.onPub, f)
 }
 
 // Register serves w.Admit on w.Path and adds w to the webhook
@@ -334,6 +357,17 @@ func (s *Server) publish(ctx context.Context, bundle []byte) error {
 	}
 	if err := applyValidating(ctx, ar.ValidatingWebhookConfigurations(), val); err != nil {
 		return fmt.Errorf("validating webhook configuration: %w", err)
+	}
+	s.mu.Lock()
+	url, hooks := s.url, append([]func(context.Context, string, []byte) error(nil), s.onPub...)
+	s.mu.Unlock()
+	if url == "" {
+		return nil
+	}
+	for _, f := range hooks {
+		if err := f(ctx, url, bundle); err != nil {
+			return err
+		}
 	}
 	return nil
 }

@@ -28,6 +28,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
+	"github.com/nodevirt/nodevirt/clusterbrain/ssp"
 )
 
 // Config is the brain's configuration.
@@ -50,6 +51,9 @@ type Config struct {
 	UploadAPIAddr string
 	// UploadProxyAddr is the upload proxy virtctl image-upload talks to.
 	UploadProxyAddr string
+	// TemplateAPIAddr serves template.openshift.io (common templates and
+	// their processing) to the aggregator; not loopback.
+	TemplateAPIAddr string
 	// MetricsAddr serves /metrics.
 	MetricsAddr string
 	// CLIDownloadAddr serves the virtctl downloads from VirtctlDir.
@@ -85,7 +89,7 @@ func (c *Config) defaults() {
 		def  string
 	}{
 		{&c.HealthAddr, "127.0.0.1:8480"}, {&c.WebhookAddr, "127.0.0.1:8443"}, {&c.SubresourcesAddr, ":8444"},
-		{&c.UploadAPIAddr, ":8445"}, {&c.UploadProxyAddr, ":8446"}, {&c.MetricsAddr, DefaultMetricsAddr},
+		{&c.UploadAPIAddr, ":8445"}, {&c.UploadProxyAddr, ":8446"}, {&c.TemplateAPIAddr, ":8448"}, {&c.MetricsAddr, DefaultMetricsAddr},
 		{&c.CLIDownloadAddr, ":8482"}, {&c.VirtctlDir, "/usr/local/share/nodevirt/virtctl"},
 	} {
 		if *d.addr == "" {
@@ -122,6 +126,9 @@ type Deps struct {
 	// scheduler is the leader's scheduler once built, for the VM
 	// controller's placements before creation.
 	scheduler *scheduler.Scheduler
+	// ssp is the leader's common-templates role once built; the hco role
+	// probes it for the SSP child.
+	ssp *ssp.Role
 	// vms and vmis are the informers of all VMs and VMIs the leader's
 	// roles share (the VM controller, the scheduler, the MAC reconciler):
 	// one watch and one cache of each instead of one per role. Each term

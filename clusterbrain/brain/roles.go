@@ -2,15 +2,19 @@ package brain
 
 import (
 	"context"
+	"errors"
 
 	"k8s.io/client-go/dynamic"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
+	"github.com/nodevirt/nodevirt/clusterbrain/aggregated"
 	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
 	"github.com/nodevirt/nodevirt/clusterbrain/capacitypods"
 	"github.com/nodevirt/nodevirt/clusterbrain/clidownload"
+	"github.com/nodevirt/nodevirt/clusterbrain/dataimportcron"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume"
 	"github.com/nodevirt/nodevirt/clusterbrain/hco"
+	"github.com/nodevirt/nodevirt/clusterbrain/hcoconvert"
 	"github.com/nodevirt/nodevirt/clusterbrain/instancetypes"
 	"github.com/nodevirt/nodevirt/clusterbrain/macpool"
 	"github.com/nodevirt/nodevirt/clusterbrain/migration"
@@ -18,6 +22,10 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/nodefailure"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
+	"github.com/nodevirt/nodevirt/clusterbrain/ssp"
+	"github.com/nodevirt/nodevirt/clusterbrain/ssp/templateapi"
+	"github.com/nodevirt/nodevirt/clusterbrain/ssp/templates"
+	"github.com/nodevirt/nodevirt/clusterbrain/ssp/validator"
 	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
 	"github.com/nodevirt/nodevirt/clusterbrain/upload"
 	"github.com/nodevirt/nodevirt/clusterbrain/vmcontroller"
@@ -36,6 +44,14 @@ var everyBrainRoles = []RoleFactory{
 		return subresources.ForBrain(d.RestConfig, d.Kube, d.Virt, d.Config.Namespace, d.Config.SubresourcesAddr, d.Log.With("role", "subresources"))
 	},
 	func(d *Deps) (Role, error) {
+		dyn, err := dynamic.NewForConfig(d.RestConfig)
+		if err != nil {
+			return nil, err
+		}
+		return templateapi.New(templateapi.Config{Kube: d.Kube, Dynamic: dyn, Namespace: d.Config.Namespace,
+			Addr: d.Config.TemplateAPIAddr, Log: d.Log.With("role", "template-api")})
+	},
+	func(d *Deps) (Role, error) {
 		return newMetricsServer(d.Config.MetricsAddr, d.Virt, d.Log.With("role", "metrics")), nil
 	},
 	func(d *Deps) (Role, error) {
@@ -45,7 +61,11 @@ var everyBrainRoles = []RoleFactory{
 			admission.Deps{Kube: d.Kube, Virt: d.Virt, Log: d.Log},
 			admission.RegisterDataVolumes,
 			macpool.Register(macpool.Config{RestConfig: d.RestConfig, Namespace: d.Config.Namespace}),
-			hco.Webhooks(d.Config.Namespace), datavolume.Webhooks())
+			hco.Webhooks(d.Config.Namespace), datavolume.Webhooks(),
+			// hco.kubevirt.io/v1 ↔ v1beta1 (the stored version).
+			hcoconvert.Register(d.RestConfig),
+			// SSP's template validator.
+			validator.Register(d.RestConfig))
 	},
 }
 
@@ -63,7 +83,22 @@ var leaderRoles = []RoleFactory{
 			Log: d.Log.With("role", "node-failure")})
 	},
 	func(d *Deps) (Role, error) {
-		return hco.New(hco.Config{Namespace: d.Config.Namespace, Kube: d.Kube, Virt: d.Virt, Log: d.Log.With("role", "hco"), BrainHealth: d.Health.Ready})
+		// Golden images: DataImportCrons and DataSources' Ready.
+		return dataimportcron.New(dataimportcron.Config{Virt: d.Virt, Log: d.Log.With("role", "dataimportcron")})
+	},
+	func(d *Deps) (Role, error) {
+		// Before hco, which probes it for the SSP child.
+		dyn, err := dynamic.NewForConfig(d.RestConfig)
+		if err != nil {
+			return nil, err
+		}
+		r, err := ssp.New(ssp.Config{Kube: d.Kube, Dynamic: dyn, Virt: d.Virt, Log: d.Log.With("role", "ssp-templates")})
+		d.ssp = r
+		return r, err
+	},
+	func(d *Deps) (Role, error) {
+		return hco.New(hco.Config{Namespace: d.Config.Namespace, Kube: d.Kube, Virt: d.Virt, Log: d.Log.With("role", "hco"), BrainHealth: d.Health.Ready,
+			Probes: childProbes(d)})
 	},
 	func(d *Deps) (Role, error) {
 		return instancetypes.New(instancetypes.Config{Virt: d.Virt, Namespace: d.Config.Namespace, Log: d.Log.With("role", "common-instancetypes")})
@@ -125,3 +160,52 @@ type idleRole string
 func (r idleRole) Name() string { return string(r) }
 
 func (r idleRole) Run(ctx context.Context) error { <-ctx.Done(); return nil }
+
+// childProbes are the brain's parts each HyperConverged child stands for
+// (the node agents' parts are judged from their Nodes by the hco role).
+func childProbes(d *Deps) map[string][]hco.Probe {
+	h := d.Health
+	return map[string][]hco.Probe{
+		"KubeVirt": {
+			hco.RoleRunning(h, "VM controller", "vm-controller"),
+			hco.RoleRunning(h, "scheduler", "scheduler"),
+			hco.RoleRunning(h, "admission webhooks", "admission"),
+		},
+		"CDI": {
+			hco.RoleRunning(h, "DataVolume controller", "datavolume"),
+			hco.RoleRunning(h, "upload proxy", "upload"),
+			hco.RoleRunning(h, "DataImportCron controller", "dataimportcron"),
+			hco.WebhookPublished(d.Kube, "DataVolume webhook", false, admission.ValidatingConfigName, admission.DataVolumeValidatorName),
+		},
+		"SSP": {
+			hco.RoleRunning(h, "common templates", "ssp-templates"),
+			{What: "common templates", Check: func(context.Context) error { return d.ssp.Health() }},
+			hco.RoleRunning(h, "template API", "template-api"),
+			{What: "template API", Check: apiServiceAvailable(d, templates.Group, templates.APIVersion)},
+			hco.WebhookPublished(d.Kube, "template validator", false, admission.ValidatingConfigName, validator.WebhookName),
+		},
+		"NetworkAddonsConfig": {
+			hco.RoleRunning(h, "MAC pool", "macpool-reconciler"),
+			hco.WebhookPublished(d.Kube, "MAC pool webhook", true, admission.MutatingConfigName, macpool.WebhookName),
+		},
+	}
+}
+
+// apiServiceAvailable probes that the aggregator reports the group
+// version's APIService Available.
+func apiServiceAvailable(d *Deps, group, version string) func(context.Context) error {
+	return func(ctx context.Context) error {
+		dyn, err := dynamic.NewForConfig(d.RestConfig)
+		if err != nil {
+			return err
+		}
+		ok, msg, err := aggregated.APIServiceAvailable(ctx, dyn, group, version)
+		switch {
+		case err != nil:
+			return err
+		case !ok:
+			return errors.New("APIService " + version + "." + group + " not available: " + msg)
+		}
+		return nil
+	}
+}

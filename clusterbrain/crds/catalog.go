@@ -21,6 +21,8 @@ import (
 	cnaov1 "github.com/nodevirt/nodevirt/clusterbrain/api/networkaddons/v1"
 	sspv1beta2 "github.com/nodevirt/nodevirt/clusterbrain/api/ssp/v1beta2"
 	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
+	hcov1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1"
+	"github.com/nodevirt/nodevirt/clusterbrain/ssp/templates"
 )
 
 // Kind describes one served resource.
@@ -37,6 +39,16 @@ type Kind struct {
 	// Annotations go on the CRD (api-approved.kubernetes.io for the
 	// protected *.k8s.io groups).
 	Annotations map[string]string
+	// Served are more versions served beside Version, which stays the
+	// stored one. The CRD's spec.conversion is left to the role that
+	// serves the conversion webhook (Install never writes it).
+	Served []ServedVersion
+}
+
+// ServedVersion is a version served, not stored, with its own root type.
+type ServedVersion struct {
+	Name string
+	Type reflect.Type
 }
 
 func col(name, typ, path string, priority int32) apiextensionsv1.CustomResourceColumnDefinition {
@@ -116,7 +128,8 @@ func Catalog() []Kind {
 			Columns: []apiextensionsv1.CustomResourceColumnDefinition{age,
 				col("Available", "string", ".status.conditions[?(@.type=='Available')].status", 0),
 				col("Degraded", "string", ".status.conditions[?(@.type=='Degraded')].status", 0)},
-			Type: reflect.TypeOf(hcov1beta1.HyperConverged{})},
+			Type:   reflect.TypeOf(hcov1beta1.HyperConverged{}),
+			Served: []ServedVersion{{Name: "v1", Type: reflect.TypeOf(hcov1.HyperConverged{})}}},
 		{Group: "k8s.cni.cncf.io", Version: "v1", Kind: "NetworkAttachmentDefinition", Plural: "network-attachment-definitions", Singular: "network-attachment-definition",
 			ShortNames: []string{"net-attach-def"}, Namespaced: true,
 			Type: reflect.TypeOf(nadv1.NetworkAttachmentDefinition{})},
@@ -126,6 +139,11 @@ func Catalog() []Kind {
 			Status: true, Type: reflect.TypeOf(hppv1beta1.HostPathProvisioner{})},
 		{Group: "ssp.kubevirt.io", Version: "v1beta2", Kind: "SSP", Plural: "ssps", Singular: "ssp",
 			Namespaced: true, Status: true, Type: reflect.TypeOf(sspv1beta2.SSP{})},
+		// template.openshift.io/v1 Templates as stored (the brain's
+		// aggregated API serves them under their own group).
+		{Group: templates.StorageGroup, Version: templates.StorageVersion, Kind: templates.StorageKind, Plural: templates.StorageResource,
+			Singular: "storedtemplate", Namespaced: true, Columns: []apiextensionsv1.CustomResourceColumnDefinition{age},
+			Type: reflect.TypeOf(templates.StoredTemplate{})},
 		{Group: "nodevirt.io", Version: "v1alpha1", Kind: "MACAllocation", Plural: "macallocations", Singular: "macallocation",
 			ShortNames: []string{"macalloc"}, Columns: []apiextensionsv1.CustomResourceColumnDefinition{
 				// A record is a block of addresses (the block's first MAC,
@@ -151,6 +169,13 @@ func (k Kind) Definition() *apiextensionsv1.CustomResourceDefinition {
 	if k.Status {
 		v.Subresources = &apiextensionsv1.CustomResourceSubresources{Status: &apiextensionsv1.CustomResourceSubresourceStatus{}}
 	}
+	versions := []apiextensionsv1.CustomResourceDefinitionVersion{v}
+	for _, sv := range k.Served {
+		o := v
+		o.Name, o.Storage = sv.Name, false
+		o.Schema = &apiextensionsv1.CustomResourceValidation{OpenAPIV3Schema: Schema(sv.Type)}
+		versions = append(versions, o)
+	}
 	return &apiextensionsv1.CustomResourceDefinition{
 		TypeMeta: metav1.TypeMeta{APIVersion: "apiextensions.k8s.io/v1", Kind: "CustomResourceDefinition"},
 		ObjectMeta: metav1.ObjectMeta{Name: k.Plural + "." + k.Group, Labels: map[string]string{"app.kubernetes.io/managed-by": "nodevirt"},
@@ -159,7 +184,7 @@ func (k Kind) Definition() *apiextensionsv1.CustomResourceDefinition {
 			Group: k.Group, Scope: scope,
 			Names: apiextensionsv1.CustomResourceDefinitionNames{Kind: k.Kind, ListKind: k.Kind + "List",
 				Plural: k.Plural, Singular: k.Singular, ShortNames: k.ShortNames, Categories: k.Categories},
-			Versions: []apiextensionsv1.CustomResourceDefinitionVersion{v},
+			Versions: versions,
 		},
 	}
 }

@@ -132,6 +132,13 @@ func (g *generator) fields(t reflect.Type, s *apiextensionsv1.JSONSchemaProps, d
 			continue
 		}
 		if f.Type == typeMetaType {
+			// The root gets apiVersion and kind from Schema; nested
+			// objects that embed TypeMeta (a VM's dataVolumeTemplates)
+			// keep theirs instead of having them pruned.
+			if depth > 0 {
+				s.Properties["apiVersion"] = apiextensionsv1.JSONSchemaProps{Type: "string"}
+				s.Properties["kind"] = apiextensionsv1.JSONSchemaProps{Type: "string"}
+			}
 			continue
 		}
 		if f.Anonymous && (name == "" || strings.Contains(opts, "inline")) {

@@ -41,7 +41,11 @@ func (c *Controller) reconcileChildren(ctx context.Context, hc *hcov1beta1.Hyper
 	if want.HPP != nil {
 		kinds = append(kinds, kindHPP)
 	}
-	health := judge(kinds, nodes)
+	failures := probeAll(ctx, c.cfg.Probes)
+	c.mu.Lock()
+	c.probesFailing = len(failures) > 0
+	c.mu.Unlock()
+	health := judge(kinds, nodes, failures)
 	byKind := map[string]componentHealth{}
 	for _, h := range health {
 		byKind[h.Kind] = h

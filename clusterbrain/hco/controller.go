@@ -50,6 +50,15 @@ type Config struct {
 	BrainHealth func() error
 	// Resync re-reconciles periodically (default 5m).
 	Resync time.Duration
+	// Probes check, per child kind ("CDI", "NetworkAddonsConfig", "SSP",
+	// "HostPathProvisioner", "KubeVirt"), the brain's parts the child
+	// stands for; a failing one makes the child unavailable, naming it.
+	// The node agents are judged from their Nodes without a probe. Nil:
+	// the brain's parts are not checked.
+	Probes map[string][]Probe
+	// ProbeEvery re-reconciles this often while Probes are set, since
+	// nothing watched signals a role stopping (default 30s).
+	ProbeEvery time.Duration
 }
 
 func (c *Config) defaults() {
@@ -64,6 +73,9 @@ func (c *Config) defaults() {
 	}
 	if c.Resync == 0 {
 		c.Resync = 5 * time.Minute
+	}
+	if c.ProbeEvery == 0 {
+		c.ProbeEvery = 30 * time.Second
 	}
 }
 
@@ -94,6 +106,9 @@ type Controller struct {
 	mu          sync.Mutex
 	lastApplied map[string]string // child kind → hash of the spec last written
 	reverts     map[string]int    // child kind → out-of-band edits reverted
+	// probesFailing says the last reconcile found a part missing: the
+	// next probe comes sooner.
+	probesFailing bool
 }
 
 // New validates cfg and builds the role.
@@ -214,7 +229,16 @@ func (c *Controller) Sync(ctx context.Context, ns, name string) (time.Duration, 
 	if err != nil {
 		return 0, err
 	}
-	return 0, c.writeStatus(ctx, hc, aggregate(health, brainErr), related)
+	var again time.Duration
+	if len(c.cfg.Probes) > 0 {
+		again = c.cfg.ProbeEvery
+		c.mu.Lock()
+		if c.probesFailing && again > 5*time.Second {
+			again = 5 * time.Second
+		}
+		c.mu.Unlock()
+	}
+	return again, c.writeStatus(ctx, hc, aggregate(health, brainErr), related)
 }
 
 // refuse marks a HyperConverged that is not the singleton, rendering

@@ -49,7 +49,7 @@ func testLog() *slog.Logger {
 // newEnv installs the CRDs, makes a namespace and starts the role on it.
 // Cluster-scoped children and test Nodes are removed when the test ends,
 // since tests share one control plane.
-func newEnv(t *testing.T) *env {
+func newEnv(t *testing.T, opts ...func(*Config)) *env {
 	t.Helper()
 	cp := controlplane.Shared(t)
 	installOnce.Do(func() {
@@ -60,8 +60,12 @@ func newEnv(t *testing.T) *env {
 		t.Fatal(err)
 	}
 	e := &env{t: t, ns: cp.Namespace(t), kube: cp.Clientset(t), virt: virt}
-	ctrl, err := New(Config{Namespace: e.ns, Kube: e.kube, Virt: virt, Log: testLog(), Version: "v1.2.3",
-		BrainHealth: func() error { e.mu.Lock(); defer e.mu.Unlock(); return e.brainErr }})
+	cfg := Config{Namespace: e.ns, Kube: e.kube, Virt: virt, Log: testLog(), Version: "v1.2.3",
+		BrainHealth: func() error { e.mu.Lock(); defer e.mu.Unlock(); return e.brainErr }}
+	for _, o := range opts {
+		o(&cfg)
+	}
+	ctrl, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

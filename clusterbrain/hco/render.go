@@ -422,7 +422,7 @@ func renderSSP(hc *hcov1beta1.HyperConverged, version string) (*sspv1beta2.SSP, 
 	}
 	spec := sspv1beta2.SSPSpec{
 		TemplateValidator:  &sspv1beta2.TemplateValidator{Replicas: ptrTo(defaultValidatorReplicas), Placement: s.Infra.NodePlacement},
-		CommonTemplates:    sspv1beta2.CommonTemplates{Namespace: ns, DataImportCronTemplates: s.DataImportCronTemplates},
+		CommonTemplates:    sspv1beta2.CommonTemplates{Namespace: ns, DataImportCronTemplates: dataImportCronTemplates(s)},
 		TLSSecurityProfile: EffectiveTLSProfile(s.TLSSecurityProfile),
 	}
 	if s.TektonPipelinesNamespace != nil {

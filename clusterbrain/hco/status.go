@@ -100,33 +100,50 @@ func nodeHealthOf(nodes []corev1.Node) nodeHealth {
 	return h
 }
 
-// judge decides each child's health: the brain runs every component's
-// control logic itself, so a reconciled child is available; what runs on
-// the nodes (KubeVirt's handler, the network add-ons and HPP's pools) also
-// depends on the nodeagents.
-func judge(kinds []string, nodes nodeHealth) []componentHealth {
+// judge decides each child's health from what it stands for: the parts
+// the node agents run for it (at least one ready node agent; KubeVirt is
+// also degraded by every failing one) and the probes of the brain's parts
+// (failures by kind). A child with a failing probe is not available, with
+// the failures as its reason.
+func judge(kinds []string, nodes nodeHealth, failures map[string][]string) []componentHealth {
 	var out []componentHealth
 	for _, k := range kinds {
 		h := componentHealth{Kind: k, Available: true}
-		if k == kindKubeVirt {
-			if len(nodes.Ready) == 0 {
-				h.Available = false
-				h.Message = messageNoReadyNodeAgent
-				if len(nodes.Failing) > 0 {
-					h.Message += ": " + strings.Join(nodes.Failing, "; ")
-				}
+		var missing []string
+		if roles, onNodes := nodeRoles[k]; onNodes && len(nodes.Ready) == 0 {
+			msg := messageNoReadyNodeAgent
+			if roles != "" {
+				msg += " (" + roles + ")"
 			}
 			if len(nodes.Failing) > 0 {
-				h.Degraded = true
+				msg += ": " + strings.Join(nodes.Failing, "; ")
+			}
+			missing = append(missing, msg)
+		}
+		missing = append(missing, failures[k]...)
+		if len(missing) > 0 {
+			h.Available = false
+			h.Message = strings.Join(missing, "; ")
+		}
+		if k == kindKubeVirt && len(nodes.Failing) > 0 {
+			h.Degraded = true
+			if h.Available {
 				h.Message = "nodeagent not ready on " + strings.Join(nodes.Failing, "; ")
-				if !h.Available {
-					h.Message = messageNoReadyNodeAgent + ": " + strings.Join(nodes.Failing, "; ")
-				}
 			}
 		}
 		out = append(out, h)
 	}
 	return out
+}
+
+// standsFor says what a child's Available means: these parts run (the
+// brain's are probed, the node agents' judged from their Nodes).
+var standsFor = map[string]string{
+	kindKubeVirt: "the brain's VM controller, scheduler and admission webhooks; the virt-handler role of the ready node agents",
+	kindCDI:      "the brain's DataVolume controller, upload proxy and DataVolume webhook; the importer and upload server of the ready node agents",
+	kindCNAO:     "the brain's MAC pool and its webhook; the bridge CNI and bridge-marker of the ready node agents",
+	kindSSP:      "the brain's common templates (reconciled), template validator webhook and boot-source import crons",
+	kindHPP:      "the storage pools of the ready node agents",
 }
 
 func boolStatus(b bool) metav1.ConditionStatus {
@@ -138,7 +155,7 @@ func boolStatus(b bool) metav1.ConditionStatus {
 
 // childConditions renders one child's Available/Progressing/Degraded.
 func childConditions(h componentHealth) []metav1.Condition {
-	avail := metav1.Condition{Type: "Available", Status: boolStatus(h.Available), Reason: "Available", Message: "Deployed by the nodevirt cluster brain"}
+	avail := metav1.Condition{Type: "Available", Status: boolStatus(h.Available), Reason: "Available", Message: "Running: " + standsFor[h.Kind]}
 	if !h.Available {
 		avail.Reason, avail.Message = "NotAvailable", h.Message
 	}

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"reflect"
 	"slices"
+	"sort"
 	"time"
 
 	admissionv1 "k8s.io/api/admission/v1"
@@ -23,6 +24,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/hcoconvert"
 )
 
 // Webhook paths, as upstream's hco-webhook serves them.
@@ -154,7 +156,7 @@ func Validate(hc, old *hcov1beta1.HyperConverged) ([]string, error) {
 	if err := validatePlacement("infra", hc.Spec.Infra.NodePlacement); err != nil {
 		return nil, err
 	}
-	warnings := featureGateWarnings(hc, old)
+	warnings := append(featureGateWarnings(hc, old), v1OnlyWarnings(hc, old)...)
 	if _, err := Render(hc, "validate"); err != nil {
 		return warnings, err
 	}
@@ -357,4 +359,50 @@ func register(s *admission.Server, namespace string) error {
 		Admit: w.ValidateNamespaceDeletion,
 	})
 	return nil
+}
+
+// v1OnlyWarnings names the hco.kubevirt.io/v1 fields with no v1beta1
+// counterpart that a HyperConverged sets (kept by the conversion in its
+// hco.kubevirt.io/v1-only-fields annotation): nodevirt does not act on
+// them, and says so instead of ignoring them silently. Unchanged ones are
+// not warned about again.
+func v1OnlyWarnings(hc, old *hcov1beta1.HyperConverged) []string {
+	fields := func(h *hcov1beta1.HyperConverged) []string {
+		if h == nil {
+			return nil
+		}
+		var m map[string]any
+		if json.Unmarshal([]byte(h.Annotations[hcoconvert.V1OnlyAnnotation]), &m) != nil {
+			return nil
+		}
+		return leafPaths("spec", m)
+	}
+	before := map[string]bool{}
+	for _, f := range fields(old) {
+		before[f] = true
+	}
+	var out []string
+	for _, f := range fields(hc) {
+		if !before[f] {
+			out = append(out, fmt.Sprintf("%s (hco.kubevirt.io/v1) has no effect in nodevirt", f))
+		}
+	}
+	return out
+}
+
+func leafPaths(prefix string, m map[string]any) []string {
+	var out []string
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		if sub, ok := m[k].(map[string]any); ok && len(sub) > 0 {
+			out = append(out, leafPaths(prefix+"."+k, sub)...)
+			continue
+		}
+		out = append(out, prefix+"."+k)
+	}
+	return out
 }

@@ -16,6 +16,9 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
 )
 
+// WebhookName is the MAC pool's mutating webhook (kubemacpool's name).
+const WebhookName = "mutatevirtualmachines.kubemacpool.io"
+
 // WebhookPath is where the brain serves the MAC webhook.
 const WebhookPath = "/mutate-virtualmachines-mac"
 
@@ -45,7 +48,7 @@ func Register(cfg Config) admission.Contributor {
 // update, skipping namespaces labelled mutatevirtualmachines.kubemacpool.io=ignore.
 func (p *Pool) Webhook() admission.Webhook {
 	return admission.Webhook{
-		Name:     "mutatevirtualmachines.kubemacpool.io",
+		Name:     WebhookName,
 		Path:     WebhookPath,
 		Mutating: true,
 		Rules: []admissionregistrationv1.RuleWithOperations{{

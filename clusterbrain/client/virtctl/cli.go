@@ -26,6 +26,9 @@ import (
 type IO struct {
 	In       io.Reader
 	Out, Err io.Writer
+	// load connects to the cluster for a local command that turns out to
+	// need it (create vm --template).
+	load func() (*Client, error)
 }
 
 // command is one verb.
@@ -154,29 +157,44 @@ var commands = map[string]command{
 			return c.ImageUpload(ctx, u)
 		}
 	}},
-	"create": {usage: "create vm --name=NAME [--memory=128Mi] [--run-strategy=Always]", short: "Print a VirtualMachine manifest.", args: 1, local: true, flags: func(fs *flag.FlagSet) func(context.Context, *Client, IO, []string) error {
-		name := fs.String("name", "", "name of the VM (default: generated)")
-		memory := fs.String("memory", "128Mi", "guest memory")
-		strategy := fs.String("run-strategy", string(kubevirtv1.RunStrategyAlways), "Always, Halted, Manual, RerunOnFailure or Once")
-		instancetype := fs.String("instancetype", "", "cluster instance type to use instead of --memory")
-		pvc := fs.String("volume-pvc", "", "PVC to boot from (name)")
-		containerDisk := fs.String("volume-containerdisk", "", "container disk image to boot from")
-		return func(_ context.Context, _ *Client, o IO, a []string) error {
-			if a[0] != "vm" {
-				return fmt.Errorf("create %s: only vm is supported", a[0])
-			}
-			vm, err := NewVM(*name, *memory, *strategy, *instancetype, *pvc, *containerDisk)
-			if err != nil {
+	"create": {usage: "create vm --name=NAME [--memory=128Mi] [--run-strategy=Always] | create vm --template=[NS/]NAME [-p KEY=VALUE]... [--create]",
+		short: "Print a VirtualMachine manifest, or the VM a template (template.openshift.io) makes.", args: 1, local: true, flags: func(fs *flag.FlagSet) func(context.Context, *Client, IO, []string) error {
+			name := fs.String("name", "", "name of the VM (default: generated)")
+			memory := fs.String("memory", "128Mi", "guest memory")
+			strategy := fs.String("run-strategy", string(kubevirtv1.RunStrategyAlways), "Always, Halted, Manual, RerunOnFailure or Once")
+			instancetype := fs.String("instancetype", "", "cluster instance type to use instead of --memory")
+			pvc := fs.String("volume-pvc", "", "PVC to boot from (name)")
+			containerDisk := fs.String("volume-containerdisk", "", "container disk image to boot from")
+			tmpl := fs.String("template", "", "process this template (NAMESPACE/NAME, or NAME in the current namespace) instead")
+			values := params{}
+			fs.Var(values, "p", "template parameter KEY=VALUE (repeatable)")
+			createIt := fs.Bool("create", false, "with --template: create the VM instead of printing it")
+			return func(ctx context.Context, _ *Client, o IO, a []string) error {
+				if a[0] != "vm" {
+					return fmt.Errorf("create %s: only vm is supported", a[0])
+				}
+				if *tmpl != "" {
+					c, err := o.load()
+					if err != nil {
+						return err
+					}
+					return c.createFromTemplate(ctx, o, *tmpl, *name, values, *createIt)
+				}
+				if len(values) > 0 || *createIt {
+					return errors.New("create vm: -p and --create need --template")
+				}
+				vm, err := NewVM(*name, *memory, *strategy, *instancetype, *pvc, *containerDisk)
+				if err != nil {
+					return err
+				}
+				data, err := yaml.Marshal(vm)
+				if err != nil {
+					return err
+				}
+				_, err = o.Out.Write(data)
 				return err
 			}
-			data, err := yaml.Marshal(vm)
-			if err != nil {
-				return err
-			}
-			_, err = o.Out.Write(data)
-			return err
-		}
-	}},
+		}},
 }
 
 func init() { commands["softreboot"] = commands["soft-reboot"] } // both spellings
@@ -305,6 +323,7 @@ func run(ctx context.Context, args []string, o IO) error {
 		return fmt.Errorf("%s: want %d argument(s), got %d", rest[0], cmd.args, len(pos))
 	}
 	var c *Client
+	o.load = func() (*Client, error) { return Load(g) }
 	if !cmd.local {
 		if c, err = Load(g); err != nil {
 			return err

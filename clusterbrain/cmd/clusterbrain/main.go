@@ -28,6 +28,7 @@ func main() {
 	flag.StringVar(&cfg.SubresourcesAddr, "subresources-addr", ":8444", "address of the subresources.kubevirt.io aggregated API (not loopback)")
 	flag.StringVar(&cfg.UploadAPIAddr, "upload-api-addr", ":8445", "address of the upload.cdi.kubevirt.io aggregated API (not loopback)")
 	flag.StringVar(&cfg.UploadProxyAddr, "uploadproxy-addr", ":8446", "address of the upload proxy")
+	flag.StringVar(&cfg.TemplateAPIAddr, "template-api-addr", ":8448", "address of the template.openshift.io aggregated API (not loopback)")
 	flag.StringVar(&cfg.MetricsAddr, "metrics-addr", brain.DefaultMetricsAddr, "address of /metrics (unauthenticated: loopback unless you put a proxy in front)")
 	flag.StringVar(&cfg.CLIDownloadAddr, "cli-download-addr", ":8482", "address of the virtctl download service")
 	flag.StringVar(&cfg.VirtctlDir, "virtctl-dir", "/usr/local/share/nodevirt/virtctl", "directory of the virtctl builds served for download")

@@ -46,6 +46,14 @@ func (h *Health) Set(name string, err error) {
 	h.checks[name] = err
 }
 
+// Check reports the state of one check: nil when it is ready or was never
+// set (a role that has not stopped).
+func (h *Health) Check(name string) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.checks[name]
+}
+
 // Ready reports nil when every check is ready, else what is not.
 func (h *Health) Ready() error {
 	h.mu.Lock()

@@ -130,7 +130,7 @@ func (e *env) start(ctx context.Context) error {
 		return err
 	}
 	if e.brain, err = e.daemon("clusterbrain", "--kubeconfig="+brainKC, "--health-addr="+freeAddr("127.0.0.1"),
-		"--webhook-addr=127.0.0.1:0", "--subresources-addr=:0", "--upload-api-addr=:0", "--uploadproxy-addr=:0",
+		"--webhook-addr=127.0.0.1:0", "--subresources-addr=:0", "--upload-api-addr=:0", "--uploadproxy-addr=:0", "--template-api-addr=:0",
 		"--metrics-addr=127.0.0.1:0", "--cli-download-addr=127.0.0.1:0"); err != nil {
 		return err
 	}

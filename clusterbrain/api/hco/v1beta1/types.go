@@ -166,6 +166,7 @@ type LiveMigrationConfigurations struct {
 	Network                           *string `json:"network,omitempty"`
 	AllowAutoConverge                 *bool   `json:"allowAutoConverge,omitempty"`
 	AllowPostCopy                     *bool   `json:"allowPostCopy,omitempty"`
+	AllowWorkloadDisruption           *bool   `json:"allowWorkloadDisruption,omitempty"`
 }
 
 // CertRotateConfigCA configures a CA's lifetime.
