@@ -26,6 +26,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/aggregated"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/certs"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/httperr"
 )
 
 // Names of the webhook configurations the brain owns.
@@ -269,16 +270,14 @@ func (s *Server) tlsConfig() *tls.Config {
 
 // review decodes an AdmissionReview, runs h and encodes its answer.
 func (s *Server) review(path string, h AdmitFunc) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	return httperr.TextHandler(func(w http.ResponseWriter, r *http.Request) error {
 		body, err := io.ReadAll(io.LimitReader(r.Body, 8<<20))
 		if err != nil {
-			http.Error(w, "read body", http.StatusBadRequest)
-			return
+			return httperr.BadRequest("read body")
 		}
 		var ar admissionv1.AdmissionReview
 		if err := json.Unmarshal(body, &ar); err != nil || ar.Request == nil {
-			http.Error(w, "not an admission review", http.StatusBadRequest)
-			return
+			return httperr.BadRequest("not an admission review")
 		}
 		resp := h(r.Context(), ar.Request)
 		if resp == nil {
@@ -295,6 +294,7 @@ func (s *Server) review(path string, h AdmitFunc) http.Handler {
 		}
 		w.Header().Set("Content-Type", "application/json")
 		_ = json.NewEncoder(w).Encode(&out)
+		return nil
 	})
 }
 

@@ -132,17 +132,18 @@ func (e env) wait(t *testing.T, name, what string, ok func(*cdiv1.DataVolume) bo
 
 func (e env) waitPVC(t *testing.T, name string, ok func(*corev1.PersistentVolumeClaim) bool) *corev1.PersistentVolumeClaim {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for {
-		pvc, err := e.kube.CoreV1().PersistentVolumeClaims(e.ns).Get(context.Background(), name, metav1.GetOptions{})
-		if err == nil && ok(pvc) {
-			return pvc
+	var pvc *corev1.PersistentVolumeClaim
+	testkit.Eventually(t, 20*time.Second, "pvc "+name, func() error {
+		var err error
+		if pvc, err = e.kube.CoreV1().PersistentVolumeClaims(e.ns).Get(context.Background(), name, metav1.GetOptions{}); err != nil {
+			return err
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("pvc %s: %v %+v", name, err, pvc)
+		if !ok(pvc) {
+			return fmt.Errorf("not yet: %+v", pvc)
 		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		return nil
+	})
+	return pvc
 }
 
 func (e env) annotate(t *testing.T, name string, ann map[string]string) {
@@ -253,20 +254,14 @@ func TestSourceRefWaitsForItsDataSource(t *testing.T) {
 	}
 	// The node takes the source from the brain's clone request, in the
 	// brain's namespace, for this very claim.
-	var req importstate.CloneRequest
-	deadline := time.Now().Add(20 * time.Second)
-	for {
-		cm, err := e.kube.CoreV1().ConfigMaps(brainNamespace).Get(context.Background(), importstate.CloneRequestName(pvc.UID), metav1.GetOptions{})
-		if err == nil {
-			if req, err = importstate.ReadCloneRequest(cm, pvc); err != nil {
-				t.Fatal(err)
-			}
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("no clone request for pvc %s: %v", pvc.Name, err)
-		}
-		time.Sleep(100 * time.Millisecond)
+	var cm *corev1.ConfigMap
+	testkit.Eventually(t, 20*time.Second, "the clone request of pvc "+pvc.Name, func() (err error) {
+		cm, err = e.kube.CoreV1().ConfigMaps(brainNamespace).Get(context.Background(), importstate.CloneRequestName(pvc.UID), metav1.GetOptions{})
+		return err
+	})
+	req, err := importstate.ReadCloneRequest(cm, pvc)
+	if err != nil {
+		t.Fatal(err)
 	}
 	if req.SourceNamespace != e.ns || req.SourceName != "golden" {
 		t.Errorf("clone request %+v", req)
@@ -310,17 +305,16 @@ func TestRefusedSourcesAndForeignClaims(t *testing.T) {
 func TestStorageProfilesFollowStorageClasses(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
-	deadline := time.Now().Add(20 * time.Second)
-	for {
+	testkit.Eventually(t, 20*time.Second, "storage profile "+HostpathClass, func() error {
 		p, err := e.virt.StorageProfiles.Get(context.Background(), "", HostpathClass)
-		if err == nil && len(p.Status.ClaimPropertySets) == 2 && p.Status.Provisioner != nil && *p.Status.Provisioner == HostpathProvisioner {
-			break
+		if err != nil {
+			return err
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("storage profile %s: %v %+v", HostpathClass, err, p)
+		if len(p.Status.ClaimPropertySets) != 2 || p.Status.Provisioner == nil || *p.Status.Provisioner != HostpathProvisioner {
+			return fmt.Errorf("not yet: %+v", p.Status)
 		}
-		time.Sleep(100 * time.Millisecond)
-	}
+		return nil
+	})
 	sc, err := e.kube.StorageV1().StorageClasses().Get(context.Background(), HostpathClass, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)

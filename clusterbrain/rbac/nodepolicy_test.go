@@ -67,18 +67,12 @@ func refused(t *testing.T, what string, err error) {
 // are loaded asynchronously after they are created).
 func waitRefused(t *testing.T, what string, write func() error) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		err := write()
-		if err != nil {
-			refused(t, what, err)
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: still allowed after 30s", what)
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+	var err error
+	testkit.Until(t, 30*time.Second, what+" refused", func() bool {
+		err = write()
+		return err != nil
+	})
+	refused(t, what, err)
 }
 
 func allowed(t *testing.T, what string, err error) {

@@ -7,6 +7,8 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // TestPlaceVolume: a volume placed before any consumer goes where the
@@ -20,19 +22,13 @@ func TestPlaceVolume(t *testing.T) {
 	})
 	e.wantNode("load", "pv-busy")
 	ours := func(n *corev1.Node) bool { return strings.HasPrefix(n.Name, "pv-") }
-	place := func(eligible func(*corev1.Node) bool) string {
+	place := func(eligible func(*corev1.Node) bool) (node string) {
 		t.Helper()
-		deadline := time.Now().Add(30 * time.Second)
-		for {
-			node, ok := e.sched.PlaceVolume(eligible)
-			if ok {
-				return node
-			}
-			if time.Now().After(deadline) {
-				t.Fatal("scheduler never ready to place volumes")
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
+		testkit.Until(t, 30*time.Second, "the scheduler ready to place volumes", func() (ok bool) {
+			node, ok = e.sched.PlaceVolume(eligible)
+			return ok
+		})
+		return node
 	}
 	for _, tc := range []struct {
 		name     string

@@ -10,6 +10,8 @@ import (
 	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // TestProxyURLInCDIConfig: without the CDIConfig API nothing is published;
@@ -84,13 +86,7 @@ func installCDIConfigCRD(t *testing.T, e env) {
 	if _, err := cs.ApiextensionsV1().CustomResourceDefinitions().Create(ctx, crd, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(30 * time.Second)
-	for !e.srv.servesCDIConfig() {
-		if time.Now().After(deadline) {
-			t.Fatal("the CDIConfig CRD is not served")
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+	testkit.Until(t, 30*time.Second, "the CDIConfig CRD served", e.srv.servesCDIConfig)
 }
 
 func ptrTo[T any](v T) *T { return &v }

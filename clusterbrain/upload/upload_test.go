@@ -105,13 +105,7 @@ func setup(t *testing.T) env {
 			t.Fatal(err)
 		}
 		go func() { _ = agent.Run(ctx) }()
-		deadline := time.Now().Add(30 * time.Second)
-		for !srv.Ready() {
-			if time.Now().After(deadline) {
-				t.Fatal("upload role not ready")
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
+		testkit.Until(t, 30*time.Second, "the upload role ready", srv.Ready)
 		waitAPIAvailable(t, cp)
 		proxy := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: srv.CA().Pool()}}}
 		shared = env{cp: cp, kube: kube, virt: virt, srv: srv, resolver: resolver, proxy: proxy}
@@ -131,17 +125,10 @@ func setup(t *testing.T) env {
 func waitAPIAvailable(t *testing.T, cp *controlplane.ControlPlane) {
 	t.Helper()
 	kube := cp.Clientset(t)
-	deadline := time.Now().Add(60 * time.Second)
-	for {
+	testkit.Eventually(t, time.Minute, "the aggregated api available", func() error {
 		_, err := kube.Discovery().ServerResourcesForGroupVersion(group + "/" + version)
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("aggregated api never became available: %v", err)
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+		return err
+	})
 }
 
 // requestToken asks the API server for a token as the user of rc.
@@ -346,13 +333,10 @@ func TestTokenRequestsAreAuthorized(t *testing.T) {
 		t.Fatal(err)
 	}
 	var token string
-	deadline := time.Now().Add(10 * time.Second)
-	for token == "" {
-		if token, err = requestToken(alice, e.ns, "disk"); err != nil && time.Now().After(deadline) {
-			t.Fatalf("token for an authorized user: %v", err)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+	testkit.Eventually(t, 10*time.Second, "a token for an authorized user", func() (err error) {
+		token, err = requestToken(alice, e.ns, "disk")
+		return err
+	})
 	c, err := e.srv.signer.Verify(token)
 	if err != nil || c.Namespace != e.ns || c.Name != "disk" {
 		t.Fatalf("issued token: %+v %v", c, err)

@@ -16,7 +16,6 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
@@ -25,7 +24,6 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
-	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/uploadtls"
 	"github.com/nodevirt/nodevirt/clusterbrain/nodecerts"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
@@ -34,6 +32,7 @@ import (
 	"github.com/nodevirt/nodevirt/nodeagent/console"
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
@@ -78,16 +77,8 @@ func TestAgentUnderNodeRole(t *testing.T) {
 	admin := cp.Clientset(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	ext, err := apiextensionsclient.NewForConfig(cp.RestConfig)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := crds.Install(ctx, ext, crds.Catalog()); err != nil {
-		t.Fatal(err)
-	}
-	if err := crds.InstallAbsent(ctx, ext, crds.SnapshotCatalog()); err != nil {
-		t.Fatal(err)
-	}
+	testkit.InstallCRDs(t, cp)
+	testkit.InstallSnapshotCRDs(t, cp)
 	brainNS := cp.Namespace(t)
 	userNS := cp.Namespace(t)
 
@@ -150,7 +141,7 @@ func TestAgentUnderNodeRole(t *testing.T) {
 	}()
 
 	// Ready: Node registered and every role healthy.
-	waitFor(t, 45*time.Second, "agent ready", func() bool {
+	testkit.Until(t, 45*time.Second, "agent ready", func() bool {
 		resp, err := http.Get("http://" + healthAddr + "/readyz")
 		if err != nil {
 			return false
@@ -177,7 +168,7 @@ func TestAgentUnderNodeRole(t *testing.T) {
 		t.Fatal(err)
 	}
 	var callErr error
-	waitFor(t, 30*time.Second, "console with the node certificate", func() bool {
+	testkit.Until(t, 30*time.Second, "console with the node certificate", func() bool {
 		cctx, ccancel := context.WithTimeout(ctx, 5*time.Second)
 		defer ccancel()
 		_, callErr = (&console.Client{Addr: consoleAddr, TLS: brainTLS}).Console(cctx, userNS, "absent")
@@ -186,7 +177,7 @@ func TestAgentUnderNodeRole(t *testing.T) {
 
 	// The upload endpoint serves the node certificate too: the brain's
 	// upload proxy reaches it (a claim it does not hold answers 404).
-	waitFor(t, 30*time.Second, "upload endpoint advertised", func() bool {
+	testkit.Until(t, 30*time.Second, "upload endpoint advertised", func() bool {
 		n, err := admin.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
 		return err == nil && n.Annotations[importstate.NodeUploadEndpoint] != ""
 	})
@@ -216,7 +207,7 @@ func TestAgentUnderNodeRole(t *testing.T) {
 		StringData: map[string]string{"userdata": "#cloud-config"}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 30*time.Second, "node reads a user namespace's secret", func() bool {
+	testkit.Until(t, 30*time.Second, "node reads a user namespace's secret", func() bool {
 		_, err := nodeKube.CoreV1().Secrets(userNS).Get(ctx, "cloudinit", metav1.GetOptions{})
 		return err == nil
 	})
@@ -244,16 +235,4 @@ func kubeFor(t *testing.T, kubeconfig string) kubernetes.Interface {
 		t.Fatal(err)
 	}
 	return kube
-}
-
-func waitFor(t *testing.T, within time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	for time.Now().Before(deadline) {
-		if cond() {
-			return
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
-	t.Fatalf("%s: not within %s", what, within)
 }

@@ -16,6 +16,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport/dvimporttest"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // fill makes a blank DataVolume name in ns and writes content at the start
@@ -59,18 +60,10 @@ func TestCloneSourceIsNotTakenFromClaimAnnotations(t *testing.T) {
 	clone := newDV(e.ns, "sneaky", "16Mi", cdiv1.DataVolumeSource{PVC: &cdiv1.DataVolumeSourcePVC{Name: "golden"}}, false)
 	e.create(t, clone)
 	var pvc *corev1.PersistentVolumeClaim
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		p, err := e.kube.CoreV1().PersistentVolumeClaims(e.ns).Get(context.Background(), "sneaky", metav1.GetOptions{})
-		if err == nil {
-			pvc = p
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("no claim for the clone: %v", err)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+	testkit.Eventually(t, 30*time.Second, "a claim for the clone", func() (err error) {
+		pvc, err = e.kube.CoreV1().PersistentVolumeClaims(e.ns).Get(context.Background(), "sneaky", metav1.GetOptions{})
+		return err
+	})
 	forged, _ := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": map[string]string{
 		importstate.AnnCloneRequest: victimNS + "/secret"}}})
 	if _, err := e.kube.CoreV1().PersistentVolumeClaims(e.ns).Patch(context.Background(), pvc.Name, types.MergePatchType, forged, metav1.PatchOptions{}); err != nil {

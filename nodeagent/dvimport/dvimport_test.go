@@ -405,17 +405,12 @@ func TestProgressAndDeletionCancelsImport(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("the import still reads its source after the datavolume was deleted")
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		entries, _ := os.ReadDir(filepath.Dir(disk))
-		if len(entries) == 0 {
-			break
+	testkit.Eventually(t, 5*time.Second, "the canceled import's files removed", func() error {
+		if entries, _ := os.ReadDir(filepath.Dir(disk)); len(entries) > 0 {
+			return fmt.Errorf("left: %v", entries)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("canceled import left files: %v", entries)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		return nil
+	})
 }
 
 func TestBlankAndSameNodeClone(t *testing.T) {

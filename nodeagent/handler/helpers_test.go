@@ -18,7 +18,6 @@ import (
 	csipb "github.com/container-storage-interface/spec/lib/go/csi"
 	nadv1 "github.com/k8snetworkplumbingwg/network-attachment-definition-client/pkg/apis/k8s.cni.cncf.io/v1"
 	k8sv1 "k8s.io/api/core/v1"
-	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -26,13 +25,13 @@ import (
 	v1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
-	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/csi"
 	"github.com/nodevirt/nodevirt/launcher"
 	"github.com/nodevirt/nodevirt/launcher/libvirttest"
 	"github.com/nodevirt/nodevirt/nodeagent/console"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 	"github.com/nodevirt/nodevirt/test/guest"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
@@ -82,9 +81,7 @@ func newNode(t *testing.T) *node {
 	t.Helper()
 	cp := controlplane.Shared(t)
 	crdsOnce.Do(func() {
-		if err := crds.Install(context.Background(), apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.Catalog()); err != nil {
-			t.Fatalf("install crds: %v", err)
-		}
+		testkit.InstallCRDs(t, cp)
 	})
 	virt, err := client.NewSet(cp.RestConfig)
 	if err != nil {

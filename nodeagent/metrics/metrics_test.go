@@ -18,17 +18,16 @@ import (
 	"time"
 
 	k8sv1 "k8s.io/api/core/v1"
-	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	v1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
-	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/launcher"
 	"github.com/nodevirt/nodevirt/launcher/domain"
 	"github.com/nodevirt/nodevirt/launcher/libvirttest"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
@@ -141,9 +140,7 @@ func TestNodeMetrics(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	cp := controlplane.Shared(t)
-	if err := crds.Install(ctx, apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.Catalog()); err != nil {
-		t.Fatalf("install crds: %v", err)
-	}
+	testkit.InstallCRDs(t, cp)
 	virt, err := client.NewSet(cp.RestConfig)
 	if err != nil {
 		t.Fatal(err)

@@ -31,6 +31,7 @@ import (
 	"github.com/nodevirt/nodevirt/nodeagent/console"
 	"github.com/nodevirt/nodevirt/nodeagent/nodecert"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
@@ -215,24 +216,24 @@ func TestRequestsNotMatchingTheNodeAreDenied(t *testing.T) {
 // awaitOutcome is "issued" or the denial's message.
 func awaitOutcome(t *testing.T, kube kubernetes.Interface, name string) string {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for time.Now().Before(deadline) {
+	outcome := ""
+	testkit.Until(t, 30*time.Second, "an outcome of csr "+name, func() bool {
 		csr, err := kube.CertificatesV1().CertificateSigningRequests().Get(context.Background(), name, metav1.GetOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}
 		if len(csr.Status.Certificate) > 0 {
-			return "issued"
+			outcome = "issued"
+			return true
 		}
 		for _, c := range csr.Status.Conditions {
 			if c.Type == certificatesv1.CertificateDenied || c.Type == certificatesv1.CertificateFailed {
-				return string(c.Type) + ": " + c.Message
+				outcome = string(c.Type) + ": " + c.Message
 			}
 		}
-		time.Sleep(100 * time.Millisecond)
-	}
-	t.Fatalf("csr %s: no outcome within 30s", name)
-	return ""
+		return outcome != ""
+	})
+	return outcome
 }
 
 func TestRenewal(t *testing.T) {
@@ -258,15 +259,12 @@ func TestRenewal(t *testing.T) {
 
 func waitLeaf(t *testing.T, src *nodecert.Source, not *x509.Certificate) *x509.Certificate {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for time.Now().Before(deadline) {
-		if l := src.Leaf(); l != nil && (not == nil || l.SerialNumber.Cmp(not.SerialNumber) != 0) {
-			return l
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-	t.Fatal("no (new) certificate within 30s")
-	return nil
+	var leaf *x509.Certificate
+	testkit.Until(t, 30*time.Second, "a (new) certificate", func() bool {
+		leaf = src.Leaf()
+		return leaf != nil && (not == nil || leaf.SerialNumber.Cmp(not.SerialNumber) != 0)
+	})
+	return leaf
 }
 
 // echo is a console backend answering "echo: <line>" on every stream.

@@ -10,6 +10,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/tools/cache"
+
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestBackoffs(t *testing.T) {
@@ -134,19 +136,11 @@ func TestRunSyncsAndStops(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan error, 1)
 	go func() { done <- q.Run(ctx, func() bool { return true }) }()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	testkit.Until(t, 10*time.Second, "both keys synced", func() bool {
 		mu.Lock()
-		n := synced["ns/p"] + synced["ns/q"]
-		mu.Unlock()
-		if n == 2 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("synced %v", synced)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		defer mu.Unlock()
+		return synced["ns/p"] == 1 && synced["ns/q"] == 1
+	})
 	cancel()
 	if err := <-done; err != nil {
 		t.Fatal(err)
