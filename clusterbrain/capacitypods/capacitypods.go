@@ -20,6 +20,7 @@ package capacitypods
 import (
 	"context"
 	"fmt"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 	"log/slog"
 
 	corev1 "k8s.io/api/core/v1"
@@ -28,7 +29,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
-	"k8s.io/client-go/util/workqueue"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
@@ -51,7 +51,7 @@ type Config struct {
 // Controller keeps one capacity pod per bound VMI.
 type Controller struct {
 	cfg   Config
-	queue workqueue.TypedRateLimitingInterface[string]
+	queue *controller.Queue
 }
 
 // New validates cfg and registers with the VMI informer.
@@ -65,15 +65,13 @@ func New(cfg Config) (*Controller, error) {
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
 	}
-	c := &Controller{cfg: cfg, queue: workqueue.NewTypedRateLimitingQueueWithConfig(
-		workqueue.DefaultTypedControllerRateLimiter[string](), workqueue.TypedRateLimitingQueueConfig[string]{Name: "capacity-pods"})}
-	enqueue := func(obj any) {
-		if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
-			c.queue.Add(key)
-		}
+	c := &Controller{cfg: cfg}
+	var err error
+	if c.queue, err = controller.New(controller.Config{Name: "capacity-pods", Sync: controller.NoRequeue(c.sync),
+		Backoff: controller.BackoffAPI, Log: cfg.Log, KeyAttr: "vmi"}); err != nil {
+		return nil, err
 	}
-	_, err := cfg.VMIs.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc: enqueue, UpdateFunc: func(_, n any) { enqueue(n) }, DeleteFunc: enqueue})
+	_, err = cfg.VMIs.AddEventHandler(controller.OnChange(c.queue.Enqueue))
 	return c, err
 }
 
@@ -82,27 +80,7 @@ func (c *Controller) Name() string { return "capacity-pods" }
 
 // Run works the queue until ctx ends.
 func (c *Controller) Run(ctx context.Context) error {
-	defer c.queue.ShutDown()
-	if !cache.WaitForCacheSync(ctx.Done(), c.cfg.VMIs.HasSynced) {
-		return nil
-	}
-	go func() {
-		<-ctx.Done()
-		c.queue.ShutDown()
-	}()
-	for {
-		key, quit := c.queue.Get()
-		if quit {
-			return nil
-		}
-		if err := c.sync(ctx, key); err != nil {
-			c.cfg.Log.Warn("capacity pod", "vmi", key, "err", err)
-			c.queue.AddRateLimited(key)
-		} else {
-			c.queue.Forget(key)
-		}
-		c.queue.Done(key)
-	}
+	return c.queue.Run(ctx, c.cfg.VMIs.HasSynced)
 }
 
 // PodName is the capacity pod's name of a VMI.
