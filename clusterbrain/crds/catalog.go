@@ -21,7 +21,7 @@ import (
 	cnaov1 "github.com/nodevirt/nodevirt/clusterbrain/api/networkaddons/v1"
 	sspv1beta2 "github.com/nodevirt/nodevirt/clusterbrain/api/ssp/v1beta2"
 	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
-	hcov1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1"
+	hcov1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1"
 	"github.com/nodevirt/nodevirt/clusterbrain/ssp/templates"
 )
 

@@ -20,7 +20,7 @@ import (
 	"strings"
 
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
-	hcov1 "github.com/nodevirt/nodevirt/clusterbrain/apis/hco/v1"
+	hcov1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1"
 )
 
 // Annotations carrying what the other version cannot express.
