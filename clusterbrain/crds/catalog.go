@@ -15,13 +15,13 @@ import (
 	migrationsv1alpha1 "kubevirt.io/api/migrations/v1alpha1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
+	hcov1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1"
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
 	hppv1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hostpathprovisioner/v1beta1"
 	macv1alpha1 "github.com/nodevirt/nodevirt/clusterbrain/api/macpool/v1alpha1"
 	cnaov1 "github.com/nodevirt/nodevirt/clusterbrain/api/networkaddons/v1"
 	sspv1beta2 "github.com/nodevirt/nodevirt/clusterbrain/api/ssp/v1beta2"
 	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
-	hcov1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1"
 	"github.com/nodevirt/nodevirt/clusterbrain/ssp/templates"
 )
 

@@ -19,8 +19,8 @@ import (
 	"sort"
 	"strings"
 
-	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
 	hcov1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1"
+	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
 )
 
 // Annotations carrying what the other version cannot express.
