@@ -29,7 +29,8 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
-	"github.com/nodevirt/nodevirt/nodeagent/importer"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/reach"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/registry"
 )
 
 // Labels and defaults (CDI's).
@@ -62,18 +63,18 @@ func (r Registry) Digest(ctx context.Context, _ string, src *cdiv1.DataVolumeSou
 	if src.URL == nil || *src.URL == "" {
 		return "", errors.New("only registry url sources are polled")
 	}
-	rs := &importer.RegistrySource{URL: *src.URL}
+	rs := registry.Source{URL: *src.URL}
 	cdis, err := r.Virt.CDIs.List(ctx, "", metav1.ListOptions{})
 	if err == nil && len(cdis) > 0 {
 		if cdis[0].Spec.Config != nil {
 			rs.InsecureRegistries = cdis[0].Spec.Config.InsecureRegistries
 		}
 		var allowed []netip.Prefix
-		if allowed, err = importer.ParseNetworks(cdis[0].Annotations[importstate.AnnImportAllowedNetworks]); err == nil {
+		if allowed, err = reach.ParseNetworks(cdis[0].Annotations[importstate.AnnImportAllowedNetworks]); err == nil {
 			rs.AllowedNetworks = allowed
 		}
 	}
-	return importer.ResolveDigest(ctx, rs)
+	return registry.ResolveDigest(ctx, rs)
 }
 
 // Config configures the controller.

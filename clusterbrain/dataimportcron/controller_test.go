@@ -22,7 +22,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
-	"github.com/nodevirt/nodevirt/nodeagent/containerdisk/registrytest"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/registry/registrytest"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
 

@@ -1,7 +1,8 @@
 // Package containerdisk is the node agent's cache of containerDisk images:
 // the disks of spec.volumes[].containerDisk, pulled over the OCI
-// distribution API (package importer's registry client) once per image
-// digest and shared by every VMI of the node that boots from them.
+// distribution API (the shared registry client of clusterbrain/kit/registry,
+// through package importer, which finds the disk in the layers) once per
+// image digest and shared by every VMI of the node that boots from them.
 //
 // A cached image is a raw disk file the guest never writes: the launcher
 // gives each VMI a qcow2 overlay backed by it (launcher/domain), as KubeVirt

@@ -16,7 +16,7 @@ import (
 
 	k8sv1 "k8s.io/api/core/v1"
 
-	"github.com/nodevirt/nodevirt/nodeagent/containerdisk/registrytest"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/registry/registrytest"
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport/dvimporttest"
 	"github.com/nodevirt/nodevirt/nodeagent/importer"
 	"github.com/nodevirt/nodevirt/test/guest"

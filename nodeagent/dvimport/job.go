@@ -19,6 +19,7 @@ import (
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/reach"
 	"github.com/nodevirt/nodevirt/nodeagent/importer"
 )
 
@@ -367,7 +368,7 @@ func (a *Agent) allowedNetworks(ctx context.Context) ([]netip.Prefix, error) {
 	if err != nil || cdi == nil {
 		return nil, nil
 	}
-	nets, err := importer.ParseNetworks(cdi.Annotations[importstate.AnnImportAllowedNetworks])
+	nets, err := reach.ParseNetworks(cdi.Annotations[importstate.AnnImportAllowedNetworks])
 	if err != nil {
 		return nil, &importer.Error{Reason: importer.ReasonInvalidRequest,
 			Err: fmt.Errorf("cdi %s annotation %s: %w", cdi.Name, importstate.AnnImportAllowedNetworks, err)}

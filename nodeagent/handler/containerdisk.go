@@ -14,9 +14,9 @@ import (
 	v1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/reach"
 	"github.com/nodevirt/nodevirt/launcher/domain"
 	"github.com/nodevirt/nodevirt/nodeagent/containerdisk"
-	"github.com/nodevirt/nodevirt/nodeagent/importer"
 )
 
 // ContainerDiskDir is where, inside Config.StateDir, pulled containerDisk
@@ -136,7 +136,7 @@ func (h *Handler) importNetworks(ctx context.Context) ([]string, []netip.Prefix)
 	if cdi.Spec.Config != nil {
 		insecure = cdi.Spec.Config.InsecureRegistries
 	}
-	allowed, err := importer.ParseNetworks(cdi.Annotations[importstate.AnnImportAllowedNetworks])
+	allowed, err := reach.ParseNetworks(cdi.Annotations[importstate.AnnImportAllowedNetworks])
 	if err != nil {
 		h.log.Warn("cdi annotation unparsable, pulls reach no forbidden network", "annotation", importstate.AnnImportAllowedNetworks, "err", err)
 	}

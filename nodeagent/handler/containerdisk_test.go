@@ -15,7 +15,7 @@ import (
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
-	"github.com/nodevirt/nodevirt/nodeagent/containerdisk/registrytest"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/registry/registrytest"
 	"github.com/nodevirt/nodevirt/test/guest"
 )
 

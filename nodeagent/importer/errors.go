@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/reach"
 )
 
 // Reason is a short CamelCase word that says why an import failed. It is
@@ -66,7 +68,8 @@ func (e *Error) Error() string { return fmt.Sprintf("%s: %v", e.Reason, e.Err) }
 func (e *Error) Unwrap() error { return e.Err }
 
 // ReasonOf returns the Reason of err: the Reason of the first *Error in its
-// chain, ReasonCanceled for context cancellation, else ReasonFailed. It is
+// chain, ReasonCanceled for context cancellation, ReasonNetworkNotAllowed
+// for a connection the reach policy refused, else ReasonFailed. It is
 // "" for a nil err.
 func ReasonOf(err error) Reason {
 	if err == nil {
@@ -78,6 +81,9 @@ func ReasonOf(err error) Reason {
 	var ie *Error
 	if errors.As(err, &ie) {
 		return ie.Reason
+	}
+	if reach.IsNotAllowed(err) {
+		return ReasonNetworkNotAllowed
 	}
 	return ReasonFailed
 }

@@ -6,14 +6,12 @@ import (
 	"crypto/sha256"
 	"crypto/sha512"
 	"crypto/tls"
-	"crypto/x509"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	"hash"
 	"io"
 	"log/slog"
-	"net"
 	"net/http"
 	"net/netip"
 	"net/url"
@@ -21,6 +19,8 @@ import (
 	"strings"
 	"sync/atomic"
 	"time"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/reach"
 )
 
 // HTTPSource is an image served over HTTP or HTTPS (a DataVolume's
@@ -54,19 +54,8 @@ type HTTPSource struct {
 	IdleTimeout time.Duration
 	// AllowedNetworks are addresses the import may reach although the
 	// default policy forbids them (loopback, link-local, this node's own
-	// addresses); see reach.go.
+	// addresses); see package reach.
 	AllowedNetworks []netip.Prefix
-}
-
-// Proxy is the import proxy of the CDI configuration.
-type Proxy struct {
-	HTTPProxy  string
-	HTTPSProxy string
-	// NoProxy is a comma-separated list of hosts, domains (".example.com"
-	// or "example.com" match subdomains too), CIDRs, or "*".
-	NoProxy string
-	// TrustedCAPEM holds CA certificates for a TLS-intercepting proxy.
-	TrustedCAPEM []byte
 }
 
 // drainLimit bounds what is read past the end of an image to verify a
@@ -79,7 +68,7 @@ func importHTTP(ctx context.Context, req Request) (Result, error) {
 	if err != nil {
 		return Result{}, err
 	}
-	client, err := newHTTPClient(hs.CACertPEM, hs.Proxy, false, hs.AllowedNetworks)
+	client, err := newHTTPClient(hs.CACertPEM, hs.Proxy, hs.AllowedNetworks)
 	if err != nil {
 		return Result{}, err
 	}
@@ -167,80 +156,14 @@ func parseHeaders(lines []string) (http.Header, error) {
 	return h, nil
 }
 
-// newHTTPClient builds a client trusting the system CAs plus caPEM (and the
-// proxy's CA). It never decompresses transparently: checksums and ranges
-// are over the bytes as served.
-func newHTTPClient(caPEM []byte, proxy *Proxy, insecure bool, allowed []netip.Prefix) (*http.Client, error) {
-	pool, err := x509.SystemCertPool()
-	if err != nil || pool == nil {
-		pool = x509.NewCertPool()
+// newHTTPClient builds a client of the reach policy (package reach)
+// trusting the system CAs plus caPEM (and the proxy's CA).
+func newHTTPClient(caPEM []byte, proxy *Proxy, allowed []netip.Prefix) (*http.Client, error) {
+	c, err := reach.NewClient(reach.Config{CACertPEM: caPEM, Proxy: proxy, AllowedNetworks: allowed})
+	if err != nil {
+		return nil, &Error{Reason: ReasonInvalidRequest, Err: err}
 	}
-	if len(caPEM) > 0 && !pool.AppendCertsFromPEM(caPEM) {
-		return nil, failf(ReasonInvalidRequest, "no certificate found in the CA bundle")
-	}
-	if proxy != nil && len(proxy.TrustedCAPEM) > 0 && !pool.AppendCertsFromPEM(proxy.TrustedCAPEM) {
-		return nil, failf(ReasonInvalidRequest, "no certificate found in the proxy CA bundle")
-	}
-	reach := &reachPolicy{allowed: allowed}
-	tr := &http.Transport{
-		Proxy:                 proxyFunc(proxy, reach),
-		DialContext:           reach.dialer(proxy),
-		TLSClientConfig:       &tls.Config{RootCAs: pool, InsecureSkipVerify: insecure},
-		TLSHandshakeTimeout:   30 * time.Second,
-		ResponseHeaderTimeout: 60 * time.Second,
-		DisableCompression:    true,
-		ForceAttemptHTTP2:     true,
-		ReadBufferSize:        256 << 10,
-	}
-	return &http.Client{Transport: tr, CheckRedirect: reach.checkRedirect}, nil
-}
-
-func proxyFunc(p *Proxy, reach *reachPolicy) func(*http.Request) (*url.URL, error) {
-	if p == nil {
-		return nil
-	}
-	return func(r *http.Request) (*url.URL, error) {
-		raw := p.HTTPProxy
-		if r.URL.Scheme == "https" {
-			raw = p.HTTPSProxy
-		}
-		if raw == "" || noProxy(p.NoProxy, r.URL.Hostname()) {
-			return nil, nil
-		}
-		// The proxy, not this node, dials the target: check it here.
-		if err := reach.checkHost(r.Context(), r.URL.Hostname()); err != nil {
-			return nil, err
-		}
-		if !strings.Contains(raw, "://") {
-			raw = "http://" + raw
-		}
-		return url.Parse(raw)
-	}
-}
-
-func noProxy(list, host string) bool {
-	ip := net.ParseIP(host)
-	for _, e := range strings.Split(list, ",") {
-		e = strings.ToLower(strings.TrimSpace(e))
-		if h, _, err := net.SplitHostPort(e); err == nil {
-			e = h
-		}
-		switch {
-		case e == "":
-		case e == "*":
-			return true
-		case ip != nil && strings.Contains(e, "/"):
-			if _, n, err := net.ParseCIDR(e); err == nil && n.Contains(ip) {
-				return true
-			}
-		default:
-			d := strings.TrimPrefix(e, ".")
-			if h := strings.ToLower(host); h == d || strings.HasSuffix(h, "."+d) {
-				return true
-			}
-		}
-	}
-	return false
+	return c, nil
 }
 
 // redactURL drops any user:password from a URL for logging.

@@ -36,9 +36,12 @@
 // util-linux's unshare/prlimit/mount for the confinement; gzip, zstd and
 // bzip2 are decoded in Go.
 //
-// Network reach (reach.go): an HTTP or registry import may not connect to
-// loopback, link-local (cloud metadata) or this node's own addresses
-// unless the request allows them; the check runs on every dialed address.
+// Network reach (package reach, shared with the brain): an HTTP or
+// registry import may not connect to loopback, link-local (cloud metadata)
+// or this node's own addresses unless the request allows them; the check
+// runs on every dialed address. Registries are spoken to through the
+// shared OCI distribution client (package registry); this package finds
+// the disk in the layers and imports it.
 //
 // Safety: the virtual size is checked against the capacity before the
 // destination is written (content length for raw, header for the others);

@@ -16,6 +16,8 @@ import (
 	"strings"
 	"sync"
 	"testing"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/registry"
 )
 
 // testRegistry is a tiny OCI distribution server: manifests and blobs by
@@ -42,13 +44,13 @@ func digestOf(b []byte) string {
 	return "sha256:" + hex.EncodeToString(s[:])
 }
 
-func (reg *testRegistry) addBlob(b []byte) ociDescriptor {
+func (reg *testRegistry) addBlob(b []byte) registry.Descriptor {
 	d := digestOf(b)
 	reg.blobs[d] = b
-	return ociDescriptor{Digest: d, Size: int64(len(b))}
+	return registry.Descriptor{Digest: d, Size: int64(len(b))}
 }
 
-func (reg *testRegistry) addManifest(tag, mediaType string, v any) ociDescriptor {
+func (reg *testRegistry) addManifest(tag, mediaType string, v any) registry.Descriptor {
 	b, err := json.Marshal(v)
 	if err != nil {
 		panic(err)
@@ -58,7 +60,7 @@ func (reg *testRegistry) addManifest(tag, mediaType string, v any) ociDescriptor
 	if tag != "" {
 		reg.manifests[tag] = registryObject{mediaType, b}
 	}
-	return ociDescriptor{MediaType: mediaType, Digest: d, Size: int64(len(b))}
+	return registry.Descriptor{MediaType: mediaType, Digest: d, Size: int64(len(b))}
 }
 
 func (reg *testRegistry) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -162,17 +164,17 @@ func (reg *testRegistry) containerDisk(t *testing.T, tag string, gz bool, diskNa
 		mt += "+gzip"
 	}
 	base.MediaType, layer.MediaType = mt, mt
-	man := reg.addManifest("", mediaOCIManifest, map[string]any{
-		"schemaVersion": 2, "mediaType": mediaOCIManifest, "config": cfg, "layers": []ociDescriptor{base, layer},
+	man := reg.addManifest("", registry.MediaOCIManifest, map[string]any{
+		"schemaVersion": 2, "mediaType": registry.MediaOCIManifest, "config": cfg, "layers": []registry.Descriptor{base, layer},
 	})
 	decoy := man
 	decoy.Digest = digestOf([]byte("not here"))
 	type platformed struct {
-		ociDescriptor
+		registry.Descriptor
 		Platform map[string]string `json:"platform"`
 	}
-	reg.addManifest(tag, mediaOCIIndex, map[string]any{
-		"schemaVersion": 2, "mediaType": mediaOCIIndex,
+	reg.addManifest(tag, registry.MediaOCIIndex, map[string]any{
+		"schemaVersion": 2, "mediaType": registry.MediaOCIIndex,
 		"manifests": []platformed{
 			{decoy, map[string]string{"os": "linux", "architecture": "arm64"}},
 			{man, map[string]string{"os": "linux", "architecture": "amd64"}},
@@ -191,7 +193,7 @@ func TestRegistry(t *testing.T) {
 	rawDigest := reg.containerDisk(t, "raw", false, "disk/disk.img", readFixture(t, "disk.raw"))
 	reg.containerDisk(t, "nodisk", true, "other/disk.img", []byte("x"))
 	badDigest := reg.containerDisk(t, "corrupt", true, "disk/disk.qcow2", readFixture(t, "disk.qcow2"))
-	var badManifest ociManifest
+	var badManifest registry.Manifest
 	json.Unmarshal(reg.manifests[badDigest].body, &badManifest)
 	reg.corrupt = badManifest.Layers[1].Digest
 

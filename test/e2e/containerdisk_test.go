@@ -16,7 +16,7 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
-	"github.com/nodevirt/nodevirt/nodeagent/containerdisk/registrytest"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/registry/registrytest"
 	"github.com/nodevirt/nodevirt/test/guest"
 )
 

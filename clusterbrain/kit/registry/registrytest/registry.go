@@ -1,5 +1,6 @@
 // Package registrytest is a small OCI distribution registry for tests of
-// containerDisk pulls: image manifests by tag or digest, blobs by digest,
+// registry pulls (the registry client, containerDisks, DataImportCron
+// polls): image manifests by tag or digest, blobs by digest,
 // optional basic auth, blob download counts, and blobs that can be held
 // back to make a slow pull.
 package registrytest
