@@ -550,6 +550,26 @@ func TestLiveMigration(t *testing.T) {
 	if after := n.readFacts("mover"); after != before {
 		t.Errorf("guest after the evacuation %+v, before %+v", after, before)
 	}
+
+	// 5. Stop and start: the VM runs where its (moved) local disk is, the
+	// marker on it intact.
+	old, err := e.virt.VMIs.Get(ctx, n.name, "mover")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.setRunStrategy("mover", kubevirtv1.RunStrategyHalted)
+	n.eventually(90*time.Second, "vmi mover stopped", func() (bool, string) {
+		_, err := e.virt.VMIs.Get(ctx, n.name, "mover")
+		return apierrors.IsNotFound(err), fmt.Sprint(err)
+	})
+	n.setRunStrategy("mover", kubevirtv1.RunStrategyAlways)
+	restarted := n.waitVMIOfVM("mover", 3*time.Minute, old.UID)
+	if restarted.Status.NodeName != other {
+		t.Errorf("after stop/start the VM runs on %s, its local disk is on %s", restarted.Status.NodeName, other)
+	}
+	if after := n.readFacts("mover"); after.disk != mark || after.bootID == before.bootID {
+		t.Errorf("after stop/start: %+v (disk marker %q, boot id must change)", after, mark)
+	}
 }
 
 // logDowntimes logs the downtime of each migration as the source node's
