@@ -121,7 +121,7 @@ func withSharedHostDisks() vmiOption {
 	}
 }
 
-// withLocalDataDisk adds a disk "data" on a blank 64 MiB DataVolume
+// withLocalDataDisk adds a disk "data" (the guest's vdb) on a blank 64 MiB DataVolume
 // (dataVolumeTemplate <vm>-data) of the node-local hostpath-csi class.
 func withLocalDataDisk(vm *kubevirtv1.VirtualMachine) *kubevirtv1.VirtualMachine {
 	class := "hostpath-csi"
@@ -133,7 +133,8 @@ func withLocalDataDisk(vm *kubevirtv1.VirtualMachine) *kubevirtv1.VirtualMachine
 				Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("64Mi")}}}},
 	})
 	s := &vm.Spec.Template.Spec
-	s.Domain.Devices.Disks = append(s.Domain.Devices.Disks, kubevirtv1.Disk{Name: "data",
+	// Right after the root disk: the guest's /dev/vdb.
+	s.Domain.Devices.Disks = slices.Insert(s.Domain.Devices.Disks, 1, kubevirtv1.Disk{Name: "data",
 		DiskDevice: kubevirtv1.DiskDevice{Disk: &kubevirtv1.DiskTarget{Bus: kubevirtv1.DiskBusVirtio}}})
 	s.Volumes = append(s.Volumes, kubevirtv1.Volume{Name: "data", VolumeSource: kubevirtv1.VolumeSource{
 		DataVolume: &kubevirtv1.DataVolumeSource{Name: name}}})
@@ -210,7 +211,9 @@ func (n *testNS) readFacts(vm string) guestFacts {
 	n.t.Helper()
 	c := n.console(vm)
 	c.login()
-	c.send("echo BOOTID=$(cat /proc/sys/kernel/random/boot_id) DISK=$(head -c 24 /dev/vdb) RAM=$(cat /run/e2e-mark 2>/dev/null) END\r")
+	// The guest's page cache dropped first: the marker is read from the
+	// disk as this node has it.
+	c.send("sync; echo 3 > /proc/sys/vm/drop_caches; echo BOOTID=$(cat /proc/sys/kernel/random/boot_id) DISK=$(head -c 24 /dev/vdb) RAM=$(cat /run/e2e-mark 2>/dev/null) END\r")
 	m := c.expect(`BOOTID=(`+uuidRE+`) DISK=(\S*) RAM=(\S*) END`, 30*time.Second)
 	c.conn.Close()
 	return guestFacts{bootID: m[1], disk: m[2], ram: m[3]}
