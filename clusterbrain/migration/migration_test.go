@@ -207,6 +207,9 @@ func TestMigrationPhases(t *testing.T) {
 
 	mig := e.migrate("movable", map[string]string{"zone": "c"})
 	got := e.waitPhase(mig.Name, kubevirtv1.MigrationPreparingTarget)
+	if got.Labels[kubevirtv1.MigrationSelectorLabel] != "movable" {
+		t.Errorf("labels %v lack %s", got.Labels, kubevirtv1.MigrationSelectorLabel)
+	}
 	st := got.Status.MigrationState
 	if st.SourceNode != "mig-a" || st.TargetNode != "mig-c" || st.MigrationUID != mig.UID || st.VMIMConfigurationOptions == nil ||
 		*st.VMIMConfigurationOptions.CompletionTimeoutPerGiB != 150 {

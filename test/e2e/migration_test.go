@@ -489,9 +489,8 @@ func TestLiveMigration(t *testing.T) {
 		t.Errorf("effective migration configuration %+v, want bandwidthPerMigration 1Mi", cfg)
 	}
 	time.Sleep(time.Second)
-	if err := e.virt.Migrations.Delete(ctx, n.name, cancelled.Name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	// Upstream virtctl finds it by KubeVirt's label and deletes it.
+	n.upstreamVirtctl().run(60*time.Second, "migrate-cancel", "mover")
 	n.eventually(60*time.Second, "cancelled migration gone", func() (bool, string) {
 		_, err := e.virt.Migrations.Get(ctx, n.name, cancelled.Name)
 		return apierrors.IsNotFound(err), fmt.Sprint(err)
