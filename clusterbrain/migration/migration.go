@@ -238,9 +238,17 @@ func (c *Controller) sync(ctx context.Context, key string) error {
 
 // schedule checks the VMI and picks the target node.
 func (c *Controller) schedule(ctx context.Context, mig *kubevirtv1.VirtualMachineInstanceMigration, vmi *kubevirtv1.VirtualMachineInstance) error {
-	if !slices.Contains(mig.Finalizers, migstate.Finalizer) {
+	if !slices.Contains(mig.Finalizers, migstate.Finalizer) || mig.Labels[kubevirtv1.MigrationSelectorLabel] != mig.Spec.VMIName {
+		// KubeVirt's finalizer, and the label its webhook sets (what
+		// `virtctl migrate-cancel` finds the migration of a VMI by).
 		upd := mig.DeepCopy()
-		upd.Finalizers = append(upd.Finalizers, migstate.Finalizer)
+		if !slices.Contains(upd.Finalizers, migstate.Finalizer) {
+			upd.Finalizers = append(upd.Finalizers, migstate.Finalizer)
+		}
+		if upd.Labels == nil {
+			upd.Labels = map[string]string{}
+		}
+		upd.Labels[kubevirtv1.MigrationSelectorLabel] = mig.Spec.VMIName
 		if _, err := c.cfg.Virt.Migrations.Update(ctx, upd); err != nil {
 			return fmt.Errorf("migration %s/%s finalizer: %w", mig.Namespace, mig.Name, err)
 		}

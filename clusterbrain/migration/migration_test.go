@@ -60,7 +60,8 @@ func setup(t *testing.T) *env {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c, err := New(Config{Kube: kube, Virt: virt, Placer: sched, Log: quiet, Dynamic: dynamic.NewForConfigOrDie(cp.RestConfig)})
+	c, err := New(Config{Kube: kube, Virt: virt, Placer: sched, Log: quiet, Dynamic: dynamic.NewForConfigOrDie(cp.RestConfig),
+		EvacuationInterval: 500 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -101,9 +102,15 @@ func (e *env) node(name string, labels map[string]string) {
 // it runs.
 func (e *env) runningVMI(name, node string, conds ...kubevirtv1.VirtualMachineInstanceCondition) {
 	e.t.Helper()
+	e.runningVMIWith(name, node, nil, conds...)
+}
+
+func (e *env) runningVMIWith(name, node string, strategy *kubevirtv1.EvictionStrategy, conds ...kubevirtv1.VirtualMachineInstanceCondition) {
+	e.t.Helper()
 	v, err := e.virt.VMIs.Create(e.ctx, &kubevirtv1.VirtualMachineInstance{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: e.ns, Labels: map[string]string{kubevirtv1.NodeNameLabel: node}},
 		Spec: kubevirtv1.VirtualMachineInstanceSpec{NodeSelector: map[string]string{"migration-test/eligible": "yes"},
+			EvictionStrategy: strategy,
 			Domain: kubevirtv1.DomainSpec{Resources: kubevirtv1.ResourceRequirements{
 				Requests: corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("64Mi")}}}},
 	})
@@ -200,6 +207,9 @@ func TestMigrationPhases(t *testing.T) {
 
 	mig := e.migrate("movable", map[string]string{"zone": "c"})
 	got := e.waitPhase(mig.Name, kubevirtv1.MigrationPreparingTarget)
+	if got.Labels[kubevirtv1.MigrationSelectorLabel] != "movable" {
+		t.Errorf("labels %v lack %s", got.Labels, kubevirtv1.MigrationSelectorLabel)
+	}
 	st := got.Status.MigrationState
 	if st.SourceNode != "mig-a" || st.TargetNode != "mig-c" || st.MigrationUID != mig.UID || st.VMIMConfigurationOptions == nil ||
 		*st.VMIMConfigurationOptions.CompletionTimeoutPerGiB != 150 {
@@ -306,5 +316,63 @@ func TestMigrationsRefused(t *testing.T) {
 	}
 	if v, err := e.virt.VMIs.Get(e.ctx, e.ns, "alone"); err != nil || v.Status.NodeName != "ref-a" || v.Status.MigrationState != nil {
 		t.Errorf("vmi alone changed: %+v %v", v.Status, err)
+	}
+}
+
+// TestEvacuation: on a node tainted kubevirt.io/drain, a LiveMigrate VMI gets
+// an evacuation migration and evacuationNodeName, an External one only
+// evacuationNodeName, a None one nothing; a LiveMigrate VMI that cannot
+// migrate gets a FailedEvacuation event.
+func TestEvacuation(t *testing.T) {
+	e := setup(t)
+	e.node("evac-a", map[string]string{"migration-test/eligible": "yes"})
+	strategy := func(s kubevirtv1.EvictionStrategy) *kubevirtv1.EvictionStrategy { return &s }
+	e.runningVMIWith("live", "evac-a", strategy(kubevirtv1.EvictionStrategyLiveMigrate), migratable)
+	e.runningVMIWith("external", "evac-a", strategy(kubevirtv1.EvictionStrategyExternal), migratable)
+	e.runningVMIWith("none", "evac-a", strategy(kubevirtv1.EvictionStrategyNone), migratable)
+	e.runningVMIWith("stuck", "evac-a", strategy(kubevirtv1.EvictionStrategyLiveMigrate), kubevirtv1.VirtualMachineInstanceCondition{
+		Type: kubevirtv1.VirtualMachineInstanceIsMigratable, Status: corev1.ConditionFalse,
+		Reason: kubevirtv1.VirtualMachineInstanceReasonDisksNotMigratable, Message: "cannot migrate VMI with non-shared HostDisk"})
+	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		n, err := e.kube.CoreV1().Nodes().Get(e.ctx, "evac-a", metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		n.Spec.Taints = append(n.Spec.Taints, corev1.Taint{Key: "kubevirt.io/drain", Effect: corev1.TaintEffectNoSchedule})
+		_, err = e.kube.CoreV1().Nodes().Update(e.ctx, n, metav1.UpdateOptions{})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := wait.PollUntilContextTimeout(e.ctx, 200*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		migs, err := e.virt.Migrations.List(ctx, e.ns, metav1.ListOptions{})
+		if err != nil {
+			return false, err
+		}
+		for _, m := range migs {
+			if m.Spec.VMIName != "live" || m.Annotations[kubevirtv1.EvacuationMigrationAnnotation] != "evac-a" {
+				t.Errorf("unexpected migration %s of %s (%v)", m.Name, m.Spec.VMIName, m.Annotations)
+			}
+		}
+		return len(migs) == 1, nil
+	}); err != nil {
+		t.Fatalf("no evacuation migration of live: %v", err)
+	}
+	if err := wait.PollUntilContextTimeout(e.ctx, 200*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		for name, want := range map[string]string{"live": "evac-a", "external": "evac-a", "none": "", "stuck": "evac-a"} {
+			v, err := e.virt.VMIs.Get(ctx, e.ns, name)
+			if err != nil || v.Status.EvacuationNodeName != want {
+				return false, nil
+			}
+		}
+		return true, nil
+	}); err != nil {
+		t.Errorf("evacuationNodeName not as KubeVirt sets it: %v", err)
+	}
+	if err := wait.PollUntilContextTimeout(e.ctx, 500*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		events, err := e.kube.CoreV1().Events(e.ns).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=stuck,reason=" + ReasonFailedEvacuation})
+		return err == nil && len(events.Items) > 0, nil
+	}); err != nil {
+		t.Errorf("no %s event on the VMI that cannot migrate: %v", ReasonFailedEvacuation, err)
 	}
 }

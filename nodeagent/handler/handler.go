@@ -31,6 +31,14 @@
 // touches a domain whose VMI state it did not create (Config.StateDir), so
 // several agents may share one libvirtd in tests.
 //
+// Live migration (package migstate has the protocol): the handler also
+// watches VirtualMachineInstanceMigrations naming this node. As the target
+// it attaches the taps, makes volumes for node-local disks with the CSI
+// driver, prepares the state directory and defines the domain; as the
+// source it runs libvirt's peer-to-peer migration to the target's libvirtd
+// (migration.go, migration_target.go). A guest that left by migration is
+// no news for its VMI until the brain binds it to the target.
+//
 // Pause, unpause, soft reboot, reset, shutdown and the console and VNC
 // streams are methods the console server (package console) calls for the
 // brain's subresources.

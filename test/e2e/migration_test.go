@@ -121,7 +121,7 @@ func withSharedHostDisks() vmiOption {
 	}
 }
 
-// withLocalDataDisk adds a disk "data" on a blank 64 MiB DataVolume
+// withLocalDataDisk adds a disk "data" (the guest's vdb) on a blank 64 MiB DataVolume
 // (dataVolumeTemplate <vm>-data) of the node-local hostpath-csi class.
 func withLocalDataDisk(vm *kubevirtv1.VirtualMachine) *kubevirtv1.VirtualMachine {
 	class := "hostpath-csi"
@@ -133,7 +133,8 @@ func withLocalDataDisk(vm *kubevirtv1.VirtualMachine) *kubevirtv1.VirtualMachine
 				Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("64Mi")}}}},
 	})
 	s := &vm.Spec.Template.Spec
-	s.Domain.Devices.Disks = append(s.Domain.Devices.Disks, kubevirtv1.Disk{Name: "data",
+	// Right after the root disk: the guest's /dev/vdb.
+	s.Domain.Devices.Disks = slices.Insert(s.Domain.Devices.Disks, 1, kubevirtv1.Disk{Name: "data",
 		DiskDevice: kubevirtv1.DiskDevice{Disk: &kubevirtv1.DiskTarget{Bus: kubevirtv1.DiskBusVirtio}}})
 	s.Volumes = append(s.Volumes, kubevirtv1.Volume{Name: "data", VolumeSource: kubevirtv1.VolumeSource{
 		DataVolume: &kubevirtv1.DataVolumeSource{Name: name}}})
@@ -210,7 +211,9 @@ func (n *testNS) readFacts(vm string) guestFacts {
 	n.t.Helper()
 	c := n.console(vm)
 	c.login()
-	c.send("echo BOOTID=$(cat /proc/sys/kernel/random/boot_id) DISK=$(head -c 24 /dev/vdb) RAM=$(cat /run/e2e-mark 2>/dev/null) END\r")
+	// The guest's page cache dropped first: the marker is read from the
+	// disk as this node has it.
+	c.send("sync; echo 3 > /proc/sys/vm/drop_caches; echo BOOTID=$(cat /proc/sys/kernel/random/boot_id) DISK=$(head -c 24 /dev/vdb) RAM=$(cat /run/e2e-mark 2>/dev/null) END\r")
 	m := c.expect(`BOOTID=(`+uuidRE+`) DISK=(\S*) RAM=(\S*) END`, 30*time.Second)
 	c.conn.Close()
 	return guestFacts{bootID: m[1], disk: m[2], ram: m[3]}
@@ -486,9 +489,8 @@ func TestLiveMigration(t *testing.T) {
 		t.Errorf("effective migration configuration %+v, want bandwidthPerMigration 1Mi", cfg)
 	}
 	time.Sleep(time.Second)
-	if err := e.virt.Migrations.Delete(ctx, n.name, cancelled.Name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	// Upstream virtctl finds it by KubeVirt's label and deletes it.
+	n.upstreamVirtctl().run(60*time.Second, "migrate-cancel", "mover")
 	n.eventually(60*time.Second, "cancelled migration gone", func() (bool, string) {
 		_, err := e.virt.Migrations.Get(ctx, n.name, cancelled.Name)
 		return apierrors.IsNotFound(err), fmt.Sprint(err)
@@ -549,6 +551,26 @@ func TestLiveMigration(t *testing.T) {
 	n.logDowntimes()
 	if after := n.readFacts("mover"); after != before {
 		t.Errorf("guest after the evacuation %+v, before %+v", after, before)
+	}
+
+	// 5. Stop and start: the VM runs where its (moved) local disk is, the
+	// marker on it intact.
+	old, err := e.virt.VMIs.Get(ctx, n.name, "mover")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.setRunStrategy("mover", kubevirtv1.RunStrategyHalted)
+	n.eventually(90*time.Second, "vmi mover stopped", func() (bool, string) {
+		_, err := e.virt.VMIs.Get(ctx, n.name, "mover")
+		return apierrors.IsNotFound(err), fmt.Sprint(err)
+	})
+	n.setRunStrategy("mover", kubevirtv1.RunStrategyAlways)
+	restarted := n.waitVMIOfVM("mover", 3*time.Minute, old.UID)
+	if restarted.Status.NodeName != other {
+		t.Errorf("after stop/start the VM runs on %s, its local disk is on %s", restarted.Status.NodeName, other)
+	}
+	if after := n.readFacts("mover"); after.disk != mark || after.bootID == before.bootID {
+		t.Errorf("after stop/start: %+v (disk marker %q, boot id must change)", after, mark)
 	}
 }
 
