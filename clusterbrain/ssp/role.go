@@ -13,6 +13,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 	"log/slog"
 	"reflect"
 	"sync"
@@ -28,7 +29,6 @@ import (
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
-	"k8s.io/client-go/util/workqueue"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/ssp/templates"
@@ -49,7 +49,7 @@ type Config struct {
 // Role reconciles the common templates.
 type Role struct {
 	cfg   Config
-	queue workqueue.TypedRateLimitingInterface[string]
+	queue *controller.Queue
 
 	mu      sync.Mutex
 	state   error
@@ -67,8 +67,24 @@ func New(cfg Config) (*Role, error) {
 	if cfg.Resync == 0 {
 		cfg.Resync = 10 * time.Minute
 	}
-	return &Role{cfg: cfg, queue: workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[string]()),
-		state: errors.New("not reconciled yet")}, nil
+	r := &Role{cfg: cfg, state: errors.New("not reconciled yet")}
+	var err error
+	r.queue, err = controller.New(controller.Config{Name: "ssp-templates", Sync: controller.NoRequeue(r.sync),
+		Backoff: controller.BackoffAPI, Log: cfg.Log})
+	return r, err
+}
+
+// sync runs Sync and keeps its outcome as the role's health; no SSP yet
+// is a state, not a failure to retry.
+func (r *Role) sync(ctx context.Context, _ string) error {
+	err := r.Sync(ctx)
+	r.mu.Lock()
+	r.state = err
+	r.mu.Unlock()
+	if errors.Is(err, errNoSSP) {
+		return nil
+	}
+	return err
 }
 
 // Name implements the brain's Role.
@@ -98,12 +114,7 @@ var errNoSSP = errors.New("no SSP asks for common templates")
 // Run watches the SSP CRs and the stored templates and reconciles until
 // ctx ends.
 func (r *Role) Run(ctx context.Context) error {
-	defer r.queue.ShutDown()
-	kick := cache.ResourceEventHandlerFuncs{
-		AddFunc:    func(any) { r.queue.Add(key) },
-		UpdateFunc: func(any, any) { r.queue.Add(key) },
-		DeleteFunc: func(any) { r.queue.Add(key) },
-	}
+	kick := controller.OnChange(func(any) { r.queue.Add(key) })
 	ssps := r.cfg.Virt.SSPs.Informer("", r.cfg.Resync, nil)
 	stored := cache.NewSharedIndexInformer(&cache.ListWatch{
 		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
@@ -122,31 +133,8 @@ func (r *Role) Run(ctx context.Context) error {
 		}
 		go inf.RunWithContext(ctx)
 	}
-	if !cache.WaitForCacheSync(ctx.Done(), ssps.HasSynced, stored.HasSynced, crons.HasSynced) {
-		return ctx.Err()
-	}
 	r.queue.Add(key)
-	go func() {
-		for {
-			k, quit := r.queue.Get()
-			if quit {
-				return
-			}
-			err := r.Sync(ctx)
-			r.mu.Lock()
-			r.state = err
-			r.mu.Unlock()
-			if err != nil && ctx.Err() == nil && !errors.Is(err, errNoSSP) {
-				r.cfg.Log.Warn("reconcile common templates", "err", err)
-				r.queue.AddRateLimited(k)
-			} else {
-				r.queue.Forget(k)
-			}
-			r.queue.Done(k)
-		}
-	}()
-	<-ctx.Done()
-	return nil
+	return r.queue.Run(ctx, ssps.HasSynced, stored.HasSynced, crons.HasSynced)
 }
 
 // Sync makes the stored templates match every SSP's rendering and removes
