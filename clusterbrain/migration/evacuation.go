@@ -3,6 +3,7 @@ package migration
 import (
 	"context"
 	"fmt"
+	"k8s.io/client-go/tools/cache"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -32,6 +33,9 @@ const evacuationRetry = 30 * time.Second
 
 // evacuate runs an evacuation pass every interval until ctx ends.
 func (c *Controller) evacuate(ctx context.Context, interval time.Duration) {
+	if !cache.WaitForCacheSync(ctx.Done(), c.informer.HasSynced) {
+		return
+	}
 	t := time.NewTicker(interval)
 	defer t.Stop()
 	for {

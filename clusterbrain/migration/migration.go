@@ -22,6 +22,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 	"log/slog"
 	"maps"
 	"slices"
@@ -33,14 +34,10 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
-	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
-	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/tools/cache"
-	"k8s.io/client-go/tools/record"
 	"k8s.io/client-go/util/retry"
-	"k8s.io/client-go/util/workqueue"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
@@ -110,8 +107,8 @@ type Controller struct {
 	cfg      Config
 	log      *slog.Logger
 	informer cache.SharedIndexInformer
-	queue    workqueue.TypedRateLimitingInterface[string]
-	recorder record.EventRecorder
+	queue    *controller.Queue
+	recorder *controller.Recorder
 	// replacements are the claims being replaced (claims.go), by
 	// namespace/name, kept from their deletion to their re-creation.
 	replacements sync.Map
@@ -126,17 +123,16 @@ func New(cfg Config) (*Controller, error) {
 	c := &Controller{
 		cfg: cfg, log: cfg.Log.With("role", "migration"),
 		informer: cfg.Virt.Migrations.Informer("", cfg.Resync, nil),
-		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[string](),
-			workqueue.TypedRateLimitingQueueConfig[string]{Name: "migrations"}),
+		recorder: controller.NewRecorder(client.NewScheme(), "nodevirt-migration"),
 	}
-	enqueue := func(obj any) {
-		if key, err := cache.MetaNamespaceKeyFunc(obj); err == nil {
-			c.queue.Add(key)
-		}
+	var err error
+	c.queue, err = controller.New(controller.Config{Name: "migrations", Sync: controller.NoRequeue(c.sync),
+		Backoff: controller.BackoffAPI, Log: c.log, KeyAttr: "migration",
+		Observe: func(err error) { metrics.Reconciled("migration", err) }})
+	if err != nil {
+		return nil, err
 	}
-	_, _ = c.informer.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc: enqueue, UpdateFunc: func(_, obj any) { enqueue(obj) },
-	})
+	_, _ = c.informer.AddEventHandler(controller.OnAddOrUpdate(c.queue.Enqueue))
 	return c, nil
 }
 
@@ -146,40 +142,11 @@ func (c *Controller) Name() string { return "migration" }
 // Run serves until ctx ends.
 func (c *Controller) Run(ctx context.Context) error {
 	defer utilruntime.HandleCrash()
-	defer c.queue.ShutDown()
-	broadcaster := record.NewBroadcaster(record.WithContext(ctx))
-	broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: c.cfg.Kube.CoreV1().Events("")})
-	defer broadcaster.Shutdown()
-	c.recorder = broadcaster.NewRecorder(client.NewScheme(), corev1.EventSource{Component: "nodevirt-migration"})
-
+	defer c.recorder.Start(c.cfg.Kube)()
 	go c.informer.RunWithContext(ctx)
-	if !cache.WaitForCacheSync(ctx.Done(), c.informer.HasSynced) {
-		return fmt.Errorf("migration: caches did not sync: %w", ctx.Err())
-	}
 	c.log.Info("started")
-	go wait.UntilWithContext(ctx, c.worker, time.Second)
 	go c.evacuate(ctx, c.cfg.EvacuationInterval)
-	<-ctx.Done()
-	return nil
-}
-
-func (c *Controller) worker(ctx context.Context) {
-	for {
-		key, quit := c.queue.Get()
-		if quit {
-			return
-		}
-		err := c.sync(ctx, key)
-		metrics.Reconciled("migration", err)
-		switch {
-		case err == nil:
-			c.queue.Forget(key)
-		default:
-			c.log.Warn("sync failed", "migration", key, "err", err)
-			c.queue.AddRateLimited(key)
-		}
-		c.queue.Done(key)
-	}
+	return c.queue.Run(ctx, c.informer.HasSynced)
 }
 
 func (c *Controller) sync(ctx context.Context, key string) error {
