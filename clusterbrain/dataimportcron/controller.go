@@ -14,6 +14,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 	"log/slog"
 	"net/netip"
 	"sort"
@@ -24,7 +25,6 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/tools/cache"
-	"k8s.io/client-go/util/workqueue"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
@@ -91,7 +91,7 @@ type Config struct {
 // Controller is the DataImportCron role.
 type Controller struct {
 	cfg   Config
-	queue workqueue.TypedRateLimitingInterface[string]
+	queue *controller.Queue
 }
 
 // New defaults and validates cfg.
@@ -111,7 +111,11 @@ func New(cfg Config) (*Controller, error) {
 	if cfg.Resync == 0 {
 		cfg.Resync = 10 * time.Minute
 	}
-	return &Controller{cfg: cfg, queue: workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[string]())}, nil
+	c := &Controller{cfg: cfg}
+	var err error
+	c.queue, err = controller.New(controller.Config{Name: "dataimportcron", Sync: c.sync,
+		Backoff: controller.BackoffAPI, Workers: 2, Log: cfg.Log})
+	return c, err
 }
 
 // Name implements the brain's Role.
@@ -128,7 +132,6 @@ func (c *Controller) enqueue(kind string) func(any) {
 
 // Run watches crons, their DataVolumes and the DataSources until ctx ends.
 func (c *Controller) Run(ctx context.Context) error {
-	defer c.queue.ShutDown()
 	v, rs := c.cfg.Virt, c.cfg.Resync
 	crons := v.DataImportCrons.Informer("", rs, nil)
 	dvs := v.DataVolumes.Informer("", rs, func(o *metav1.ListOptions) { o.LabelSelector = LabelCron })
@@ -158,50 +161,23 @@ func (c *Controller) Run(ctx context.Context) error {
 		}},
 	}
 	for _, h := range handlers {
-		if _, err := h.inf.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: h.f, UpdateFunc: func(_, o any) { h.f(o) }, DeleteFunc: h.f}); err != nil {
+		if _, err := h.inf.AddEventHandler(controller.OnChange(h.f)); err != nil {
 			return err
 		}
 		go h.inf.RunWithContext(ctx)
 	}
-	if !cache.WaitForCacheSync(ctx.Done(), crons.HasSynced, dvs.HasSynced, dss.HasSynced) {
-		return ctx.Err()
-	}
-	for i := 0; i < 2; i++ {
-		go func() {
-			for c.next(ctx) {
-			}
-		}()
-	}
-	<-ctx.Done()
-	return nil
+	return c.queue.Run(ctx, crons.HasSynced, dvs.HasSynced, dss.HasSynced)
 }
 
-func (c *Controller) next(ctx context.Context) bool {
-	key, quit := c.queue.Get()
-	if quit {
-		return false
-	}
-	defer c.queue.Done(key)
+// sync reconciles one key: "cron/ns/name" (again after the cron's next
+// scheduled time) or "ds/ns/name".
+func (c *Controller) sync(ctx context.Context, key string) (time.Duration, error) {
 	kind, rest, _ := strings.Cut(key, "/")
 	ns, name, _ := cache.SplitMetaNamespaceKey(rest)
-	var again time.Duration
-	var err error
 	if kind == "cron" {
-		again, err = c.SyncCron(ctx, ns, name)
-	} else {
-		err = c.SyncDataSource(ctx, ns, name)
+		return c.SyncCron(ctx, ns, name)
 	}
-	switch {
-	case err != nil && ctx.Err() == nil:
-		c.cfg.Log.Warn("reconcile", "kind", kind, "namespace", ns, "name", name, "err", err)
-		c.queue.AddRateLimited(key)
-	case again > 0:
-		c.queue.Forget(key)
-		c.queue.AddAfter(key, again)
-	default:
-		c.queue.Forget(key)
-	}
-	return true
+	return 0, c.SyncDataSource(ctx, ns, name)
 }
 
 // DataVolumeName is the import of digest for the managed DataSource ds.
