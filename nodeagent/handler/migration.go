@@ -263,23 +263,17 @@ func (h *Handler) runLibvirtMigration(ctx context.Context, vmi *v1.VirtualMachin
 func (h *Handler) sharedVolumes(ctx context.Context, vmi *v1.VirtualMachineInstance) (map[string]bool, error) {
 	out := map[string]bool{}
 	for _, vol := range vmi.Spec.Volumes {
-		var claim string
-		switch {
-		case vol.HostDisk != nil:
+		if vol.HostDisk != nil {
 			out[vol.Name] = true
 			continue
-		case vol.PersistentVolumeClaim != nil:
-			claim = vol.PersistentVolumeClaim.ClaimName
-		case vol.DataVolume != nil:
-			claim = vol.DataVolume.Name
-		default:
-			continue
 		}
-		pvc, err := h.cfg.Kube.CoreV1().PersistentVolumeClaims(vmi.Namespace).Get(ctx, claim, metav1.GetOptions{})
+		pvc, err := h.volumeClaim(ctx, vmi, vol)
 		if err != nil {
-			return nil, fmt.Errorf("persistentvolumeclaim %s/%s: %w", vmi.Namespace, claim, err)
+			return nil, err
 		}
-		out[vol.Name] = slices.Contains(pvc.Spec.AccessModes, k8sv1.ReadWriteMany)
+		if pvc != nil {
+			out[vol.Name] = slices.Contains(pvc.Spec.AccessModes, k8sv1.ReadWriteMany)
+		}
 	}
 	return out, nil
 }

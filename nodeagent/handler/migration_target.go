@@ -181,30 +181,24 @@ type localClaim struct {
 func (h *Handler) localClaims(ctx context.Context, vmi *v1.VirtualMachineInstance) ([]localClaim, error) {
 	var out []localClaim
 	for _, vol := range vmi.Spec.Volumes {
-		var claim string
-		switch {
-		case vol.PersistentVolumeClaim != nil:
-			claim = vol.PersistentVolumeClaim.ClaimName
-		case vol.DataVolume != nil:
-			claim = vol.DataVolume.Name
-		default:
-			continue
-		}
-		pvc, err := h.cfg.Kube.CoreV1().PersistentVolumeClaims(vmi.Namespace).Get(ctx, claim, metav1.GetOptions{})
+		pvc, err := h.volumeClaim(ctx, vmi, vol)
 		if err != nil {
-			return nil, fmt.Errorf("persistentvolumeclaim %s/%s: %w", vmi.Namespace, claim, err)
+			return nil, err
+		}
+		if pvc == nil {
+			continue
 		}
 		if slices.Contains(pvc.Spec.AccessModes, k8sv1.ReadWriteMany) {
 			continue
 		}
 		pv, err := h.cfg.Kube.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
 		if err != nil {
-			return nil, fmt.Errorf("persistentvolume of claim %s/%s: %w", vmi.Namespace, claim, err)
+			return nil, fmt.Errorf("persistentvolume of claim %s/%s: %w", vmi.Namespace, pvc.Name, err)
 		}
 		if why := copyable(pv); why != "" {
-			return nil, fmt.Errorf("%w: claim %s: %s", errNotMigratable, claim, why)
+			return nil, fmt.Errorf("%w: claim %s: %s", errNotMigratable, pvc.Name, why)
 		}
-		out = append(out, localClaim{volume: vol.Name, claim: claim, pv: pv})
+		out = append(out, localClaim{volume: vol.Name, claim: pvc.Name, pv: pv})
 	}
 	return out, nil
 }
@@ -421,4 +415,23 @@ func (h *Handler) migrationExists(uid types.UID) bool {
 		}
 	}
 	return false
+}
+
+// volumeClaim reads the claim behind vol (a persistentVolumeClaim or a
+// dataVolume volume); nil for any other kind of volume.
+func (h *Handler) volumeClaim(ctx context.Context, vmi *v1.VirtualMachineInstance, vol v1.Volume) (*k8sv1.PersistentVolumeClaim, error) {
+	var claim string
+	switch {
+	case vol.PersistentVolumeClaim != nil:
+		claim = vol.PersistentVolumeClaim.ClaimName
+	case vol.DataVolume != nil:
+		claim = vol.DataVolume.Name
+	default:
+		return nil, nil
+	}
+	pvc, err := h.cfg.Kube.CoreV1().PersistentVolumeClaims(vmi.Namespace).Get(ctx, claim, metav1.GetOptions{})
+	if err != nil {
+		return nil, fmt.Errorf("persistentvolumeclaim %s/%s: %w", vmi.Namespace, claim, err)
+	}
+	return pvc, nil
 }

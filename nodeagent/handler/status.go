@@ -209,18 +209,12 @@ func (h *Handler) migratable(ctx context.Context, vmi *v1.VirtualMachineInstance
 		}
 	}
 	for _, vol := range vmi.Spec.Volumes {
-		var claim string
-		switch {
-		case vol.PersistentVolumeClaim != nil:
-			claim = vol.PersistentVolumeClaim.ClaimName
-		case vol.DataVolume != nil:
-			claim = vol.DataVolume.Name
-		default:
-			continue
-		}
-		pvc, err := h.cfg.Kube.CoreV1().PersistentVolumeClaims(vmi.Namespace).Get(ctx, claim, metav1.GetOptions{})
+		pvc, err := h.volumeClaim(ctx, vmi, vol)
 		if err != nil {
-			return false, "", "", fmt.Errorf("persistentvolumeclaim %s/%s: %w", vmi.Namespace, claim, err)
+			return false, "", "", err
+		}
+		if pvc == nil {
+			continue
 		}
 		if slices.Contains(pvc.Spec.AccessModes, k8sv1.ReadWriteMany) {
 			continue
@@ -229,11 +223,11 @@ func (h *Handler) migratable(ctx context.Context, vmi *v1.VirtualMachineInstance
 		// target node by the migration (KubeVirt would refuse it).
 		pv, err := h.cfg.Kube.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
 		if err != nil {
-			return false, "", "", fmt.Errorf("persistentvolume of claim %s/%s: %w", vmi.Namespace, claim, err)
+			return false, "", "", fmt.Errorf("persistentvolume of claim %s/%s: %w", vmi.Namespace, pvc.Name, err)
 		}
 		if copyable(pv) != "" {
 			return false, v1.VirtualMachineInstanceReasonDisksNotMigratable,
-				fmt.Sprintf("cannot migrate VMI: PVC %s is not shared, live migration requires that all PVCs must be shared (using ReadWriteMany access mode)", claim), nil
+				fmt.Sprintf("cannot migrate VMI: PVC %s is not shared, live migration requires that all PVCs must be shared (using ReadWriteMany access mode)", pvc.Name), nil
 		}
 	}
 	return true, "", "", nil
