@@ -84,13 +84,7 @@ func (e *env) bringUpThirdNode() error {
 	}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return fmt.Errorf("pre-create node %s: %w", n.Name, err)
 	}
-	dir := n.AgentDir()
-	argv := lab.EnterCommand(n, filepath.Join(e.bin, "nodeagent"), "--kubeconfig="+kc, "--node-name="+n.Name,
-		"--fencing-window="+fencingWindow.String(), "--heartbeat="+heartbeat.String(),
-		"--node-ip="+n.IP, "--pod-cidr="+n.PodCIDR, "--state-dir="+dir, "--emulation=on",
-		"--csi-socket="+filepath.Join(dir, "csi", "csi.sock"),
-		"--pools="+poolName()+"="+filepath.Join(n.Dir, "pools", poolName()),
-		"--host-disk-root="+e.path("disks"), "--migration-transport=tcp")
+	argv := e.extraAgentCommand(n, kc)
 	third.agent = newDaemon(e, "nodeagent-3")
 	third.agent.bin, third.agent.args = argv[0], argv[1:]
 	return third.agent.start()

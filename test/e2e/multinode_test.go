@@ -101,8 +101,17 @@ func (e *env) startSecondNode() error {
 func (e *env) startAgent2() error {
 	n := e.node2()
 	kc := filepath.Join(n.Dir, "nodeagent.kubeconfig")
+	argv := e.extraAgentCommand(n, kc)
+	e.agent2 = newDaemon(e, "nodeagent-2")
+	e.agent2.bin, e.agent2.args = argv[0], argv[1:]
+	return e.agent2.start()
+}
+
+// extraAgentCommand is the command line of the node agent of n, a node in
+// namespaces of its own beside the suite's first, with kubeconfig kc.
+func (e *env) extraAgentCommand(n lab.Node, kc string) []string {
 	dir := n.AgentDir()
-	argv := lab.EnterCommand(n, filepath.Join(e.bin, "nodeagent"), "--kubeconfig="+kc, "--node-name="+n.Name,
+	return lab.EnterCommand(n, filepath.Join(e.bin, "nodeagent"), "--kubeconfig="+kc, "--node-name="+n.Name,
 		"--fencing-window="+fencingWindow.String(), "--heartbeat="+heartbeat.String(),
 		"--node-ip="+n.IP, "--pod-cidr="+n.PodCIDR, "--state-dir="+dir, "--emulation=on",
 		"--csi-socket="+filepath.Join(dir, "csi", "csi.sock"),
@@ -112,9 +121,6 @@ func (e *env) startAgent2() error {
 		// Live migrations between the suite's namespaced nodes
 		// (migration_test.go) over plain TCP, as in the lab.
 		"--migration-transport=tcp")
-	e.agent2 = newDaemon(e, "nodeagent-2")
-	e.agent2.bin, e.agent2.args = argv[0], argv[1:]
-	return e.agent2.start()
 }
 
 // removeSecondNode stops the second node and removes it and the fabric.
