@@ -21,6 +21,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/nodecerts"
 	"github.com/nodevirt/nodevirt/clusterbrain/nodefailure"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
+	"github.com/nodevirt/nodevirt/clusterbrain/replicas"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 	"github.com/nodevirt/nodevirt/clusterbrain/ssp"
 	"github.com/nodevirt/nodevirt/clusterbrain/ssp/templateapi"
@@ -147,6 +148,11 @@ var leaderRoles = []RoleFactory{
 			return nil, err
 		}
 		return migration.New(migration.Config{Kube: d.Kube, Virt: d.Virt, Placer: d.scheduler, Dynamic: dyn, Log: d.Log})
+	},
+	func(d *Deps) (Role, error) {
+		// VirtualMachineInstanceReplicaSets' VMIs and VirtualMachinePools'
+		// VMs kept at their replica counts.
+		return replicas.New(replicas.Config{Virt: d.Virt, VMIs: d.vmis, VMs: d.vms, Log: d.Log.With("role", "replicas")})
 	},
 	func(d *Deps) (Role, error) {
 		return macpool.NewReconciler(macpool.Config{RestConfig: d.RestConfig, Virt: d.Virt, Namespace: d.Config.Namespace, Log: d.Log.With("role", "macpool"),

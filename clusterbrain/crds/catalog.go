@@ -13,6 +13,8 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	instancetypev1beta1 "kubevirt.io/api/instancetype/v1beta1"
 	migrationsv1alpha1 "kubevirt.io/api/migrations/v1alpha1"
+	poolv1alpha1 "kubevirt.io/api/pool/v1alpha1"
+	poolv1beta1 "kubevirt.io/api/pool/v1beta1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	hcov1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1"
@@ -32,7 +34,9 @@ type Kind struct {
 	Categories                             []string
 	Namespaced                             bool
 	// Status enables the status subresource.
-	Status  bool
+	Status bool
+	// Scale enables the scale subresource (kubectl scale, the HPA).
+	Scale   *apiextensionsv1.CustomResourceSubresourceScale
 	Columns []apiextensionsv1.CustomResourceColumnDefinition
 	// Type is the root Go type of one object.
 	Type reflect.Type
@@ -56,6 +60,15 @@ func col(name, typ, path string, priority int32) apiextensionsv1.CustomResourceC
 }
 
 var age = col("Age", "date", ".metadata.creationTimestamp", 0)
+
+// replicaScale is the scale subresource of a kind with spec.replicas,
+// status.replicas and status.labelSelector (a ReplicaSet's shape).
+var replicaScale = &apiextensionsv1.CustomResourceSubresourceScale{SpecReplicasPath: ".spec.replicas",
+	StatusReplicasPath: ".status.replicas", LabelSelectorPath: ptr(".status.labelSelector")}
+
+var replicaColumns = []apiextensionsv1.CustomResourceColumnDefinition{
+	col("Desired", "integer", ".spec.replicas", 0), col("Current", "integer", ".status.replicas", 0),
+	col("Ready", "integer", ".status.readyReplicas", 0), age}
 
 // Catalog lists every kind nodevirt installs, with KubeVirt's names, short
 // names and printer columns so kubectl output looks as users know it.
@@ -82,6 +95,19 @@ func Catalog() []Kind {
 			Columns: []apiextensionsv1.CustomResourceColumnDefinition{
 				col("Phase", "string", ".status.phase", 0), col("VMI", "string", ".spec.vmiName", 0)},
 			Type: reflect.TypeOf(kubevirtv1.VirtualMachineInstanceMigration{})},
+		{Group: kv, Version: "v1", Kind: "VirtualMachineInstanceReplicaSet", Plural: "virtualmachineinstancereplicasets", Singular: "virtualmachineinstancereplicaset",
+			ShortNames: []string{"vmirs", "vmirss"}, Categories: []string{"all"}, Namespaced: true, Status: true, Scale: replicaScale,
+			Columns: replicaColumns, Type: reflect.TypeOf(kubevirtv1.VirtualMachineInstanceReplicaSet{})},
+		// Deprecated upstream, still served; nodevirt stores presets and
+		// does not apply them to VMIs.
+		{Group: kv, Version: "v1", Kind: "VirtualMachineInstancePreset", Plural: "virtualmachineinstancepresets", Singular: "virtualmachineinstancepreset",
+			ShortNames: []string{"vmipreset", "vmipresets"}, Categories: []string{"all"}, Namespaced: true,
+			Type: reflect.TypeOf(kubevirtv1.VirtualMachineInstancePreset{})},
+		// v1beta1 stored; v1alpha1 (the same schema) still served.
+		{Group: "pool.kubevirt.io", Version: "v1beta1", Kind: "VirtualMachinePool", Plural: "virtualmachinepools", Singular: "virtualmachinepool",
+			ShortNames: []string{"vmpool", "vmpools"}, Categories: []string{"all"}, Namespaced: true, Status: true, Scale: replicaScale,
+			Columns: replicaColumns, Type: reflect.TypeOf(poolv1beta1.VirtualMachinePool{}),
+			Served: []ServedVersion{{Name: "v1alpha1", Type: reflect.TypeOf(poolv1alpha1.VirtualMachinePool{})}}},
 		{Group: "migrations.kubevirt.io", Version: "v1alpha1", Kind: "MigrationPolicy", Plural: "migrationpolicies", Singular: "migrationpolicy",
 			Categories: []string{"all"}, Status: true, Columns: []apiextensionsv1.CustomResourceColumnDefinition{age},
 			Type: reflect.TypeOf(migrationsv1alpha1.MigrationPolicy{})},
@@ -166,8 +192,11 @@ func (k Kind) Definition() *apiextensionsv1.CustomResourceDefinition {
 		Schema:                   &apiextensionsv1.CustomResourceValidation{OpenAPIV3Schema: Schema(k.Type)},
 		AdditionalPrinterColumns: k.Columns,
 	}
-	if k.Status {
-		v.Subresources = &apiextensionsv1.CustomResourceSubresources{Status: &apiextensionsv1.CustomResourceSubresourceStatus{}}
+	if k.Status || k.Scale != nil {
+		v.Subresources = &apiextensionsv1.CustomResourceSubresources{Scale: k.Scale}
+		if k.Status {
+			v.Subresources.Status = &apiextensionsv1.CustomResourceSubresourceStatus{}
+		}
 	}
 	versions := []apiextensionsv1.CustomResourceDefinitionVersion{v}
 	for _, sv := range k.Served {

@@ -11,6 +11,7 @@ import (
 	"k8s.io/client-go/rest"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	instancetypev1beta1 "kubevirt.io/api/instancetype/v1beta1"
+	poolv1beta1 "kubevirt.io/api/pool/v1beta1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
@@ -24,6 +25,8 @@ type Set struct {
 	VMs                  Resource[*kubevirtv1.VirtualMachine]
 	VMIs                 Resource[*kubevirtv1.VirtualMachineInstance]
 	Migrations           Resource[*kubevirtv1.VirtualMachineInstanceMigration]
+	VMIReplicaSets       Resource[*kubevirtv1.VirtualMachineInstanceReplicaSet]
+	VMPools              Resource[*poolv1beta1.VirtualMachinePool]
 	KubeVirts            Resource[*kubevirtv1.KubeVirt]
 	Instancetypes        Resource[*instancetypev1beta1.VirtualMachineInstancetype]
 	ClusterInstancetypes Resource[*instancetypev1beta1.VirtualMachineClusterInstancetype]
@@ -49,6 +52,8 @@ func NewSet(cfg *rest.Config) (*Set, error) {
 		VMs:                  build[*kubevirtv1.VirtualMachine, *kubevirtv1.VirtualMachineList](&b, kv, "virtualmachines"),
 		VMIs:                 build[*kubevirtv1.VirtualMachineInstance, *kubevirtv1.VirtualMachineInstanceList](&b, kv, "virtualmachineinstances"),
 		Migrations:           build[*kubevirtv1.VirtualMachineInstanceMigration, *kubevirtv1.VirtualMachineInstanceMigrationList](&b, kv, "virtualmachineinstancemigrations"),
+		VMIReplicaSets:       build[*kubevirtv1.VirtualMachineInstanceReplicaSet, *kubevirtv1.VirtualMachineInstanceReplicaSetList](&b, kv, "virtualmachineinstancereplicasets"),
+		VMPools:              build[*poolv1beta1.VirtualMachinePool, *poolv1beta1.VirtualMachinePoolList](&b, poolv1beta1.SchemeGroupVersion, "virtualmachinepools"),
 		KubeVirts:            build[*kubevirtv1.KubeVirt, *kubevirtv1.KubeVirtList](&b, kv, "kubevirts"),
 		Instancetypes:        build[*instancetypev1beta1.VirtualMachineInstancetype, *instancetypev1beta1.VirtualMachineInstancetypeList](&b, it, "virtualmachineinstancetypes"),
 		ClusterInstancetypes: build[*instancetypev1beta1.VirtualMachineClusterInstancetype, *instancetypev1beta1.VirtualMachineClusterInstancetypeList](&b, it, "virtualmachineclusterinstancetypes"),
