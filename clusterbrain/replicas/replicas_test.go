@@ -150,6 +150,10 @@ func TestReplicaSetScales(t *testing.T) {
 		t.Errorf("scale subresource reads %q", out)
 	}
 
+	if out := e.kubectl("get", "vmirs", rs.Name); !strings.Contains(strings.Join(strings.Fields(out), " "), "DESIRED CURRENT READY AGE vmi-replicaset-cirros 3 3 1") {
+		t.Errorf("kubectl get vmirs prints %q; want KubeVirt's columns", out)
+	}
+
 	e.kubectl("scale", "vmirs/"+rs.Name, "--replicas=1")
 	countIs(1)
 	if got := names(e.vmis()); got[0] != keep.Name {
