@@ -2,6 +2,7 @@ package migration
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"os"
 	"strings"
@@ -26,6 +27,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestMain(m *testing.M) {
@@ -219,9 +221,17 @@ func TestMigrationPhases(t *testing.T) {
 		c.BandwidthPerMigration.String() != "16Mi" || !*c.AllowAutoConverge {
 		t.Errorf("policy %v, configuration %+v", st.MigrationPolicyName, c)
 	}
-	if vmi, _ := e.virt.VMIs.Get(e.ctx, e.ns, "movable"); vmi.Status.MigrationState == nil || vmi.Status.MigrationState.TargetNode != "mig-c" {
-		t.Errorf("vmi migrationState %+v", vmi.Status.MigrationState)
-	}
+	// The VMI's copy of the state is written after the migration's.
+	testkit.Eventually(t, 30*time.Second, "the VMI's migrationState naming the target", func() error {
+		vmi, err := e.virt.VMIs.Get(e.ctx, e.ns, "movable")
+		if err != nil {
+			return err
+		}
+		if st := vmi.Status.MigrationState; st == nil || st.TargetNode != "mig-c" {
+			return fmt.Errorf("vmi migrationState %+v", st)
+		}
+		return nil
+	})
 	e.nodeWrites(mig.Name, func(s *kubevirtv1.VirtualMachineInstanceMigrationState) { s.TargetNodeAddress = "10.0.0.3" })
 	e.waitPhase(mig.Name, kubevirtv1.MigrationTargetReady)
 	e.nodeWrites(mig.Name, func(s *kubevirtv1.VirtualMachineInstanceMigrationState) {
