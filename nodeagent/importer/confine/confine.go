@@ -121,6 +121,13 @@ func Command(ctx context.Context, spec Spec, name string, args ...string) *exec.
 		return cmd
 	}
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	if spec.Limits.AddressSpace > 0 {
+		// Under an address-space limit, glibc's per-thread malloc arenas
+		// (64 MiB reserved each, up to 8 per core) can exhaust it when
+		// threads contend, and a program like qemu-img then fails to
+		// start a thread; two arenas bound that reservation.
+		cmd.Env = append(os.Environ(), "MALLOC_ARENA_MAX=2")
+	}
 	cmd.Cancel = func() error {
 		if cmd.Process == nil {
 			return nil
