@@ -53,13 +53,25 @@ func TestLibvirtTLSWithNodeCertificates(t *testing.T) {
 		t.Fatal(err)
 	}
 	pki := filepath.Join(t.TempDir(), "libvirt-pki")
-	src, err := nodecert.New(nodecert.Config{Kube: nodeClient(t, node), NodeName: node, Dir: t.TempDir(),
+	certDir := t.TempDir()
+	src, err := nodecert.New(nodecert.Config{Kube: nodeClient(t, node), NodeName: node, Dir: certDir,
 		IPs: []net.IP{net.ParseIP(addr)}, LibvirtDir: pki, Wait: 30 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if err := src.Request(ctx); err != nil {
 		t.Fatal(err)
+	}
+	// A restarted agent reuses the stored certificate only while it
+	// carries the addresses asked for.
+	for ip, reused := range map[string]bool{addr: true, "127.0.0.9": false} {
+		again, err := nodecert.New(nodecert.Config{Kube: nodeClient(t, node), NodeName: node, Dir: certDir, IPs: []net.IP{net.ParseIP(ip)}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if again.Ready() != reused {
+			t.Errorf("stored certificate with address %s asked for: reused %t", ip, again.Ready())
+		}
 	}
 	port := freePort(t)
 	startTLSLibvirtd(t, pki, addr, port)

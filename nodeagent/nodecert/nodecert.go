@@ -134,6 +134,11 @@ func (s *Source) load() error {
 	if is.leaf.Subject.CommonName != identity.NodeUser(s.cfg.NodeName) {
 		return fmt.Errorf("stored certificate is for %q", is.leaf.Subject.CommonName)
 	}
+	for _, ip := range s.cfg.IPs {
+		if !slices.ContainsFunc(is.leaf.IPAddresses, ip.Equal) {
+			return fmt.Errorf("stored certificate lacks address %s", ip)
+		}
+	}
 	s.cur.Store(is)
 	return s.writeLibvirt(is, keyPEM)
 }
