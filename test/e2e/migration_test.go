@@ -87,7 +87,10 @@ func (e *env) bringUpThirdNode() error {
 	argv := e.extraAgentCommand(n, kc)
 	third.agent = newDaemon(e, "nodeagent-3")
 	third.agent.bin, third.agent.args = argv[0], argv[1:]
-	return third.agent.start()
+	if err := third.agent.start(); err != nil {
+		return err
+	}
+	return lab.ServeLibvirtTLS(n, agentCertWait)
 }
 
 // removeThirdNode stops the third node, if it was started.

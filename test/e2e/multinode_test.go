@@ -104,7 +104,10 @@ func (e *env) startAgent2() error {
 	argv := e.extraAgentCommand(n, kc)
 	e.agent2 = newDaemon(e, "nodeagent-2")
 	e.agent2.bin, e.agent2.args = argv[0], argv[1:]
-	return e.agent2.start()
+	if err := e.agent2.start(); err != nil {
+		return err
+	}
+	return lab.ServeLibvirtTLS(n, agentCertWait)
 }
 
 // extraAgentCommand is the command line of the node agent of n, a node in
@@ -119,9 +122,15 @@ func (e *env) extraAgentCommand(n lab.Node, kc string) []string {
 		// The guests' hostDisks, as for the first node (harness_test.go).
 		"--host-disk-root="+e.path("disks"),
 		// Live migrations between the suite's namespaced nodes
-		// (migration_test.go) over plain TCP, as in the lab.
-		"--migration-transport=tcp")
+		// (migration_test.go) over libvirt's TLS with the nodes' own
+		// certificates, which the node's libvirtd serves once the agent
+		// wrote them (lab.ServeLibvirtTLS).
+		"--migration-transport=tls")
 }
+
+// agentCertWait bounds the wait for an extra node's agent to get its
+// certificate from the brain's signer.
+const agentCertWait = 2 * time.Minute
 
 // removeSecondNode stops the second node and removes it and the fabric.
 func (e *env) removeSecondNode() error {
