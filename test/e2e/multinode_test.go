@@ -104,10 +104,7 @@ func (e *env) startAgent2() error {
 	argv := e.extraAgentCommand(n, kc)
 	e.agent2 = newDaemon(e, "nodeagent-2")
 	e.agent2.bin, e.agent2.args = argv[0], argv[1:]
-	if err := e.agent2.start(); err != nil {
-		return err
-	}
-	return lab.ServeLibvirtTLS(n, agentCertWait)
+	return serveLibvirtTLS(n, e.agent2)
 }
 
 // extraAgentCommand is the command line of the node agent of n, a node in
@@ -128,9 +125,22 @@ func (e *env) extraAgentCommand(n lab.Node, kc string) []string {
 		"--migration-transport=tls")
 }
 
-// agentCertWait bounds the wait for an extra node's agent to get its
-// certificate from the brain's signer.
-const agentCertWait = 2 * time.Minute
+// serveLibvirtTLS starts agent, the agent of extra node n, and once it has
+// written its certificate makes n's libvirtd serve TLS with it; the agent
+// starts again on the restarted libvirtd.
+func serveLibvirtTLS(n lab.Node, agent *daemon) error {
+	if err := agent.start(); err != nil {
+		return err
+	}
+	// The agent's certificate from the brain's signer.
+	const wait = 2 * time.Minute
+	restarted, err := lab.ServeLibvirtTLS(n, wait)
+	if err != nil || !restarted {
+		return err
+	}
+	agent.stop()
+	return agent.start()
+}
 
 // removeSecondNode stops the second node and removes it and the fabric.
 func (e *env) removeSecondNode() error {

@@ -617,31 +617,32 @@ func libvirtdConf(n Node, tls bool) map[string]string {
 // ServeLibvirtTLS makes node n's libvirtd listen with TLS on the
 // certificate its agent (started with --migration-transport=tls) wrote:
 // it waits up to wait for the files, then restarts libvirtd with them
-// unless it already serves them. Guests keep running across the restart.
-func ServeLibvirtTLS(n Node, wait time.Duration) error {
+// unless it already serves them, and says whether it did. Guests keep
+// running across the restart.
+func ServeLibvirtTLS(n Node, wait time.Duration) (bool, error) {
 	if err := waitFor(n.libvirtPKI(libvirtServerCert), wait); err != nil {
-		return fmt.Errorf("node %s: agent's libvirt certificate: %w", n.Name, err)
+		return false, fmt.Errorf("node %s: agent's libvirt certificate: %w", n.Name, err)
 	}
 	conf := filepath.Join(n.path("etc-libvirt"), "libvirtd.conf")
 	before, err := os.ReadFile(conf)
 	if err != nil {
-		return err
+		return false, err
 	}
 	if err := appendConf(conf, "nodevirt-lab", libvirtdConf(n, true)); err != nil {
-		return err
+		return false, err
 	}
 	after, err := os.ReadFile(conf)
 	if err != nil {
-		return err
+		return false, err
 	}
 	pidFile := n.path("run", "libvirtd.pid")
 	pid, alive := controlplane.AlivePid(pidFile)
 	if string(before) == string(after) && alive {
-		return nil
+		return false, nil
 	}
 	if alive {
 		if err := syscall.Kill(pid, syscall.SIGTERM); err != nil {
-			return fmt.Errorf("node %s: stop libvirtd: %w", n.Name, err)
+			return false, fmt.Errorf("node %s: stop libvirtd: %w", n.Name, err)
 		}
 		deadline := time.Now().Add(30 * time.Second)
 		for {
@@ -649,10 +650,10 @@ func ServeLibvirtTLS(n Node, wait time.Duration) error {
 				break
 			}
 			if time.Now().After(deadline) {
-				return fmt.Errorf("node %s: libvirtd %d did not stop", n.Name, pid)
+				return false, fmt.Errorf("node %s: libvirtd %d did not stop", n.Name, pid)
 			}
 			time.Sleep(100 * time.Millisecond)
 		}
 	}
-	return startNodeLibvirt(n)
+	return true, startNodeLibvirt(n)
 }
