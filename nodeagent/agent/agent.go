@@ -83,6 +83,12 @@ type Config struct {
 	// CertDir keeps the node's key and certificate (default
 	// <StateDir>/pki); the key never leaves it.
 	CertDir string
+	// LibvirtPKIDir gets the node certificate, its key and the node CA in
+	// libvirt's TLS layout when MigrationTransport is tls (default
+	// <StateDir>/libvirt-pki): the source's libvirtd reads it as the
+	// client (pkipath= of the migration URI); this node's libvirtd must be
+	// configured to serve it (libvirtd.conf key_file, cert_file, ca_file).
+	LibvirtPKIDir string
 	// CertDuration is the node certificate lifetime asked for (default 24h);
 	// it is renewed at two thirds of it.
 	CertDuration time.Duration
@@ -162,6 +168,9 @@ func (c *Config) defaults() {
 	}
 	if c.CertDir == "" {
 		c.CertDir = filepath.Join(c.StateDir, "pki")
+	}
+	if c.LibvirtPKIDir == "" {
+		c.LibvirtPKIDir = filepath.Join(c.StateDir, "libvirt-pki")
 	}
 	if c.BrainNamespace == "" {
 		c.BrainNamespace = "kubevirt-hyperconverged"
@@ -266,15 +275,15 @@ func New(cfg Config) (*Agent, error) {
 	if err != nil {
 		return nil, err
 	}
-	cert, err := nodeCertificate(&cfg, kc)
-	if err != nil {
-		return nil, err
-	}
 	nodeIP, err := node.InternalIP(cfg.NodeIP)
 	if err != nil {
 		return nil, err
 	}
 	cfg.NodeIP = nodeIP.String()
+	cert, err := nodeCertificate(&cfg, kc)
+	if err != nil {
+		return nil, err
+	}
 	emulation, reason := decideEmulation(cfg.Emulation)
 	cfg.Log.Info("virtualization", "node", cfg.NodeName, "ip", cfg.NodeIP, "emulation", emulation, "reason", reason)
 	if cfg.Emulation == EmulationOff && emulation {

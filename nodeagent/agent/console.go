@@ -11,6 +11,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	"github.com/nodevirt/nodevirt/nodeagent/handler"
 	"github.com/nodevirt/nodevirt/nodeagent/kube"
 	"github.com/nodevirt/nodevirt/nodeagent/nodecert"
 )
@@ -23,11 +24,20 @@ import (
 func nodeCertificate(cfg *Config, kc kube.Interface) (*nodecert.Source, error) {
 	c := &cfg.Console
 	console := c.Addr != "" && c.TLS == nil && c.CertFile == ""
-	if !console && cfg.UploadAddr == "" {
+	migration := cfg.MigrationTransport == "" || cfg.MigrationTransport == handler.TransportTLS
+	if !console && cfg.UploadAddr == "" && !migration {
 		return nil, nil
 	}
-	src, err := nodecert.New(nodecert.Config{Kube: kc, NodeName: cfg.NodeName, Dir: cfg.CertDir,
-		Duration: cfg.CertDuration, Log: cfg.Log})
+	ncfg := nodecert.Config{Kube: kc, NodeName: cfg.NodeName, Dir: cfg.CertDir, Duration: cfg.CertDuration, Log: cfg.Log}
+	if migration {
+		// The source's libvirtd checks the target's certificate against
+		// the address it migrates to (the InternalIP).
+		ncfg.LibvirtDir = cfg.LibvirtPKIDir
+		if ip := net.ParseIP(cfg.NodeIP); ip != nil {
+			ncfg.IPs = []net.IP{ip}
+		}
+	}
+	src, err := nodecert.New(ncfg)
 	if err != nil {
 		return nil, fmt.Errorf("node certificate: %w", err)
 	}

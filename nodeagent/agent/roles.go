@@ -42,7 +42,8 @@ func newHandlerRole(d *Deps) (Role, error) {
 	cfg := handler.Config{NodeName: d.Config.NodeName, StateDir: filepath.Join(d.Config.StateDir, "vms"),
 		LibvirtURI: d.Config.LibvirtURI, Emulation: d.Emulation, Kube: d.Kube, Virt: d.Virt, Volumes: d.Volumes,
 		NetStateDir: NetStateDir(d.Config.StateDir), Console: d.Config.Console, VMIs: d.VMIs, Log: d.Log,
-		HostDiskRoot: d.Config.HostDiskRoot, NodeIP: d.Config.NodeIP, MigrationTransport: d.Config.MigrationTransport}
+		HostDiskRoot: d.Config.HostDiskRoot, NodeIP: d.Config.NodeIP, MigrationTransport: d.Config.MigrationTransport,
+		MigrationPKIDir: d.Config.LibvirtPKIDir}
 	if d.Volumes != nil {
 		cfg.VolumeMaker = d.Volumes
 	}

@@ -50,6 +50,7 @@ import (
 	"fmt"
 	"log/slog"
 	"path/filepath"
+	"strings"
 	"sync"
 	"time"
 
@@ -163,6 +164,11 @@ type Config struct {
 	// MigrationTransport is how the nodes' libvirt daemons talk during a
 	// live migration: TransportTLS (default) or TransportTCP (lab only).
 	MigrationTransport string
+	// MigrationPKIDir is where the node certificate is kept in libvirt's
+	// TLS layout, handed to the source's libvirtd as pkipath= of the
+	// migration URI (TransportTLS); empty: libvirt's default files
+	// (/etc/pki/CA/cacert.pem, /etc/pki/libvirt/...).
+	MigrationPKIDir string
 	// Log; slog.Default() when nil.
 	Log *slog.Logger
 }
@@ -184,6 +190,8 @@ func (c *Config) defaults() {
 
 func (c *Config) validate() error {
 	switch {
+	case c.MigrationPKIDir != "" && (!filepath.IsAbs(c.MigrationPKIDir) || strings.ContainsAny(c.MigrationPKIDir, "?&#%+ ")):
+		return fmt.Errorf("handler: migration pki dir %q is not a plain absolute path", c.MigrationPKIDir)
 	case c.NodeName == "":
 		return errors.New("handler: node name is required")
 	case !filepath.IsAbs(c.StateDir):

@@ -28,8 +28,9 @@ import (
 
 // Migration transports between the nodes' libvirt daemons.
 const (
-	// TransportTLS is libvirt's TLS transport with the nodes' certificates
-	// (qemu+tls), the production setting.
+	// TransportTLS is libvirt's TLS transport (qemu+tls) with the nodes'
+	// certificates of the node CA, mutually checked (the client checks the
+	// target's certificate against its address): the production setting.
 	TransportTLS = "tls"
 	// TransportTCP is plain TCP without authentication (qemu+tcp): for a
 	// lab on one machine only.
@@ -42,7 +43,12 @@ func (h *Handler) migrationURI(addr string) string {
 	if ip := net.ParseIP(addr); ip != nil && ip.To4() == nil {
 		host = "[" + addr + "]"
 	}
-	return "qemu+" + h.cfg.MigrationTransport + "://" + host + "/system"
+	uri := "qemu+" + h.cfg.MigrationTransport + "://" + host + "/system"
+	if h.cfg.MigrationTransport == TransportTLS && h.cfg.MigrationPKIDir != "" {
+		// libvirt takes the path as it is; validate keeps it plain.
+		uri += "?pkipath=" + h.cfg.MigrationPKIDir
+	}
+	return uri
 }
 
 // Migration metrics of the source node (KubeVirt's names where it has

@@ -1,6 +1,7 @@
 package handler
 
 import (
+	"strings"
 	"testing"
 	"time"
 
@@ -102,5 +103,21 @@ func TestMigrationURI(t *testing.T) {
 	h.cfg.MigrationTransport = TransportTLS
 	if got := h.migrationURI("fd00::2"); got != "qemu+tls://[fd00::2]/system" {
 		t.Error(got)
+	}
+	// The node certificate's files for the source's libvirtd.
+	h.cfg.MigrationPKIDir = "/var/lib/nodevirt/libvirt-pki"
+	if got := h.migrationURI("10.0.0.2"); got != "qemu+tls://10.0.0.2/system?pkipath=/var/lib/nodevirt/libvirt-pki" {
+		t.Error(got)
+	}
+	h.cfg.MigrationTransport = TransportTCP
+	if got := h.migrationURI("10.0.0.2"); got != "qemu+tcp://10.0.0.2/system" {
+		t.Error(got)
+	}
+	// Only plain absolute paths: libvirt reads the query unescaped.
+	for dir, ok := range map[string]bool{"/var/lib/nodevirt/libvirt-pki": true, "relative/pki": false, "/a b": false, "/x?y": false, "/x&y": false} {
+		err := (&Config{MigrationPKIDir: dir}).validate()
+		if refused := err != nil && strings.Contains(err.Error(), "pki dir"); refused == ok {
+			t.Errorf("pki dir %q: %v", dir, err)
+		}
 	}
 }

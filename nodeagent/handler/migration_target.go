@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
+	"path/filepath"
 	"slices"
 	"time"
 
@@ -136,11 +138,17 @@ func (h *Handler) prepareTarget(ctx context.Context, mig *v1.VirtualMachineInsta
 	if err != nil {
 		return err
 	}
-	env := domain.Env{Emulation: h.emulation(), StateDir: h.vmDir(vmi.UID), Disks: disks, Taps: plannedDomainTaps(taps), Secrets: secrets}
-	// The spec is checked against the plan before anything is made here.
+	// The spec is checked against the plan before anything is made here;
+	// the node-local disks' volumes are made below, where planned.
+	planned := maps.Clone(disks)
+	for _, l := range locals {
+		planned[l.volume] = domain.DiskSource{Path: filepath.Join(h.vmDir(vmi.UID), "planned", l.volume), Format: VolumeFormat}
+	}
+	env := domain.Env{Emulation: h.emulation(), StateDir: h.vmDir(vmi.UID), Disks: planned, Taps: plannedDomainTaps(taps), Secrets: secrets}
 	if _, err := domain.Convert(vmi, env); err != nil {
 		return err
 	}
+	env.Disks = disks
 	rec := &record{UID: vmi.UID, Namespace: vmi.Namespace, Name: vmi.Name, Domain: domain.Name(vmi.Namespace, vmi.Name),
 		Taps: taps, Migration: mig.UID}
 	if err := h.writeRecord(rec); err != nil {

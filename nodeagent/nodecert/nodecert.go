@@ -55,7 +55,11 @@ type Config struct {
 	RenewBefore time.Duration
 	// Wait bounds one request's wait for the signer (default 2 minutes).
 	Wait time.Duration
-	Log  *slog.Logger
+	// LibvirtDir, when set, also gets the key, the certificate and the node
+	// CA in libvirt's TLS layout (see WriteLibvirtPKI), so libvirt daemons
+	// authenticate each other with the node's certificate.
+	LibvirtDir string
+	Log        *slog.Logger
 }
 
 func (c *Config) defaults() error {
@@ -85,6 +89,8 @@ type issued struct {
 	tls  *tls.Certificate
 	leaf *x509.Certificate
 	ca   *x509.CertPool
+	// caCert is the node CA, the last of the chain.
+	caCert *x509.Certificate
 }
 
 // Source holds the node's current certificate.
@@ -128,8 +134,13 @@ func (s *Source) load() error {
 	if is.leaf.Subject.CommonName != identity.NodeUser(s.cfg.NodeName) {
 		return fmt.Errorf("stored certificate is for %q", is.leaf.Subject.CommonName)
 	}
+	for _, ip := range s.cfg.IPs {
+		if !slices.ContainsFunc(is.leaf.IPAddresses, ip.Equal) {
+			return fmt.Errorf("stored certificate lacks address %s", ip)
+		}
+	}
 	s.cur.Store(is)
-	return nil
+	return s.writeLibvirt(is, keyPEM)
 }
 
 func parse(certPEM, keyPEM []byte) (*issued, error) {
@@ -147,7 +158,7 @@ func parse(certPEM, keyPEM []byte) (*issued, error) {
 	c.Leaf = chain[0]
 	pool := x509.NewCertPool()
 	pool.AddCert(chain[len(chain)-1])
-	return &issued{tls: &c, leaf: chain[0], ca: pool}, nil
+	return &issued{tls: &c, leaf: chain[0], ca: pool, caCert: chain[len(chain)-1]}, nil
 }
 
 // Name implements the daemon role.
@@ -235,6 +246,9 @@ func (s *Source) Request(ctx context.Context) error {
 		return err
 	}
 	s.cur.Store(is)
+	if err := s.writeLibvirt(is, keyPEM); err != nil {
+		return err
+	}
 	log.Info("node certificate issued", "notAfter", is.leaf.NotAfter.UTC().Format(time.RFC3339))
 	return nil
 }
@@ -328,4 +342,59 @@ func (s *Source) PeerTLS(context.Context) (*tls.Config, error) {
 		return nil, errNone
 	}
 	return &tls.Config{MinVersion: tls.VersionTLS12, Certificates: []tls.Certificate{*cur.tls}, RootCAs: cur.ca}, nil
+}
+
+// Files of libvirt's TLS layout: a client's pkipath directory
+// (qemu+tls://host/system?pkipath=DIR) and, through libvirtd.conf's
+// key_file, cert_file and ca_file, the server's.
+const (
+	LibvirtCAFile         = "cacert.pem"
+	LibvirtClientCertFile = "clientcert.pem"
+	LibvirtClientKeyFile  = "clientkey.pem"
+	LibvirtServerCertFile = "servercert.pem"
+	LibvirtServerKeyFile  = "serverkey.pem"
+)
+
+// WriteLibvirtPKI writes a node certificate (leaf first, its CA last, as the
+// signer answers) and its key into dir in libvirt's TLS layout: the node CA
+// as the only CA trusted, the one certificate and key as both client and
+// server credentials. libvirt then admits a peer only with a certificate of
+// the node CA, and its client checks the server's certificate against the
+// host of the URI (the target node's address).
+func WriteLibvirtPKI(dir string, certPEM, keyPEM []byte) error {
+	is, err := parse(certPEM, keyPEM)
+	if err != nil {
+		return fmt.Errorf("libvirt pki: %w", err)
+	}
+	return writeLibvirtPKI(dir, is, keyPEM)
+}
+
+func (s *Source) writeLibvirt(is *issued, keyPEM []byte) error {
+	if s.cfg.LibvirtDir == "" {
+		return nil
+	}
+	return writeLibvirtPKI(s.cfg.LibvirtDir, is, keyPEM)
+}
+
+func writeLibvirtPKI(dir string, is *issued, keyPEM []byte) error {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("libvirt pki: %w", err)
+	}
+	// The leaf alone: libvirt checks the first certificate of the file
+	// against the CA file.
+	leaf := certs.EncodeCertificate(is.leaf.Raw)
+	files := []struct {
+		name string
+		data []byte
+	}{
+		{LibvirtCAFile, certs.EncodeCertificate(is.caCert.Raw)},
+		{LibvirtClientKeyFile, keyPEM}, {LibvirtServerKeyFile, keyPEM},
+		{LibvirtClientCertFile, leaf}, {LibvirtServerCertFile, leaf},
+	}
+	for _, f := range files {
+		if err := writeFile(filepath.Join(dir, f.name), f.data); err != nil {
+			return fmt.Errorf("libvirt pki: %w", err)
+		}
+	}
+	return nil
 }

@@ -87,7 +87,7 @@ func (e *env) bringUpThirdNode() error {
 	argv := e.extraAgentCommand(n, kc)
 	third.agent = newDaemon(e, "nodeagent-3")
 	third.agent.bin, third.agent.args = argv[0], argv[1:]
-	return third.agent.start()
+	return serveLibvirtTLS(n, third.agent)
 }
 
 // removeThirdNode stops the third node, if it was started.

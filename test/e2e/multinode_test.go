@@ -104,7 +104,7 @@ func (e *env) startAgent2() error {
 	argv := e.extraAgentCommand(n, kc)
 	e.agent2 = newDaemon(e, "nodeagent-2")
 	e.agent2.bin, e.agent2.args = argv[0], argv[1:]
-	return e.agent2.start()
+	return serveLibvirtTLS(n, e.agent2)
 }
 
 // extraAgentCommand is the command line of the node agent of n, a node in
@@ -119,8 +119,27 @@ func (e *env) extraAgentCommand(n lab.Node, kc string) []string {
 		// The guests' hostDisks, as for the first node (harness_test.go).
 		"--host-disk-root="+e.path("disks"),
 		// Live migrations between the suite's namespaced nodes
-		// (migration_test.go) over plain TCP, as in the lab.
-		"--migration-transport=tcp")
+		// (migration_test.go) over libvirt's TLS with the nodes' own
+		// certificates, which the node's libvirtd serves once the agent
+		// wrote them (lab.ServeLibvirtTLS).
+		"--migration-transport=tls")
+}
+
+// serveLibvirtTLS starts agent, the agent of extra node n, and once it has
+// written its certificate makes n's libvirtd serve TLS with it; the agent
+// starts again on the restarted libvirtd.
+func serveLibvirtTLS(n lab.Node, agent *daemon) error {
+	if err := agent.start(); err != nil {
+		return err
+	}
+	// The agent's certificate from the brain's signer.
+	const wait = 2 * time.Minute
+	restarted, err := lab.ServeLibvirtTLS(n, wait)
+	if err != nil || !restarted {
+		return err
+	}
+	agent.stop()
+	return agent.start()
 }
 
 // removeSecondNode stops the second node and removes it and the fabric.

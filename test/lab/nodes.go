@@ -431,10 +431,10 @@ func writeNodeFiles(nodes []Node, n Node, hs []cgroupHierarchy) error {
 			return err
 		}
 	}
-	if err := appendConf(filepath.Join(etc, "libvirtd.conf"), "nodevirt-lab", map[string]string{
-		"host_uuid": quote(n.HostUUID()), "listen_tls": "0", "listen_tcp": "1", "listen_addr": quote(n.IP),
-		"auth_tcp": quote("none"),
-	}); err != nil {
+	// A node whose agent wrote its certificate before keeps serving TLS
+	// (ServeLibvirtTLS).
+	_, err := os.Stat(n.libvirtPKI(libvirtServerCert))
+	if err := appendConf(filepath.Join(etc, "libvirtd.conf"), "nodevirt-lab", libvirtdConf(n, err == nil)); err != nil {
 		return err
 	}
 	if err := appendConf(filepath.Join(etc, "qemu.conf"), "nodevirt-lab", map[string]string{
@@ -582,4 +582,78 @@ func startNodeLibvirt(n Node) error {
 		}
 	}
 	return nil
+}
+
+// Files of the node agent's certificate in libvirt's layout (nodeagent
+// --libvirt-pki-dir, default <state-dir>/libvirt-pki).
+const (
+	libvirtServerCert = "servercert.pem"
+	libvirtServerKey  = "serverkey.pem"
+	libvirtCA         = "cacert.pem"
+)
+
+// libvirtPKI is a file of the node agent's libvirt TLS directory.
+func (n Node) libvirtPKI(name string) string {
+	return filepath.Join(n.AgentDir(), "libvirt-pki", name)
+}
+
+// libvirtdConf is the lab's part of node n's libvirtd.conf: plain TCP
+// without authentication and, with tls, libvirt's TLS listener on the node
+// agent's own certificate (clients must present one of the node CA).
+func libvirtdConf(n Node, tls bool) map[string]string {
+	kv := map[string]string{
+		"host_uuid": quote(n.HostUUID()), "listen_tls": "0", "listen_tcp": "1", "listen_addr": quote(n.IP),
+		"auth_tcp": quote("none"),
+	}
+	if tls {
+		kv["listen_tls"], kv["auth_tls"] = "1", quote("none")
+		kv["key_file"] = quote(n.libvirtPKI(libvirtServerKey))
+		kv["cert_file"] = quote(n.libvirtPKI(libvirtServerCert))
+		kv["ca_file"] = quote(n.libvirtPKI(libvirtCA))
+	}
+	return kv
+}
+
+// ServeLibvirtTLS makes node n's libvirtd listen with TLS on the
+// certificate its agent (started with --migration-transport=tls) wrote:
+// it waits up to wait for the files, then restarts libvirtd with them
+// unless it already serves them, and says whether it did. Guests keep
+// running across the restart.
+func ServeLibvirtTLS(n Node, wait time.Duration) (bool, error) {
+	if err := waitFor(n.libvirtPKI(libvirtServerCert), wait); err != nil {
+		return false, fmt.Errorf("node %s: agent's libvirt certificate: %w", n.Name, err)
+	}
+	conf := filepath.Join(n.path("etc-libvirt"), "libvirtd.conf")
+	before, err := os.ReadFile(conf)
+	if err != nil {
+		return false, err
+	}
+	if err := appendConf(conf, "nodevirt-lab", libvirtdConf(n, true)); err != nil {
+		return false, err
+	}
+	after, err := os.ReadFile(conf)
+	if err != nil {
+		return false, err
+	}
+	pidFile := n.path("run", "libvirtd.pid")
+	pid, alive := controlplane.AlivePid(pidFile)
+	if string(before) == string(after) && alive {
+		return false, nil
+	}
+	if alive {
+		if err := syscall.Kill(pid, syscall.SIGTERM); err != nil {
+			return false, fmt.Errorf("node %s: stop libvirtd: %w", n.Name, err)
+		}
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			if _, ok := controlplane.AlivePid(pidFile); !ok {
+				break
+			}
+			if time.Now().After(deadline) {
+				return false, fmt.Errorf("node %s: libvirtd %d did not stop", n.Name, pid)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	return true, startNodeLibvirt(n)
 }
