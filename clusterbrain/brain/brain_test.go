@@ -3,6 +3,7 @@ package brain
 import (
 	"context"
 	"fmt"
+	"k8s.io/client-go/util/retry"
 	"net/url"
 	"os"
 	"os/exec"
@@ -189,14 +190,18 @@ func TestRegainedLeaseLeadsAgain(t *testing.T) {
 	}
 	// Another holder renews the lease: brain-r cannot renew and stops
 	// leading, then takes the lease again once it has expired.
+	// brain-r renews meanwhile: the theft retries on its conflicts.
 	leases := cp.Clientset(t).CoordinationV1().Leases(ns)
-	l, err := leases.Get(ctx, "nodevirt-clusterbrain", metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	thief, now, four := "thief", metav1.NewMicroTime(time.Now()), int32(4)
-	l.Spec.HolderIdentity, l.Spec.AcquireTime, l.Spec.RenewTime, l.Spec.LeaseDurationSeconds = &thief, &now, &now, &four
-	if _, err := leases.Update(ctx, l, metav1.UpdateOptions{}); err != nil {
+	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		l, err := leases.Get(ctx, "nodevirt-clusterbrain", metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		thief, now, four := "thief", metav1.NewMicroTime(time.Now()), int32(4)
+		l.Spec.HolderIdentity, l.Spec.AcquireTime, l.Spec.RenewTime, l.Spec.LeaseDurationSeconds = &thief, &now, &now, &four
+		_, err = leases.Update(ctx, l, metav1.UpdateOptions{})
+		return err
+	}); err != nil {
 		t.Fatal(err)
 	}
 	if h, took := waitHolder(t, cp, ns, func(h string) bool { return h == "brain-r" }, 30*time.Second); h != "brain-r" {
