@@ -57,6 +57,11 @@ func (d Durations) validate() error {
 func HCODurations(virt *client.Set, ns, name string) func(context.Context) Durations {
 	return func(ctx context.Context) Durations {
 		d := DefaultDurations()
+		// Certificates must not wait on the HyperConverged: an API server
+		// slow to answer (a conversion webhook of a dead brain) leaves the
+		// defaults.
+		ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		defer cancel()
 		hco, err := virt.HyperConvergeds.Get(ctx, ns, name)
 		if err != nil {
 			return d
