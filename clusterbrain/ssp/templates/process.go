@@ -171,6 +171,11 @@ func substitute(v any, params map[string]string) (any, error) {
 	return v, nil
 }
 
+// MaxGenerated bounds what one expression may generate: a template is a
+// user's object, and its expressions must not make the brain build
+// arbitrarily large values.
+const MaxGenerated = 64 << 10
+
 // Generate expands an OpenShift template expression: literal characters,
 // character classes [a-z0-9_] (ranges and single characters, \w \d \a \A
 // inside or outside brackets) each optionally repeated {n} times.
@@ -211,6 +216,9 @@ func Generate(expr string) (string, error) {
 			}
 			n = c
 			i += end + 1
+		}
+		if b.Len()+n > MaxGenerated {
+			return "", fmt.Errorf("expression %q: generates more than %d bytes", expr, MaxGenerated)
 		}
 		for ; n > 0; n-- {
 			k, err := rand.Int(rand.Reader, big.NewInt(int64(len(set))))
