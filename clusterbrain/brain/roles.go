@@ -200,8 +200,8 @@ func childProbes(d *Deps) map[string][]hco.Probe {
 // apiServiceAvailable probes that the aggregator reports the group
 // version's APIService Available.
 func apiServiceAvailable(d *Deps, group, version string) func(context.Context) error {
+	dyn, err := dynamic.NewForConfig(d.RestConfig)
 	return func(ctx context.Context) error {
-		dyn, err := dynamic.NewForConfig(d.RestConfig)
 		if err != nil {
 			return err
 		}
