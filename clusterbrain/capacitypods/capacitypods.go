@@ -106,6 +106,12 @@ func (c *Controller) sync(ctx context.Context, key string) error {
 	} else if err != nil {
 		return fmt.Errorf("read capacity pod: %w", err)
 	}
+	if cur != nil && cur.Labels[scheduler.CapacityPodLabel] != "true" {
+		// A pod of the user's that happens to have the name: never
+		// touched; this VMI's capacity is not held by a pod meanwhile.
+		c.cfg.Log.Warn("a pod not made by nodevirt has the capacity pod's name", "namespace", ns, "pod", cur.Name)
+		return nil
+	}
 	wanted := vmi != nil && vmi.DeletionTimestamp == nil && vmi.Status.NodeName != "" && !vmi.IsFinal()
 	if cur != nil && (!wanted || cur.Spec.NodeName != vmi.Status.NodeName || cur.Labels["kubevirt.io/created-by"] != string(vmi.UID)) {
 		zero := int64(0)

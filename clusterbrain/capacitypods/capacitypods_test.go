@@ -86,4 +86,23 @@ func TestPodHoldsBoundVMIsCapacity(t *testing.T) {
 	}); err != nil {
 		t.Errorf("capacity pod of a finished VMI still there: %v", err)
 	}
+
+	// A pod of the user's that has a capacity pod's name is never touched.
+	mine := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: PodName("other"), Namespace: ns},
+		Spec: corev1.PodSpec{NodeName: "elsewhere", Containers: []corev1.Container{{Name: "c", Image: "localhost/mine:1"}}}}
+	if mine, err = kube.CoreV1().Pods(ns).Create(ctx, mine, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	other := &kubevirtv1.VirtualMachineInstance{ObjectMeta: metav1.ObjectMeta{Name: "other", Namespace: ns}}
+	if other, err = virt.VMIs.Create(ctx, other); err != nil {
+		t.Fatal(err)
+	}
+	other.Status.NodeName, other.Status.Phase = "cap-node-1", kubevirtv1.Scheduled
+	if _, err := virt.VMIs.UpdateStatus(ctx, other); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(2 * time.Second) // the controller has seen the VMI
+	if got, err := kube.CoreV1().Pods(ns).Get(ctx, PodName("other"), metav1.GetOptions{}); err != nil || got.UID != mine.UID {
+		t.Errorf("the user's pod %s was replaced or deleted: %v", PodName("other"), err)
+	}
 }
