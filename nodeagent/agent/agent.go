@@ -384,12 +384,14 @@ func (a *Agent) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	a.deps.Health.Set("node-registered", nil)
 	if a.cfg.Console.Addr != "" {
 		if err := advertiseConsole(ctx, a.cfg, a.deps.Kube, a.cfg.Console.Addr); err != nil {
 			return fmt.Errorf("advertise console server: %w", err)
 		}
 	}
+	// Ready only once the Node says where its console server is: the brain
+	// cannot reach a node it has no address for.
+	a.deps.Health.Set("node-registered", nil)
 	log.Info("node registered", "node", a.cfg.NodeName, "standalone", standalone)
 	go a.deps.VMIs.RunWithContext(ctx)
 	roles := append([]Role{namedRole{"node", a.reg.Run}}, a.roles...)
