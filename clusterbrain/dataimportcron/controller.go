@@ -227,7 +227,9 @@ func (c *Controller) SyncCron(ctx context.Context, ns, name string) (time.Durati
 
 	// Poll when due: at once for a new cron, then on schedule.
 	due := st.LastExecutionTimestamp == nil || !sched.Next(st.LastExecutionTimestamp.Time).After(now)
-	pollFailed := false
+	// A failed poll stands until the next poll: syncs in between (the
+	// status write, a DataVolume event) must not call the cron up to date.
+	pollFailed := !due && reasonOf(st, cdiv1.DataImportCronUpToDate) == reasonPollFailed
 	if due {
 		t := metav1.NewTime(now)
 		st.LastExecutionTimestamp = &t
@@ -470,4 +472,12 @@ func setCond(st *cdiv1.DataImportCronStatus, t cdiv1.DataImportCronConditionType
 		c.LastTransitionTime = metav1.NewTime(now)
 	}
 	c.Status, c.Reason, c.Message = s, reason, msg
+}
+
+// reasonOf is the reason of st's condition of type t, "" when it has none.
+func reasonOf(st *cdiv1.DataImportCronStatus, t cdiv1.DataImportCronConditionType) string {
+	if c := cond(st, t); c != nil {
+		return c.Reason
+	}
+	return ""
 }
