@@ -65,6 +65,8 @@ var everyBrainRoles = []RoleFactory{
 			admission.RegisterDataVolumes,
 			macpool.Register(macpool.Config{RestConfig: d.RestConfig, Namespace: d.Config.Namespace}),
 			hco.Webhooks(d.Config.Namespace), datavolume.Webhooks(),
+			// Snapshots, restores and clones.
+			vmsnapshot.Webhooks(), vmclone.Webhooks(),
 			// hco.kubevirt.io/v1 ↔ v1beta1 (the stored version).
 			hcoconvert.Register(d.RestConfig),
 			// SSP's template validator.
