@@ -76,8 +76,9 @@ func (o op) String() string {
 
 // Patches are the restore patches that turn the snapshotted VM src into
 // the clone's target: filtered labels and annotations (VM and template),
-// new MAC addresses, a new SMBIOS serial and no firmware UUID, then the
-// clone's own spec.patches.
+// new MAC addresses, a new SMBIOS serial (the requested one, else a
+// generated one, as KubeVirt's API documents) and no firmware UUID, then
+// the clone's own spec.patches.
 func Patches(vc *clonev1beta1.VirtualMachineClone, src *snapv1beta1.VirtualMachine) ([]string, error) {
 	var ops []op
 	filter := func(p string, m map[string]string, filters []string) error {
@@ -126,7 +127,7 @@ func Patches(vc *clonev1beta1.VirtualMachineClone, src *snapv1beta1.VirtualMachi
 		if fw.UUID != "" {
 			ops = append(ops, op{Op: "remove", Path: "/spec/template/spec/domain/firmware/uuid"})
 		}
-	} else if vc.Spec.NewSMBiosSerial != nil {
+	} else {
 		ops = append(ops, op{Op: "add", Path: "/spec/template/spec/domain/firmware", Value: map[string]string{"serial": serial}})
 	}
 	out := make([]string, 0, len(ops)+len(vc.Spec.Patches))

@@ -64,7 +64,7 @@ func TestCloneFromVirtctlManifest(t *testing.T) {
 		t.Fatal(err)
 	}
 	out, err := exec.CommandContext(e.Ctx, bin, "create", "clone", "--name", "c1", "--source-name", "golden", "--target-name", "copy",
-		"--label-filter", "*", "--label-filter", "!skip.example.org/*", "--template-label-filter", "kubevirt.io/*",
+		"--label-filter", "*", "--label-filter", "!skip.example.org/*",
 		"--new-mac-address", "default:02:bb:00:00:00:01", "--new-smbios-serial", "new-serial").CombinedOutput()
 	if err != nil {
 		t.Fatalf("virtctl create clone: %v\n%s", err, out)
@@ -94,8 +94,8 @@ func TestCloneFromVirtctlManifest(t *testing.T) {
 	if cp.Annotations["note"] != "kept" {
 		t.Errorf("target annotations %v: want note kept (no annotation filter)", cp.Annotations)
 	}
-	if l := cp.Spec.Template.ObjectMeta.Labels; l["kubevirt.io/domain"] != "golden" || l["tmpl"] != "" {
-		t.Errorf("target template labels %v: want only kubevirt.io/*", l)
+	if l := cp.Spec.Template.ObjectMeta.Labels; l["kubevirt.io/domain"] != "golden" || l["tmpl"] != "drop" {
+		t.Errorf("target template labels %v: want all (no template filter)", l)
 	}
 	ifaces := cp.Spec.Template.Spec.Domain.Devices.Interfaces
 	if len(ifaces) != 2 || ifaces[0].MacAddress != "02:bb:00:00:00:01" || ifaces[1].MacAddress != "" {
@@ -125,6 +125,40 @@ func TestCloneFromVirtctlManifest(t *testing.T) {
 	}
 	if _, err := e.Virt.VMs.Get(e.Ctx, e.NS, "golden"); err != nil {
 		t.Errorf("source vm: %v", err)
+	}
+
+	// From a snapshot, with template filters, no target name: the
+	// snapshot is kept, the target named in status.
+	e.snapshot("golden-snap", "golden")
+	e.waitSnapshot("golden-snap")
+	group := "snapshot.kubevirt.io"
+	fromSnap := &clonev1beta1.VirtualMachineClone{ObjectMeta: metav1.ObjectMeta{Namespace: e.NS, Name: "c2"},
+		Spec: clonev1beta1.VirtualMachineCloneSpec{
+			Source:   &corev1.TypedLocalObjectReference{APIGroup: &group, Kind: "VirtualMachineSnapshot", Name: "golden-snap"},
+			Template: clonev1beta1.VirtualMachineCloneTemplateFilters{LabelFilters: []string{"kubevirt.io/*"}}}}
+	if _, err := e.Virt.VMClones.Create(e.Ctx, fromSnap); err != nil {
+		t.Fatal(err)
+	}
+	testkit.Poll(t, 3*time.Minute, "clone from the snapshot succeeded", func() (bool, error) {
+		var err error
+		vc, err = e.Virt.VMClones.Get(e.Ctx, e.NS, "c2")
+		return err == nil && (vc.Status.Phase == clonev1beta1.Succeeded || vc.Status.Phase == clonev1beta1.Failed), err
+	})
+	if vc.Status.Phase != clonev1beta1.Succeeded || vc.Status.TargetName == nil {
+		t.Fatalf("clone from the snapshot %s: %+v", vc.Status.Phase, vc.Status)
+	}
+	second, err := e.Virt.VMs.Get(e.Ctx, e.NS, *vc.Status.TargetName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if l := second.Spec.Template.ObjectMeta.Labels; l["kubevirt.io/domain"] != "golden" || l["tmpl"] != "" {
+		t.Errorf("second target's template labels %v: want only kubevirt.io/*", l)
+	}
+	if fw := second.Spec.Template.Spec.Domain.Firmware; fw == nil || fw.Serial == "" || fw.Serial == "old-serial" {
+		t.Errorf("second target's firmware %+v: want a new serial", fw)
+	}
+	if _, err := e.Virt.VMSnapshots.Get(e.Ctx, e.NS, "golden-snap"); err != nil {
+		t.Errorf("the source snapshot: %v (a clone keeps a snapshot it did not make)", err)
 	}
 }
 
