@@ -9,6 +9,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	clonev1beta1 "kubevirt.io/api/clone/v1beta1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
@@ -90,13 +91,19 @@ func TestAdmission(t *testing.T) {
 	}
 
 	e.snapshot("ok", "src")
-	s1, err := e.Virt.VMSnapshots.Get(e.Ctx, e.NS, "ok")
-	if err != nil {
-		t.Fatal(err)
-	}
-	s1.Spec.Source.Name = "other"
-	if _, err := e.Virt.VMSnapshots.Update(e.Ctx, s1); err == nil || !strings.Contains(err.Error(), "immutable") {
-		t.Errorf("snapshot spec change: %v, want refused as immutable", err)
+	// The controller writes the snapshot meanwhile: conflicts are retried.
+	var updateErr error
+	testkit.Until(t, 30*time.Second, "snapshot spec change answered", func() bool {
+		s1, err := e.Virt.VMSnapshots.Get(e.Ctx, e.NS, "ok")
+		if err != nil {
+			t.Fatal(err)
+		}
+		s1.Spec.Source.Name = "other"
+		_, updateErr = e.Virt.VMSnapshots.Update(e.Ctx, s1)
+		return !apierrors.IsConflict(updateErr)
+	})
+	if updateErr == nil || !strings.Contains(updateErr.Error(), "immutable") {
+		t.Errorf("snapshot spec change: %v, want refused as immutable", updateErr)
 	}
 	if _, err := e.Virt.VMClones.Create(e.Ctx, &clonev1beta1.VirtualMachineClone{ObjectMeta: metav1.ObjectMeta{Namespace: e.NS, Name: "fine"},
 		Spec: clonev1beta1.VirtualMachineCloneSpec{Source: ref("VirtualMachine", "src"), NewMacAddresses: map[string]string{"default": "02:00:00:00:00:01"}}}); err != nil {

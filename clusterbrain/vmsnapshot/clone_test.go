@@ -63,9 +63,11 @@ func TestCloneFromVirtctlManifest(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	out, err := exec.CommandContext(e.Ctx, bin, "create", "clone", "--name", "c1", "--source-name", "golden", "--target-name", "copy",
+	cmd := exec.CommandContext(e.Ctx, bin, "create", "clone", "--name", "c1", "--source-name", "golden", "--target-name", "copy",
 		"--label-filter", "*", "--label-filter", "!skip.example.org/*",
-		"--new-mac-address", "default:02:bb:00:00:00:01", "--new-smbios-serial", "new-serial").CombinedOutput()
+		"--new-mac-address", "default:02-bb-00-00-00-01", "--new-smbios-serial", "new-serial")
+	cmd.Env = append(os.Environ(), "KUBECONFIG="+e.Kubecfg)
+	out, err := cmd.Output()
 	if err != nil {
 		t.Fatalf("virtctl create clone: %v\n%s", err, out)
 	}
@@ -98,7 +100,7 @@ func TestCloneFromVirtctlManifest(t *testing.T) {
 		t.Errorf("target template labels %v: want all (no template filter)", l)
 	}
 	ifaces := cp.Spec.Template.Spec.Domain.Devices.Interfaces
-	if len(ifaces) != 2 || ifaces[0].MacAddress != "02:bb:00:00:00:01" || ifaces[1].MacAddress != "" {
+	if len(ifaces) != 2 || ifaces[0].MacAddress != "02-bb-00-00-00-01" || ifaces[1].MacAddress != "" {
 		t.Errorf("target interfaces %+v: want the new MAC on default and none (a fresh one) on second", ifaces)
 	}
 	if fw := cp.Spec.Template.Spec.Domain.Firmware; fw == nil || fw.Serial != "new-serial" || fw.UUID != "" {

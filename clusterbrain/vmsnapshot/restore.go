@@ -70,8 +70,21 @@ func (c *Controller) syncRestore(ctx context.Context, key string) (time.Duration
 		}
 		return 0, err
 	}
+	if !restoreComplete(r) && !restoreFailed(r) {
+		// The cache may lag behind this controller's last status write:
+		// work from the stored object, never redo a finished restore.
+		fresh, err := c.cfg.Virt.VMRestores.Get(ctx, r.Namespace, r.Name)
+		if apierrors.IsNotFound(err) {
+			return 0, nil
+		}
+		if err != nil {
+			return 0, err
+		}
+		r = fresh
+	}
 	if restoreComplete(r) || restoreFailed(r) {
-		return 0, nil
+		// A sync on a stale cache may have locked the target again.
+		return 0, c.unlockVM(ctx, r.Namespace, r.Spec.Target.Name, "restoreInProgress", r.Name)
 	}
 	if !hasFinalizer(r.Finalizers, RestoreFinalizer) {
 		r.Finalizers = append(r.Finalizers, RestoreFinalizer)

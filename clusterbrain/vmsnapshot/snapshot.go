@@ -46,6 +46,18 @@ func (c *Controller) syncSnapshot(ctx context.Context, key string) (time.Duratio
 		_, err := c.cfg.Virt.VMSnapshots.Update(ctx, s)
 		return 0, err
 	}
+	if s.Status == nil || (s.Status.Phase != snapv1beta1.Succeeded && s.Status.Phase != snapv1beta1.Failed) {
+		// The cache may lag behind this controller's last status write:
+		// work from the stored object.
+		fresh, err := c.cfg.Virt.VMSnapshots.Get(ctx, s.Namespace, s.Name)
+		if apierrors.IsNotFound(err) {
+			return 0, nil
+		}
+		if err != nil {
+			return 0, err
+		}
+		s = fresh
+	}
 	if s.Status == nil {
 		s.Status = &snapv1beta1.VirtualMachineSnapshotStatus{}
 	}
@@ -63,7 +75,8 @@ func (c *Controller) syncSnapshot(ctx context.Context, key string) (time.Duratio
 func (c *Controller) progressSnapshot(ctx context.Context, s *snapv1beta1.VirtualMachineSnapshot) (time.Duration, error) {
 	st := s.Status
 	if st.Phase == snapv1beta1.Succeeded || st.Phase == snapv1beta1.Failed {
-		return 0, nil
+		// A sync on a stale cache may have locked the source again.
+		return 0, c.unlockVM(ctx, s.Namespace, s.Spec.Source.Name, "snapshotInProgress", s.Name)
 	}
 	src := s.Spec.Source
 	if src.Kind != "VirtualMachine" || (src.APIGroup != nil && *src.APIGroup != kubevirtv1.GroupVersion.Group) {
