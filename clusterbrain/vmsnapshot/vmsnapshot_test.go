@@ -5,6 +5,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -197,10 +198,11 @@ func TestOnlineSnapshotFreezesAndRestoreStopsTarget(t *testing.T) {
 	e.Dir("root")
 	vm := e.VM("web", "root")
 	e.RunningVMI("web", true)
-	atFreeze := -1 // VolumeSnapshots in the namespace when the guest was frozen
+	var atFreeze atomic.Int32 // VolumeSnapshots in the namespace when the guest was frozen
+	atFreeze.Store(-1)
 	e.Freezer.OnFreeze = func() {
 		if l, err := e.Snaps.Snapshots.List(e.Ctx, e.NS, metav1.ListOptions{}); err == nil {
-			atFreeze = len(l)
+			atFreeze.Store(int32(len(l)))
 		}
 	}
 	e.snapshot("live", "web")
@@ -213,8 +215,8 @@ func TestOnlineSnapshotFreezesAndRestoreStopsTarget(t *testing.T) {
 	if calls := e.Freezer.Calls(); len(calls) < 2 || calls[0] != "freeze web" || calls[len(calls)-1] != "thaw web" {
 		t.Errorf("freezer calls %v, want a freeze then a thaw", calls)
 	}
-	if atFreeze != 0 {
-		t.Errorf("%d volume snapshots existed when the guest was frozen, want 0", atFreeze)
+	if n := atFreeze.Load(); n != 0 {
+		t.Errorf("%d volume snapshots existed when the guest was frozen, want 0", n)
 	}
 
 	stop := snapv1beta1.VirtualMachineRestoreStopTarget
