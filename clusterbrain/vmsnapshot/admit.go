@@ -77,20 +77,25 @@ func decode[T any](raw []byte) (*T, *admissionv1.AdmissionResponse) {
 	return obj, nil
 }
 
+// sameSpec refuses an update that changes spec(obj), KubeVirt's message.
+func sameSpec[T any](req *admissionv1.AdmissionRequest, obj *T, spec func(*T) any) *admissionv1.AdmissionResponse {
+	old, deny := decode[T](req.OldObject.Raw)
+	if deny != nil {
+		return deny
+	}
+	if !equality.Semantic.DeepEqual(spec(old), spec(obj)) {
+		return admission.DenyFields(field.ErrorList{field.Forbidden(field.NewPath("spec"), "spec in immutable after creation")})
+	}
+	return admission.Allow()
+}
+
 func admitSnapshot(_ context.Context, req *admissionv1.AdmissionRequest) *admissionv1.AdmissionResponse {
 	s, deny := decode[snapv1beta1.VirtualMachineSnapshot](req.Object.Raw)
 	if deny != nil {
 		return deny
 	}
 	if req.Operation == admissionv1.Update {
-		old, deny := decode[snapv1beta1.VirtualMachineSnapshot](req.OldObject.Raw)
-		if deny != nil {
-			return deny
-		}
-		if !equality.Semantic.DeepEqual(old.Spec, s.Spec) {
-			return admission.DenyFields(field.ErrorList{field.Forbidden(field.NewPath("spec"), "spec in immutable after creation")})
-		}
-		return admission.Allow()
+		return sameSpec(req, s, func(o *snapv1beta1.VirtualMachineSnapshot) any { return o.Spec })
 	}
 	if errs := checkRef(field.NewPath("spec", "source"), s.Spec.Source, kubevirtv1.GroupVersion.Group, "VirtualMachine"); len(errs) > 0 {
 		return admission.DenyFields(errs)
@@ -104,14 +109,7 @@ func admitRestore(ctx context.Context, virt *client.Set, req *admissionv1.Admiss
 		return deny
 	}
 	if req.Operation == admissionv1.Update {
-		old, deny := decode[snapv1beta1.VirtualMachineRestore](req.OldObject.Raw)
-		if deny != nil {
-			return deny
-		}
-		if !equality.Semantic.DeepEqual(old.Spec, r.Spec) {
-			return admission.DenyFields(field.ErrorList{field.Forbidden(field.NewPath("spec"), "spec in immutable after creation")})
-		}
-		return admission.Allow()
+		return sameSpec(req, r, func(o *snapv1beta1.VirtualMachineRestore) any { return o.Spec })
 	}
 	ns := req.Namespace
 	errs := checkRef(field.NewPath("spec", "target"), r.Spec.Target, kubevirtv1.GroupVersion.Group, "VirtualMachine")
