@@ -29,7 +29,9 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/ssp/validator"
 	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
 	"github.com/nodevirt/nodevirt/clusterbrain/upload"
+	"github.com/nodevirt/nodevirt/clusterbrain/vmclone"
 	"github.com/nodevirt/nodevirt/clusterbrain/vmcontroller"
+	"github.com/nodevirt/nodevirt/clusterbrain/vmsnapshot"
 )
 
 // everyBrainRoles run on every brain replica: they serve requests
@@ -63,6 +65,8 @@ var everyBrainRoles = []RoleFactory{
 			admission.RegisterDataVolumes,
 			macpool.Register(macpool.Config{RestConfig: d.RestConfig, Namespace: d.Config.Namespace}),
 			hco.Webhooks(d.Config.Namespace), datavolume.Webhooks(),
+			// Snapshots, restores and clones.
+			vmsnapshot.Webhooks(), vmclone.Webhooks(),
 			// hco.kubevirt.io/v1 ↔ v1beta1 (the stored version).
 			hcoconvert.Register(d.RestConfig),
 			// SSP's template validator.
@@ -148,6 +152,21 @@ var leaderRoles = []RoleFactory{
 			return nil, err
 		}
 		return migration.New(migration.Config{Kube: d.Kube, Virt: d.Virt, Placer: d.scheduler, Dynamic: dyn, Log: d.Log})
+	},
+	func(d *Deps) (Role, error) {
+		// VirtualMachineSnapshots and restores on the nodes' CSI
+		// snapshots, guests frozen through their nodes.
+		dyn, err := dynamic.NewForConfig(d.RestConfig)
+		if err != nil {
+			return nil, err
+		}
+		return vmsnapshot.New(vmsnapshot.Config{Virt: d.Virt, Kube: d.Kube, Snapshots: snapshotv1.NewClient(dyn),
+			VMs: d.vms, VMIs: d.vmis, Freezer: vmsnapshot.NodeFreezer{Node: subresources.NewBrainNodeClient(d.Kube, d.Config.Namespace)},
+			Log: d.Log.With("role", "vm-snapshots")})
+	},
+	func(d *Deps) (Role, error) {
+		// VirtualMachineClones, through a snapshot and a restore.
+		return vmclone.New(vmclone.Config{Virt: d.Virt, Log: d.Log.With("role", "vm-clones")})
 	},
 	func(d *Deps) (Role, error) {
 		// VirtualMachineInstanceReplicaSets' VMIs and VirtualMachinePools'

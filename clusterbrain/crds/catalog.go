@@ -10,11 +10,15 @@ import (
 	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	clonev1alpha1 "kubevirt.io/api/clone/v1alpha1"
+	clonev1beta1 "kubevirt.io/api/clone/v1beta1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	instancetypev1beta1 "kubevirt.io/api/instancetype/v1beta1"
 	migrationsv1alpha1 "kubevirt.io/api/migrations/v1alpha1"
 	poolv1alpha1 "kubevirt.io/api/pool/v1alpha1"
 	poolv1beta1 "kubevirt.io/api/pool/v1beta1"
+	vmsnapshotv1alpha1 "kubevirt.io/api/snapshot/v1alpha1"
+	vmsnapshotv1beta1 "kubevirt.io/api/snapshot/v1beta1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	hcov1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1"
@@ -73,7 +77,7 @@ var replicaColumns = []apiextensionsv1.CustomResourceColumnDefinition{
 // Catalog lists every kind nodevirt installs, with KubeVirt's names, short
 // names and printer columns so kubectl output looks as users know it.
 func Catalog() []Kind {
-	kv, it, cdi := "kubevirt.io", "instancetype.kubevirt.io", "cdi.kubevirt.io"
+	kv, it, cdi, vmSnap := "kubevirt.io", "instancetype.kubevirt.io", "cdi.kubevirt.io", "snapshot.kubevirt.io"
 	return []Kind{
 		{Group: kv, Version: "v1", Kind: "VirtualMachine", Plural: "virtualmachines", Singular: "virtualmachine",
 			ShortNames: []string{"vm", "vms"}, Categories: []string{"all"}, Namespaced: true, Status: true,
@@ -108,6 +112,37 @@ func Catalog() []Kind {
 			ShortNames: []string{"vmpool", "vmpools"}, Categories: []string{"all"}, Namespaced: true, Status: true, Scale: replicaScale,
 			Columns: replicaColumns, Type: reflect.TypeOf(poolv1beta1.VirtualMachinePool{}),
 			Served: []ServedVersion{{Name: "v1alpha1", Type: reflect.TypeOf(poolv1alpha1.VirtualMachinePool{})}}},
+		// Snapshots, restores and clones: v1beta1 stored, v1alpha1 still
+		// served (KubeVirt's columns).
+		{Group: vmSnap, Version: "v1beta1", Kind: "VirtualMachineSnapshot", Plural: "virtualmachinesnapshots", Singular: "virtualmachinesnapshot",
+			ShortNames: []string{"vmsnapshot", "vmsnapshots"}, Categories: []string{"all"}, Namespaced: true, Status: true,
+			Columns: []apiextensionsv1.CustomResourceColumnDefinition{
+				col("SourceKind", "string", ".spec.source.kind", 0), col("SourceName", "string", ".spec.source.name", 0),
+				col("Phase", "string", ".status.phase", 0), col("ReadyToUse", "boolean", ".status.readyToUse", 0),
+				col("CreationTime", "date", ".status.creationTime", 0), col("Error", "string", ".status.error.message", 0)},
+			Type:   reflect.TypeOf(vmsnapshotv1beta1.VirtualMachineSnapshot{}),
+			Served: []ServedVersion{{Name: "v1alpha1", Type: reflect.TypeOf(vmsnapshotv1alpha1.VirtualMachineSnapshot{})}}},
+		{Group: vmSnap, Version: "v1beta1", Kind: "VirtualMachineSnapshotContent", Plural: "virtualmachinesnapshotcontents", Singular: "virtualmachinesnapshotcontent",
+			ShortNames: []string{"vmsnapshotcontent", "vmsnapshotcontents"}, Categories: []string{"all"}, Namespaced: true, Status: true,
+			Columns: []apiextensionsv1.CustomResourceColumnDefinition{
+				col("ReadyToUse", "boolean", ".status.readyToUse", 0), col("CreationTime", "date", ".status.creationTime", 0),
+				col("Error", "string", ".status.error.message", 0)},
+			Type:   reflect.TypeOf(vmsnapshotv1beta1.VirtualMachineSnapshotContent{}),
+			Served: []ServedVersion{{Name: "v1alpha1", Type: reflect.TypeOf(vmsnapshotv1alpha1.VirtualMachineSnapshotContent{})}}},
+		{Group: vmSnap, Version: "v1beta1", Kind: "VirtualMachineRestore", Plural: "virtualmachinerestores", Singular: "virtualmachinerestore",
+			ShortNames: []string{"vmrestore", "vmrestores"}, Categories: []string{"all"}, Namespaced: true, Status: true,
+			Columns: []apiextensionsv1.CustomResourceColumnDefinition{
+				col("TargetKind", "string", ".spec.target.kind", 0), col("TargetName", "string", ".spec.target.name", 0),
+				col("Complete", "boolean", ".status.complete", 0), col("RestoreTime", "date", ".status.restoreTime", 0)},
+			Type:   reflect.TypeOf(vmsnapshotv1beta1.VirtualMachineRestore{}),
+			Served: []ServedVersion{{Name: "v1alpha1", Type: reflect.TypeOf(vmsnapshotv1alpha1.VirtualMachineRestore{})}}},
+		{Group: "clone.kubevirt.io", Version: "v1beta1", Kind: "VirtualMachineClone", Plural: "virtualmachineclones", Singular: "virtualmachineclone",
+			ShortNames: []string{"vmclone", "vmclones"}, Categories: []string{"all"}, Namespaced: true, Status: true,
+			Columns: []apiextensionsv1.CustomResourceColumnDefinition{
+				col("Phase", "string", ".status.phase", 0), col("SourceVirtualMachine", "string", ".spec.source.name", 0),
+				col("TargetVirtualMachine", "string", ".spec.target.name", 0)},
+			Type:   reflect.TypeOf(clonev1beta1.VirtualMachineClone{}),
+			Served: []ServedVersion{{Name: "v1alpha1", Type: reflect.TypeOf(clonev1alpha1.VirtualMachineClone{})}}},
 		{Group: "migrations.kubevirt.io", Version: "v1alpha1", Kind: "MigrationPolicy", Plural: "migrationpolicies", Singular: "migrationpolicy",
 			Categories: []string{"all"}, Status: true, Columns: []apiextensionsv1.CustomResourceColumnDefinition{age},
 			Type: reflect.TypeOf(migrationsv1alpha1.MigrationPolicy{})},

@@ -34,7 +34,7 @@ func ForBrain(rc *rest.Config, kube kubernetes.Interface, virt *client.Set, name
 	if err != nil {
 		return nil, err
 	}
-	node := &lazyNodeClient{kube: kube, namespace: namespace}
+	node := NewBrainNodeClient(kube, namespace)
 	s, err := New(Config{Kube: kube, Dynamic: dyn, Virt: virt, Namespace: namespace, Addr: addr, Node: node, Log: log})
 	if err != nil {
 		return nil, err
@@ -48,6 +48,12 @@ func (b *BrainRole) Run(ctx context.Context) error {
 		return fmt.Errorf("install kubevirt cluster roles: %w", err)
 	}
 	return b.Server.Run(ctx)
+}
+
+// NewBrainNodeClient is the brain's client of the node agents (the one
+// the subresources use), for other roles; it is built on first use.
+func NewBrainNodeClient(kube kubernetes.Interface, namespace string) NodeClient {
+	return &lazyNodeClient{kube: kube, namespace: namespace}
 }
 
 // lazyNodeClient builds the HTTPS node client once the upload CA exists.

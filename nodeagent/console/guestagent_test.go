@@ -98,3 +98,63 @@ func TestGuestAgentNotServed(t *testing.T) {
 		t.Fatalf("backend without guest agent: %v, want 501", err)
 	}
 }
+
+// freezeBackend adds freeze and thaw to agentBackend.
+type freezeBackend struct{ agentBackend }
+
+var _ FreezeBackend = freezeBackend{}
+
+func (b freezeBackend) Freeze(_ context.Context, ns, name string) error {
+	if err := b.check(ns, name); err != nil {
+		return err
+	}
+	b.calls <- "freeze " + ns + "/" + name
+	return nil
+}
+
+func (b freezeBackend) Unfreeze(_ context.Context, ns, name string) error {
+	if err := b.check(ns, name); err != nil {
+		return err
+	}
+	b.calls <- "unfreeze " + ns + "/" + name
+	return nil
+}
+
+// TestFreezeActions: freeze and unfreeze reach a backend that freezes; a
+// guest without agent is a 409; a backend that cannot freeze answers 501.
+func TestFreezeActions(t *testing.T) {
+	pki, err := MintPKI(t.TempDir(), "127.0.0.1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	calls := make(chan string, 10)
+	run := func(b Backend) (*Client, func()) {
+		s, err := New(pki.ServerConfig("127.0.0.1:0"), b)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		done := make(chan error)
+		go func() { done <- s.Run(ctx) }()
+		return client(t, s, pki), func() { cancel(); <-done }
+	}
+	c, stop := run(freezeBackend{agentBackend{&echoBackend{calls: calls}}})
+	defer stop()
+	ctx := context.Background()
+	for _, a := range []string{"freeze", "unfreeze"} {
+		if err := c.Do(ctx, "ns", "vm", a); err != nil {
+			t.Fatalf("%s: %v", a, err)
+		}
+		if got := <-calls; got != a+" ns/vm" {
+			t.Errorf("backend got %q for %s", got, a)
+		}
+	}
+	if err := c.Do(ctx, "ns", "noagent", "freeze"); err == nil || !strings.Contains(err.Error(), "409") || !strings.Contains(err.Error(), "guest agent") {
+		t.Errorf("freeze without agent: %v, want a 409 naming the guest agent", err)
+	}
+	plain, stopPlain := run(&echoBackend{calls: calls})
+	defer stopPlain()
+	if err := plain.Do(ctx, "ns", "vm", "freeze"); err == nil || !strings.Contains(err.Error(), "501") {
+		t.Errorf("freeze on a backend without freeze: %v, want 501", err)
+	}
+}

@@ -37,6 +37,12 @@
 //	PUT /v1/namespaces/{namespace}/virtualmachineinstances/{name}/reset        hard reset
 //	PUT /v1/namespaces/{namespace}/virtualmachineinstances/{name}/shutdown     ACPI power button, destroyed after the grace period
 //
+// Guest file system freeze and thaw (online snapshots), when the Backend
+// implements FreezeBackend, each a PUT with an empty body answered 200:
+//
+//	PUT /v1/namespaces/{namespace}/virtualmachineinstances/{name}/freeze
+//	PUT /v1/namespaces/{namespace}/virtualmachineinstances/{name}/unfreeze
+//
 // Guest agent information, when the Backend implements GuestAgentBackend,
 // each a GET answered 200 with KubeVirt's JSON type:
 //
@@ -96,6 +102,13 @@ type GuestAgentBackend interface {
 	GuestOSInfo(ctx context.Context, namespace, name string) (*kubevirtv1.VirtualMachineInstanceGuestAgentInfo, error)
 	UserList(ctx context.Context, namespace, name string) (*kubevirtv1.VirtualMachineInstanceGuestOSUserList, error)
 	FileSystemList(ctx context.Context, namespace, name string) (*kubevirtv1.VirtualMachineInstanceFileSystemList, error)
+}
+
+// FreezeBackend freezes and thaws a running VMI's file systems through its
+// guest agent. A Backend without it answers freeze and unfreeze 501.
+type FreezeBackend interface {
+	Freeze(ctx context.Context, namespace, name string) error
+	Unfreeze(ctx context.Context, namespace, name string) error
 }
 
 // The errors a Backend returns (wrapped or not) for the answers they name;
@@ -253,6 +266,11 @@ func (s *Server) control(w http.ResponseWriter, r *http.Request) error {
 	ops := map[string]func(context.Context, string, string) error{
 		"pause": s.backend.Pause, "unpause": s.backend.Unpause, "softreboot": s.backend.SoftReboot,
 		"reset": s.backend.Reset, "shutdown": s.backend.Shutdown,
+	}
+	if fb, ok := s.backend.(FreezeBackend); ok {
+		ops["freeze"], ops["unfreeze"] = fb.Freeze, fb.Unfreeze
+	} else if action == "freeze" || action == "unfreeze" {
+		return httperr.NotImplemented("guest freeze is not served by this node")
 	}
 	op, ok := ops[action]
 	if !ok {

@@ -203,3 +203,61 @@ func (h *Handler) FileSystemList(ctx context.Context, namespace, name string) (*
 	}
 	return &v1.VirtualMachineInstanceFileSystemList{Items: fss}, nil
 }
+
+// FreezeTimeout is how long a guest stays frozen when nobody thaws it:
+// the handler thaws it then, as KubeVirt's unfreezeTimeout does.
+const FreezeTimeout = 5 * time.Minute
+
+// Freeze freezes the guest's file systems through its agent (the first
+// step of an online snapshot); they are thawed by Unfreeze or after
+// FreezeTimeout.
+func (h *Handler) Freeze(ctx context.Context, namespace, name string) error {
+	lv, dom, err := h.agentDomain(ctx, namespace, name)
+	if err != nil {
+		return err
+	}
+	var frozen int
+	if err := lv.AgentCommand(ctx, dom, "guest-fsfreeze-freeze", nil, &frozen); err != nil {
+		return agentErr(err)
+	}
+	key := namespace + "/" + name
+	h.mu.Lock()
+	if t := h.thaws[key]; t != nil {
+		t.Stop()
+	}
+	if h.thaws == nil {
+		h.thaws = map[string]*time.Timer{}
+	}
+	h.thaws[key] = time.AfterFunc(FreezeTimeout, func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		if err := h.Unfreeze(ctx, namespace, name); err != nil {
+			h.log.Warn("thaw after the freeze timeout", "vmi", key, "err", err)
+		}
+	})
+	h.mu.Unlock()
+	h.log.Info("guest file systems frozen", "vmi", key, "filesystems", frozen)
+	return nil
+}
+
+// Unfreeze thaws the guest's file systems; thawing a guest that is not
+// frozen succeeds.
+func (h *Handler) Unfreeze(ctx context.Context, namespace, name string) error {
+	key := namespace + "/" + name
+	h.mu.Lock()
+	if t := h.thaws[key]; t != nil {
+		t.Stop()
+		delete(h.thaws, key)
+	}
+	h.mu.Unlock()
+	lv, dom, err := h.agentDomain(ctx, namespace, name)
+	if err != nil {
+		return err
+	}
+	var thawed int
+	if err := lv.AgentCommand(ctx, dom, "guest-fsfreeze-thaw", nil, &thawed); err != nil {
+		return agentErr(err)
+	}
+	h.log.Info("guest file systems thawed", "vmi", key, "filesystems", thawed)
+	return nil
+}

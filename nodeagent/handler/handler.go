@@ -238,8 +238,11 @@ type Handler struct {
 	// agentPolled: when each VMI's (namespace/name) guest agent was last
 	// asked.
 	agentPolled map[string]agentPoll
-	bg          sync.WaitGroup // graceful shutdowns under way
-	ready       chan struct{}
+	// thaws thaw the guests frozen for a snapshot (by namespace/name)
+	// that nobody thawed within FreezeTimeout.
+	thaws map[string]*time.Timer
+	bg    sync.WaitGroup // graceful shutdowns under way
+	ready chan struct{}
 	// cdisks is the containerDisk image cache, made on first use
 	// (containerdisk.go).
 	cdisks *containerdisk.Puller
@@ -256,6 +259,7 @@ type agentPoll struct {
 var (
 	_ console.Backend           = (*Handler)(nil)
 	_ console.GuestAgentBackend = (*Handler)(nil)
+	_ console.FreezeBackend     = (*Handler)(nil)
 )
 
 // New validates cfg and builds the handler; with Console.Addr set it also

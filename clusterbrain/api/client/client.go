@@ -19,9 +19,11 @@ import (
 	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
+	clonev1beta1 "kubevirt.io/api/clone/v1beta1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	instancetypev1beta1 "kubevirt.io/api/instancetype/v1beta1"
 	poolv1beta1 "kubevirt.io/api/pool/v1beta1"
+	vmsnapshotv1beta1 "kubevirt.io/api/snapshot/v1beta1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 	uploadv1beta1 "kubevirt.io/containerized-data-importer-api/pkg/apis/upload/v1beta1"
 
@@ -39,6 +41,7 @@ func NewScheme() *runtime.Scheme {
 		scheme.AddToScheme, kubevirtv1.AddToScheme, instancetypev1beta1.AddToScheme, cdiv1.AddToScheme,
 		uploadv1beta1.AddToScheme, nadv1.AddToScheme, hcov1beta1.AddToScheme, cnaov1.AddToScheme,
 		hppv1beta1.AddToScheme, sspv1beta2.AddToScheme, poolv1beta1.AddToScheme,
+		vmsnapshotv1beta1.AddToScheme, clonev1beta1.AddToScheme,
 	} {
 		if err := add(s); err != nil {
 			panic(err) // registration of static types cannot fail

@@ -9,9 +9,11 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/rest"
+	clonev1beta1 "kubevirt.io/api/clone/v1beta1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	instancetypev1beta1 "kubevirt.io/api/instancetype/v1beta1"
 	poolv1beta1 "kubevirt.io/api/pool/v1beta1"
+	vmsnapshotv1beta1 "kubevirt.io/api/snapshot/v1beta1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
@@ -27,6 +29,10 @@ type Set struct {
 	Migrations           Resource[*kubevirtv1.VirtualMachineInstanceMigration]
 	VMIReplicaSets       Resource[*kubevirtv1.VirtualMachineInstanceReplicaSet]
 	VMPools              Resource[*poolv1beta1.VirtualMachinePool]
+	VMSnapshots          Resource[*vmsnapshotv1beta1.VirtualMachineSnapshot]
+	VMSnapshotContents   Resource[*vmsnapshotv1beta1.VirtualMachineSnapshotContent]
+	VMRestores           Resource[*vmsnapshotv1beta1.VirtualMachineRestore]
+	VMClones             Resource[*clonev1beta1.VirtualMachineClone]
 	KubeVirts            Resource[*kubevirtv1.KubeVirt]
 	Instancetypes        Resource[*instancetypev1beta1.VirtualMachineInstancetype]
 	ClusterInstancetypes Resource[*instancetypev1beta1.VirtualMachineClusterInstancetype]
@@ -54,6 +60,10 @@ func NewSet(cfg *rest.Config) (*Set, error) {
 		Migrations:           build[*kubevirtv1.VirtualMachineInstanceMigration, *kubevirtv1.VirtualMachineInstanceMigrationList](&b, kv, "virtualmachineinstancemigrations"),
 		VMIReplicaSets:       build[*kubevirtv1.VirtualMachineInstanceReplicaSet, *kubevirtv1.VirtualMachineInstanceReplicaSetList](&b, kv, "virtualmachineinstancereplicasets"),
 		VMPools:              build[*poolv1beta1.VirtualMachinePool, *poolv1beta1.VirtualMachinePoolList](&b, poolv1beta1.SchemeGroupVersion, "virtualmachinepools"),
+		VMSnapshots:          build[*vmsnapshotv1beta1.VirtualMachineSnapshot, *vmsnapshotv1beta1.VirtualMachineSnapshotList](&b, vmsnapshotv1beta1.SchemeGroupVersion, "virtualmachinesnapshots"),
+		VMSnapshotContents:   build[*vmsnapshotv1beta1.VirtualMachineSnapshotContent, *vmsnapshotv1beta1.VirtualMachineSnapshotContentList](&b, vmsnapshotv1beta1.SchemeGroupVersion, "virtualmachinesnapshotcontents"),
+		VMRestores:           build[*vmsnapshotv1beta1.VirtualMachineRestore, *vmsnapshotv1beta1.VirtualMachineRestoreList](&b, vmsnapshotv1beta1.SchemeGroupVersion, "virtualmachinerestores"),
+		VMClones:             build[*clonev1beta1.VirtualMachineClone, *clonev1beta1.VirtualMachineCloneList](&b, clonev1beta1.SchemeGroupVersion, "virtualmachineclones"),
 		KubeVirts:            build[*kubevirtv1.KubeVirt, *kubevirtv1.KubeVirtList](&b, kv, "kubevirts"),
 		Instancetypes:        build[*instancetypev1beta1.VirtualMachineInstancetype, *instancetypev1beta1.VirtualMachineInstancetypeList](&b, it, "virtualmachineinstancetypes"),
 		ClusterInstancetypes: build[*instancetypev1beta1.VirtualMachineClusterInstancetype, *instancetypev1beta1.VirtualMachineClusterInstancetypeList](&b, it, "virtualmachineclusterinstancetypes"),
