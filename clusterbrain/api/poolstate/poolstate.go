@@ -116,6 +116,17 @@ func (p NodePools) Find(name string) (PoolState, bool) {
 	return PoolState{}, false
 }
 
+// For returns the named pool's state as the node serves it for the named
+// HostPathProvisioner.
+func (p NodePools) For(name, provisioner string) (PoolState, bool) {
+	for _, s := range p.Pools {
+		if s.Name == name && s.Provisioner == provisioner {
+			return s, true
+		}
+	}
+	return PoolState{}, false
+}
+
 // Wanted is one pool a HostPathProvisioner defines.
 type Wanted struct {
 	Name string
