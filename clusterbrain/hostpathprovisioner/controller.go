@@ -108,7 +108,11 @@ func (c *Controller) Run(ctx context.Context) error {
 		return err
 	}
 	if _, err := c.nodes.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: all,
-		UpdateFunc: func(_, n any) { all(n) }, DeleteFunc: all}); err != nil {
+		UpdateFunc: func(o, n any) {
+			if nodeChanged(o.(*corev1.Node), n.(*corev1.Node)) {
+				all(n)
+			}
+		}, DeleteFunc: all}); err != nil {
 		return err
 	}
 	go c.hpps.RunWithContext(ctx)
@@ -251,6 +255,14 @@ func cond(typ string, ok bool, yes, no, msg string) api.Condition {
 		c.Status, c.Reason = "True", yes
 	}
 	return c
+}
+
+// nodeChanged reports a change that matters to a status: labels (the
+// placement), the pool report, taints, readiness. Heartbeats alone do not.
+func nodeChanged(o, n *corev1.Node) bool {
+	return nodeReady(o) != nodeReady(n) || !apiequality.Semantic.DeepEqual(o.Labels, n.Labels) ||
+		o.Annotations[poolstate.AnnotationNodePools] != n.Annotations[poolstate.AnnotationNodePools] ||
+		!apiequality.Semantic.DeepEqual(o.Spec.Taints, n.Spec.Taints)
 }
 
 func nodeReady(n *corev1.Node) bool {

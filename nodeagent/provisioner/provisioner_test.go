@@ -307,7 +307,9 @@ func TestClaimsOfAnAddedPool(t *testing.T) {
 		Parameters: map[string]string{hostpath.ParamStoragePool: "added"}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = cs.StorageV1().StorageClasses().Delete(context.Background(), class, metav1.DeleteOptions{}) })
+	t.Cleanup(func() {
+		_ = cs.StorageV1().StorageClasses().Delete(context.Background(), class, metav1.DeleteOptions{})
+	})
 	createClaim(t, cs, ns, "in-added", class, "16Mi", node, false)
 	_, pv := waitBound(t, cs, ns, "in-added")
 	if _, err := os.Stat(filepath.Join(dir, "volumes", pv.Spec.CSI.VolumeHandle+".img")); err != nil {

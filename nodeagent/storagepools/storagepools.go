@@ -72,7 +72,9 @@ type Pools struct {
 	// added are the pools opened from HostPathProvisioners (name →
 	// directory); only the sync loop touches it.
 	added map[string]string
-	kick  chan struct{}
+	// written is the state file's content as last written.
+	written string
+	kick    chan struct{}
 }
 
 // New validates cfg and opens the pools an earlier run took from
@@ -291,6 +293,9 @@ func (p *Pools) readState() (map[string]string, error) {
 
 func (p *Pools) writeState() error {
 	b, _ := json.Marshal(p.added)
+	if string(b) == p.written {
+		return nil
+	}
 	if err := os.MkdirAll(filepath.Dir(p.cfg.StateFile), 0o755); err != nil {
 		return err
 	}
@@ -298,5 +303,9 @@ func (p *Pools) writeState() error {
 	if err := os.WriteFile(tmp, b, 0o600); err != nil {
 		return err
 	}
-	return os.Rename(tmp, p.cfg.StateFile)
+	if err := os.Rename(tmp, p.cfg.StateFile); err != nil {
+		return err
+	}
+	p.written = string(b)
+	return nil
 }
