@@ -28,6 +28,7 @@ require (
 	k8s.io/apiextensions-apiserver v0.34.3
 	k8s.io/apimachinery v0.34.3
 	k8s.io/client-go v0.34.3
+	k8s.io/component-helpers v0.34.3
 	k8s.io/klog/v2 v2.140.0
 	k8s.io/kubelet v0.34.3
 	kubevirt.io/api v1.9.0

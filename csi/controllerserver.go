@@ -60,6 +60,8 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err != nil {
 		return nil, err
 	}
+	d.poolUse.RLock()
+	defer d.poolUse.RUnlock()
 	p, err := d.poolFor(req.GetParameters())
 	if err != nil {
 		return nil, err
@@ -153,7 +155,7 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	if len(v.Published) > 0 {
 		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is still published at %s", id, strings.Join(sortedKeys(v.Published), ", "))
 	}
-	p := d.pools[v.Pool]
+	p := d.pool(v.Pool)
 	if err := d.deactivate(p, &v); err != nil {
 		return nil, err
 	}
@@ -312,7 +314,7 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 	if size <= v.CapacityBytes {
 		return &csi.ControllerExpandVolumeResponse{CapacityBytes: v.CapacityBytes}, nil
 	}
-	p := d.pools[v.Pool]
+	p := d.pool(v.Pool)
 	if free := d.poolCapacity(p); size-v.CapacityBytes > free {
 		return nil, status.Errorf(codes.ResourceExhausted, "pool %s has %d bytes free, %d more requested", p.name, free, size-v.CapacityBytes)
 	}
@@ -382,7 +384,7 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	if err != nil {
 		return nil, err
 	}
-	p := d.pools[v.Pool]
+	p := d.pool(v.Pool)
 	s := &snapshot{
 		ID:             newID(),
 		Name:           req.GetName(),
@@ -437,7 +439,7 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 	if err != nil {
 		return nil, status.Errorf(codes.Internal, "forget snapshot: %v", err)
 	}
-	if err := os.Remove(d.pools[s.Pool].snapImage(id)); err != nil && !errors.Is(err, os.ErrNotExist) {
+	if err := os.Remove(d.pool(s.Pool).snapImage(id)); err != nil && !errors.Is(err, os.ErrNotExist) {
 		d.log.Warn("remove snapshot image", "snapshot", id, "err", err)
 	}
 	d.log.Info("snapshot deleted", "snapshot", id, "name", s.Name)
@@ -547,8 +549,8 @@ func (d *Driver) poolFor(params map[string]string) (*pool, error) {
 	if name == "" {
 		name = d.cfg.DefaultPool
 	}
-	p, ok := d.pools[name]
-	if !ok {
+	p := d.pool(name)
+	if p == nil {
 		return nil, status.Errorf(codes.InvalidArgument, "storage pool %q does not exist on node %s", name, d.cfg.NodeID)
 	}
 	return p, nil

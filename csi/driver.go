@@ -18,6 +18,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"sort"
 	"strings"
 	"sync"
 	"time"
@@ -163,10 +164,16 @@ type Driver struct {
 	csi.UnimplementedControllerServer
 	csi.UnimplementedNodeServer
 
-	cfg   Config
-	log   *slog.Logger
-	pools map[string]*pool
-	locks keyedLocks
+	cfg Config
+	log *slog.Logger
+	// poolsMu guards pools, which AddPool and RemovePool change while the
+	// driver serves.
+	poolsMu sync.RWMutex
+	pools   map[string]*pool
+	// poolUse is held for reading by every CreateVolume and for writing by
+	// RemovePool, so a pool never goes away under a volume being made.
+	poolUse sync.RWMutex
+	locks   keyedLocks
 	// onlineResize tells whether mounted filesystems can be grown.
 	onlineResize bool
 
@@ -243,7 +250,7 @@ func (d *Driver) Run(ctx context.Context) error {
 		<-ctx.Done()
 		srv.GracefulStop()
 	}()
-	d.log.Info("serving csi", "endpoint", sock, "pools", len(d.pools))
+	d.log.Info("serving csi", "endpoint", sock, "pools", len(d.poolList()))
 	err = srv.Serve(lis)
 	<-stopped
 	if err != nil && !errors.Is(err, grpc.ErrServerStopped) {
@@ -255,14 +262,43 @@ func (d *Driver) Run(ctx context.Context) error {
 // NodeID is the node name this driver serves.
 func (d *Driver) NodeID() string { return d.cfg.NodeID }
 
-// Pools lists the configured pool names, the default first.
+// Pools lists the served pool names, the default first, the others by
+// name.
 func (d *Driver) Pools() []string {
 	out := []string{d.cfg.DefaultPool}
-	for _, p := range d.cfg.Pools {
-		if p.Name != d.cfg.DefaultPool {
-			out = append(out, p.Name)
+	for _, p := range d.poolList() {
+		if p.name != d.cfg.DefaultPool {
+			out = append(out, p.name)
 		}
 	}
+	return out
+}
+
+// PoolPath returns the directory of a served pool.
+func (d *Driver) PoolPath(name string) (string, bool) {
+	p := d.pool(name)
+	if p == nil {
+		return "", false
+	}
+	return p.path, true
+}
+
+// pool returns the named pool, nil when it is not served.
+func (d *Driver) pool(name string) *pool {
+	d.poolsMu.RLock()
+	defer d.poolsMu.RUnlock()
+	return d.pools[name]
+}
+
+// poolList returns the served pools sorted by name.
+func (d *Driver) poolList() []*pool {
+	d.poolsMu.RLock()
+	out := make([]*pool, 0, len(d.pools))
+	for _, p := range d.pools {
+		out = append(out, p)
+	}
+	d.poolsMu.RUnlock()
+	sort.Slice(out, func(i, j int) bool { return out[i].name < out[j].name })
 	return out
 }
 
@@ -305,7 +341,7 @@ func (d *Driver) lookupVolume(volumeID string) (volume, *pool, error) {
 	if !ok {
 		return volume{}, nil, fmt.Errorf("volume %s: %w", volumeID, os.ErrNotExist)
 	}
-	return v.clone(), d.pools[v.Pool], nil
+	return v.clone(), d.pool(v.Pool), nil
 }
 
 // keyedLocks serialises operations on the same volume, snapshot or name.
@@ -364,7 +400,7 @@ func (d *Driver) Deactivate() error {
 	}
 	for _, v := range vols {
 		unlock := d.locks.lock("volume/" + v.ID)
-		p := d.pools[v.Pool]
+		p := d.pool(v.Pool)
 		for target, pub := range v.Published {
 			keep(unmountIfMounted(target))
 			if pub.Device != "" && loopBacking(pub.Device) == p.image(v.ID) {

@@ -49,7 +49,7 @@ func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolume
 func (d *Driver) NodeGetStorageHealth(ctx context.Context, req *csi.NodeGetStorageHealthRequest) (*csi.NodeGetStorageHealthResponse, error) {
 	resp := &csi.NodeGetStorageHealthResponse{}
 	for _, name := range d.Pools() {
-		p := d.pools[name]
+		p := d.pool(name)
 		free, total, err := poolUsage(p.path)
 		switch {
 		case err != nil:
@@ -90,7 +90,7 @@ func (d *Driver) volumeHealth(v *volume) *csi.VolumeHealth {
 		})
 		return h
 	}
-	p := d.pools[v.Pool]
+	p := d.pool(v.Pool)
 	if _, err := os.Stat(p.image(v.ID)); err != nil {
 		return bad("ImageMissing", err.Error())
 	}

@@ -34,7 +34,7 @@ func (d *Driver) GetPluginCapabilities(context.Context, *csi.GetPluginCapabiliti
 
 // Probe reports ready when every pool directory is reachable.
 func (d *Driver) Probe(context.Context, *csi.ProbeRequest) (*csi.ProbeResponse, error) {
-	for _, p := range d.pools {
+	for _, p := range d.poolList() {
 		if _, err := poolSpace(p.path); err != nil {
 			return nil, status.Errorf(codes.FailedPrecondition, "pool %s: %v", p.name, err)
 		}

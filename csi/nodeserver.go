@@ -98,7 +98,7 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 		}
 	}
 
-	p := d.pools[v.Pool]
+	p := d.pool(v.Pool)
 	if block {
 		pub.Device, err = d.publishBlock(p, &v, target, pub.ReadOnly)
 	} else {
@@ -224,7 +224,7 @@ func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 	if !ok {
 		return &csi.NodeUnpublishVolumeResponse{}, nil
 	}
-	if pub.Device != "" && loopBacking(pub.Device) == d.pools[v.Pool].image(id) {
+	if pub.Device != "" && loopBacking(pub.Device) == d.pool(v.Pool).image(id) {
 		if err := detachLoop(pub.Device); err != nil {
 			return nil, status.Errorf(codes.Internal, "unpublish volume %s: %v", id, err)
 		}
@@ -317,7 +317,7 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 	if v.Block || v.FilesystemBytes >= v.CapacityBytes {
 		return &csi.NodeExpandVolumeResponse{CapacityBytes: v.CapacityBytes}, nil
 	}
-	err = d.growFilesystem(ctx, d.pools[v.Pool], &v)
+	err = d.growFilesystem(ctx, d.pool(v.Pool), &v)
 	if errors.Is(err, errNeedsOnlineResize) {
 		return nil, status.Errorf(codes.FailedPrecondition, "expand volume %s: %v; unpublish it and retry", id, err)
 	}
@@ -344,7 +344,7 @@ func (d *Driver) nodeVolume(id, path string) (volume, string, error) {
 		return volume{}, "", err
 	}
 	path = filepath.Clean(path)
-	p := d.pools[v.Pool]
+	p := d.pool(v.Pool)
 	_, published := v.Published[path]
 	own := (!v.Block && path == p.mountDir(id)) || (v.Block && path == v.dev)
 	if !published && !own {

@@ -155,7 +155,11 @@ func (d *Driver) savePool(name string) error {
 	if err != nil {
 		return fmt.Errorf("pool %s: encode state: %w", name, err)
 	}
-	if err := writeFileAtomic(d.pools[name].statePath(), b); err != nil {
+	p := d.pool(name)
+	if p == nil {
+		return fmt.Errorf("pool %s is not served", name)
+	}
+	if err := writeFileAtomic(p.statePath(), b); err != nil {
 		return fmt.Errorf("pool %s: %w", name, err)
 	}
 	return nil
@@ -168,35 +172,57 @@ func (d *Driver) load() error {
 	if err != nil {
 		return err
 	}
-	for _, p := range d.pools {
-		f, err := p.read()
-		if err != nil {
+	for _, p := range d.poolList() {
+		if err := d.loadPool(p, loops); err != nil {
 			return err
 		}
-		for _, v := range f.Volumes {
-			if !validID(v.ID) || v.Pool != p.name {
-				return fmt.Errorf("pool %s: state holds bad volume record %q", p.name, v.ID)
-			}
-			if _, dup := d.volumeNames[v.Name]; dup {
-				return fmt.Errorf("pool %s: volume name %q recorded twice", p.name, v.Name)
-			}
-			d.volumes[v.ID] = v
-			d.volumeNames[v.Name] = v.ID
-		}
-		for _, s := range f.Snapshots {
-			if !validID(s.ID) || s.Pool != p.name {
-				return fmt.Errorf("pool %s: state holds bad snapshot record %q", p.name, s.ID)
-			}
-			if _, dup := d.snapshotNames[s.Name]; dup {
-				return fmt.Errorf("pool %s: snapshot name %q recorded twice", p.name, s.Name)
-			}
-			d.snapshots[s.ID] = s
-			d.snapshotNames[s.Name] = s.ID
-		}
-		d.removeLeftovers(p, loops)
 	}
-	for _, v := range d.volumes {
-		p := d.pools[v.Pool]
+	return nil
+}
+
+// loadPool reads one pool's records, removes its leftovers, brings its
+// volumes back and rewrites its state. Callers serve p already.
+func (d *Driver) loadPool(p *pool, loops map[string][]loopDevice) error {
+	f, err := p.read()
+	if err != nil {
+		return err
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	// Check every record before taking any, so a refused pool leaves the
+	// driver as it was.
+	names, snapNames := map[string]bool{}, map[string]bool{}
+	for _, v := range f.Volumes {
+		if !validID(v.ID) || v.Pool != p.name {
+			return fmt.Errorf("pool %s: state holds bad volume record %q", p.name, v.ID)
+		}
+		if _, dup := d.volumeNames[v.Name]; dup || names[v.Name] {
+			return fmt.Errorf("pool %s: volume name %q recorded twice", p.name, v.Name)
+		}
+		if _, dup := d.volumes[v.ID]; dup {
+			return fmt.Errorf("pool %s: volume %q is recorded in another pool too", p.name, v.ID)
+		}
+		names[v.Name] = true
+	}
+	for _, s := range f.Snapshots {
+		if !validID(s.ID) || s.Pool != p.name {
+			return fmt.Errorf("pool %s: state holds bad snapshot record %q", p.name, s.ID)
+		}
+		if _, dup := d.snapshotNames[s.Name]; dup || snapNames[s.Name] {
+			return fmt.Errorf("pool %s: snapshot name %q recorded twice", p.name, s.Name)
+		}
+		snapNames[s.Name] = true
+	}
+	for _, v := range f.Volumes {
+		d.volumes[v.ID] = v
+		d.volumeNames[v.Name] = v.ID
+	}
+	for _, s := range f.Snapshots {
+		d.snapshots[s.ID] = s
+		d.snapshotNames[s.Name] = s.ID
+	}
+	d.removeLeftovers(p, loops)
+	for _, v := range f.Volumes {
 		if err := d.activate(v, p, loops); err != nil {
 			// The record stays: the volume reports an abnormal condition
 			// and can still be deleted.
@@ -204,12 +230,7 @@ func (d *Driver) load() error {
 		}
 		d.reconcilePublications(v, loops[p.image(v.ID)])
 	}
-	for name := range d.pools {
-		if err := d.savePool(name); err != nil {
-			return err
-		}
-	}
-	return nil
+	return d.savePool(p.name)
 }
 
 // removeLeftovers deletes images and mount points that no record owns:

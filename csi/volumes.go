@@ -172,7 +172,7 @@ func (d *Driver) contentSource(cs *csi.VolumeContentSource, block bool) (source,
 			unlock()
 			return source{}, status.Error(codes.InvalidArgument, "source snapshot's access type differs from the requested one")
 		}
-		return source{snapshotID: id, size: c.SizeBytes, image: d.pools[c.Pool].snapImage(id), unlock: unlock}, nil
+		return source{snapshotID: id, size: c.SizeBytes, image: d.pool(c.Pool).snapImage(id), unlock: unlock}, nil
 	case cs.GetVolume() != nil:
 		id := cs.GetVolume().GetVolumeId()
 		if err := checkID("source volume", id); err != nil {
@@ -188,7 +188,7 @@ func (d *Driver) contentSource(cs *csi.VolumeContentSource, block bool) (source,
 			unlock()
 			return source{}, status.Error(codes.InvalidArgument, "source volume's access type differs from the requested one")
 		}
-		return source{volumeID: id, size: v.CapacityBytes, vol: &v, pool: d.pools[v.Pool], unlock: unlock}, nil
+		return source{volumeID: id, size: v.CapacityBytes, vol: &v, pool: d.pool(v.Pool), unlock: unlock}, nil
 	default:
 		return source{}, status.Error(codes.InvalidArgument, "volume content source has no snapshot or volume")
 	}

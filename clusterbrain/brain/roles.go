@@ -15,7 +15,9 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume"
 	"github.com/nodevirt/nodevirt/clusterbrain/hco"
 	"github.com/nodevirt/nodevirt/clusterbrain/hcoconvert"
+	"github.com/nodevirt/nodevirt/clusterbrain/hostpathprovisioner"
 	"github.com/nodevirt/nodevirt/clusterbrain/instancetypes"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon/buildinfo"
 	"github.com/nodevirt/nodevirt/clusterbrain/macpool"
 	"github.com/nodevirt/nodevirt/clusterbrain/migration"
 	"github.com/nodevirt/nodevirt/clusterbrain/nodecerts"
@@ -90,6 +92,12 @@ var leaderRoles = []RoleFactory{
 	func(d *Deps) (Role, error) {
 		// Golden images: DataImportCrons and DataSources' Ready.
 		return dataimportcron.New(dataimportcron.Config{Virt: d.Virt, Log: d.Log.With("role", "dataimportcron")})
+	},
+	func(d *Deps) (Role, error) {
+		// HostPathProvisioners' status and StorageClasses, from the node
+		// agents' pool reports; hco judges its HPP child from that status.
+		return hostpathprovisioner.New(hostpathprovisioner.Config{Kube: d.Kube, Virt: d.Virt, Version: buildinfo.Read().Version,
+			Log: d.Log.With("role", "hostpathprovisioner")})
 	},
 	func(d *Deps) (Role, error) {
 		// Before hco, which probes it for the SSP child.

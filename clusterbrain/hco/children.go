@@ -111,9 +111,13 @@ func (c *Controller) reconcileChildren(ctx context.Context, hc *hcov1beta1.Hyper
 	if err != nil {
 		return nil, nil, err
 	}
-	hpp.Status.OperatorStatus = operatorStatus(hpp.Status.OperatorStatus, hpp.Generation, byKind[kindHPP], ver)
-	if hpp, err = writeChildStatus(ctx, v.HostPathProvisioners, hpp, func(o *hppv1beta1.HostPathProvisioner) any { return &o.Status }); err != nil {
-		return nil, nil, err
+	// The HostPathProvisioner's status is its own controller's (package
+	// hostpathprovisioner, from the node agents' pool reports): the child
+	// is judged from it.
+	for i := range health {
+		if health[i].Kind == kindHPP {
+			health[i] = hppHealth(hpp)
+		}
 	}
 	hpp.SetGroupVersionKind(hppv1beta1.SchemeGroupVersion.WithKind("HostPathProvisioner"))
 	ref(hpp)

@@ -45,6 +45,7 @@ const documentedCR = `{
 func TestDocumentedFieldsReachTheirChildren(t *testing.T) {
 	e := newEnv(t)
 	e.node("node-a", true, "")
+	e.servePools("node-a", map[string]string{"role": "virt"}, "local")
 	e.create(hcov1beta1.Name, documentedCR)
 	hc := e.waitAvailable()
 	if len(hc.Status.RelatedObjects) != 5 {
@@ -122,6 +123,18 @@ func TestDocumentedFieldsReachTheirChildren(t *testing.T) {
 		hpp.Spec.Workload.NodeSelector["role"] != "virt" || hpp.Status.Phase != phaseDeployed {
 		t.Errorf("hpp = %+v", hpp)
 	}
+	if ps := hpp.Status.StoragePoolStatuses; len(ps) != 1 || ps[0].Name != "local" || ps[0].CurrentReady != 1 || ps[0].DesiredReady != 1 {
+		t.Errorf("hpp pool status = %+v", ps)
+	}
+	// The node stops serving the pool: the HPP child, and the platform,
+	// say which node and pool.
+	e.servePools("node-a", nil)
+	testkit.Eventually(t, wait, "the HPP child follows its pools", func() error {
+		return conditionIs(e.get(hcov1beta1.Name), hcov1beta1.ConditionAvailable, metav1.ConditionFalse,
+			"HostPathProvisioner is not available: HostPathProvisioner hostpath-provisioner: a storage pool is served by no node")
+	})
+	e.servePools("node-a", nil, "local")
+	e.waitAvailable()
 
 	// Changes follow: a new MAC range, emulation off, pools removed.
 	e.update(hcov1beta1.Name, func(hc *hcov1beta1.HyperConverged) {

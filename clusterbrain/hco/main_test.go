@@ -18,6 +18,8 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/poolstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/hostpathprovisioner"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 	"github.com/nodevirt/nodevirt/test/testkit"
 )
@@ -70,15 +72,41 @@ func newEnv(t *testing.T, opts ...func(*Config)) *env {
 		t.Fatal(err)
 	}
 	e.ctrl = ctrl
+	// The brain runs the HostPathProvisioner controller beside: the HPP
+	// child is judged from the status it writes.
+	hpp, err := hostpathprovisioner.New(hostpathprovisioner.Config{Kube: e.kube, Virt: virt, Version: "v1.2.3", Log: testLog()})
+	if err != nil {
+		t.Fatal(err)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); _ = ctrl.Run(ctx) }()
+	done := make(chan struct{}, 2)
+	go func() { defer func() { done <- struct{}{} }(); _ = ctrl.Run(ctx) }()
+	go func() { defer func() { done <- struct{}{} }(); _ = hpp.Run(ctx) }()
 	t.Cleanup(func() {
 		cancel()
+		<-done
 		<-done
 		e.cleanupClusterScoped()
 	})
 	return e
+}
+
+// servePools makes a test Node report the HostPathProvisioner's pools
+// Ready, as a node agent does, with the labels its placement selects.
+func (e *env) servePools(node string, labels map[string]string, pools ...string) {
+	e.t.Helper()
+	var np poolstate.NodePools
+	for _, p := range pools {
+		np.Pools = append(np.Pools, poolstate.PoolState{Name: p, Path: "/pools/" + p, Provisioner: HPPName, Phase: poolstate.PhaseReady})
+	}
+	meta := map[string]any{"annotations": map[string]string{poolstate.AnnotationNodePools: poolstate.Encode(np)}}
+	if labels != nil {
+		meta["labels"] = labels
+	}
+	patch, _ := json.Marshal(map[string]any{"metadata": meta})
+	if _, err := e.kube.CoreV1().Nodes().Patch(context.Background(), node, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		e.t.Fatal(err)
+	}
 }
 
 func (e *env) cleanupClusterScoped() {
@@ -86,6 +114,8 @@ func (e *env) cleanupClusterScoped() {
 	_ = e.virt.CDIs.Delete(ctx, "", CDIName, metav1.DeleteOptions{})
 	_ = e.virt.NetworkAddonsConfigs.Delete(ctx, "", CNAOName, metav1.DeleteOptions{})
 	_ = e.virt.HostPathProvisioners.Delete(ctx, "", HPPName, metav1.DeleteOptions{})
+	_ = e.kube.StorageV1().StorageClasses().DeleteCollection(ctx, metav1.DeleteOptions{},
+		metav1.ListOptions{LabelSelector: hostpathprovisioner.LabelOwner + "=" + HPPName})
 	nodes, _ := e.kube.CoreV1().Nodes().List(ctx, metav1.ListOptions{LabelSelector: "nodevirt.io/test-node"})
 	if nodes != nil {
 		for _, n := range nodes.Items {

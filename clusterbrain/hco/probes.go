@@ -24,7 +24,6 @@ var nodeRoles = map[string]string{
 	kindKubeVirt: "",
 	kindCDI:      "importer and upload server",
 	kindCNAO:     "bridge CNI and bridge-marker",
-	kindHPP:      "storage pools",
 }
 
 // probeAll runs every probe of each kind and returns the failures by kind.

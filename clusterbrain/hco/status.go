@@ -15,6 +15,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api"
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
+	hppv1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hostpathprovisioner/v1beta1"
 )
 
 // Reasons and messages of the HyperConverged conditions (upstream's).
@@ -143,7 +144,35 @@ var standsFor = map[string]string{
 	kindCDI:      "the brain's DataVolume controller, upload proxy and DataVolume webhook; the importer and upload server of the ready node agents",
 	kindCNAO:     "the brain's MAC pool and its webhook; the bridge CNI and bridge-marker of the ready node agents",
 	kindSSP:      "the brain's common templates (reconciled), template validator webhook and boot-source import crons",
-	kindHPP:      "the storage pools of the ready node agents",
+	kindHPP:      "the storage pools of the node agents its workload placement selects",
+}
+
+// hppHealth judges the HostPathProvisioner child from the status its own
+// controller writes (the node agents' pool reports).
+func hppHealth(hpp *hppv1beta1.HostPathProvisioner) componentHealth {
+	h := componentHealth{Kind: kindHPP, Message: "HostPathProvisioner " + hpp.Name + " has no status yet"}
+	for _, c := range hpp.Status.Conditions {
+		switch c.Type {
+		case "Available":
+			h.Available = c.Status == "True"
+			if !h.Available {
+				h.Message = "HostPathProvisioner " + hpp.Name + ": " + c.Message
+			}
+		case "Progressing":
+			h.Progressing = c.Status == "True"
+		case "Degraded":
+			if c.Status == "True" {
+				h.Degraded = true
+				if h.Available {
+					h.Message = "HostPathProvisioner " + hpp.Name + ": " + c.Message
+				}
+			}
+		}
+	}
+	if h.Available && !h.Degraded {
+		h.Message = ""
+	}
+	return h
 }
 
 func boolStatus(b bool) metav1.ConditionStatus {

@@ -140,7 +140,8 @@ func (w *Webhook) log() *slog.Logger {
 // Validate checks a HyperConverged as upstream's webhook does (old is nil
 // on create): certificate durations, TLS profile, node placement, and that
 // every child renders (JSON-patch annotations included). It returns
-// upstream's deprecation warnings for feature gates.
+// upstream's deprecation warnings for feature gates, and names every set
+// field nodevirt does not act on (effects.go).
 func Validate(hc, old *hcov1beta1.HyperConverged) ([]string, error) {
 	hc = hc.DeepCopyObject().(*hcov1beta1.HyperConverged)
 	SetDefaults(hc) // the API server applies upstream's CRD defaults before validation
@@ -157,6 +158,7 @@ func Validate(hc, old *hcov1beta1.HyperConverged) ([]string, error) {
 		return nil, err
 	}
 	warnings := append(featureGateWarnings(hc, old), v1OnlyWarnings(hc, old)...)
+	warnings = append(warnings, inertWarnings(hc, old)...)
 	if _, err := Render(hc, "validate"); err != nil {
 		return warnings, err
 	}

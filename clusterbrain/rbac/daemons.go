@@ -55,6 +55,8 @@ func NodeAgentRules() []rbacv1.PolicyRule {
 		rule("", []string{"persistentvolumes"}, "get", "list", "watch", "create", "update", "patch", "delete"),
 		rule("storage.k8s.io", []string{"storageclasses"}, read...),
 		rule("cdi.kubevirt.io", []string{"datavolumes", "cdis", "cdiconfigs"}, read...),
+		// The storage pools of HostPathProvisioners (package poolstate).
+		rule("hostpathprovisioner.kubevirt.io", []string{"hostpathprovisioners"}, read...),
 		// The snapshotter role (snapshot-controller and csi-snapshotter of
 		// its volumes) and restores by the provisioner.
 		rule(volumeSnapshot, []string{"volumesnapshots"}, "get", "list", "watch", "update", "patch"),

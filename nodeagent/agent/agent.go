@@ -71,7 +71,9 @@ type Config struct {
 	// (pluginreg.DefaultDir when empty, "-" for none; a missing directory
 	// means no kubelet).
 	KubeletPluginDir string
-	// Pools maps storage pool names to directories.
+	// Pools maps storage pool names to directories (--pools): always
+	// served, and preferred over a HostPathProvisioner's pool of the same
+	// name; HostPathProvisioners' pools are added beside them.
 	Pools map[string]string
 	// HostDiskRoot is the only directory hostDisk volumes may name files
 	// in (hostdisk.DefaultRoot when empty).

@@ -11,6 +11,7 @@ import (
 
 // nodeRoles are the node agent's jobs, each in its own package.
 var nodeRoles = []RoleFactory{
+	newStoragePoolsRole, // first: reopens the pools an earlier run took from HostPathProvisioners
 	newCSIRole,
 	newProvisionerRole,
 	newSnapshotterRole,

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"path/filepath"
 
 	"k8s.io/client-go/dynamic"
 
@@ -11,6 +12,7 @@ import (
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport"
 	"github.com/nodevirt/nodevirt/nodeagent/provisioner"
 	"github.com/nodevirt/nodevirt/nodeagent/snapshotter"
+	"github.com/nodevirt/nodevirt/nodeagent/storagepools"
 )
 
 // namedRole adapts a Run function to Role.
@@ -21,6 +23,15 @@ type namedRole struct {
 
 func (r namedRole) Name() string                  { return r.name }
 func (r namedRole) Run(ctx context.Context) error { return r.run(ctx) }
+
+// newStoragePoolsRole opens the HostPathProvisioners' pools for this node
+// beside the configured ones (--pools, which win on a name clash) and
+// reports them on the Node (package storagepools).
+func newStoragePoolsRole(d *Deps) (Role, error) {
+	return storagepools.New(storagepools.Config{NodeName: d.Config.NodeName, Kube: d.Kube, HPPs: d.Virt.HostPathProvisioners,
+		Driver: d.Volumes, FlagPools: d.Config.Pools, StateFile: filepath.Join(d.Config.StateDir, "storagepools.json"),
+		Log: d.Log.With("role", "storage-pools")})
+}
 
 // newCSIRole serves the node's CSI driver on its socket.
 func newCSIRole(d *Deps) (Role, error) { return namedRole{"csi", d.Volumes.Run}, nil }

@@ -286,3 +286,33 @@ func fill(path string, n int) error {
 	}
 	return f.Sync()
 }
+
+// TestClaimsOfAnAddedPool: a pool the driver starts serving while it runs
+// (a HostPathProvisioner's, package storagepools) takes the claims of a
+// class naming it.
+func TestClaimsOfAnAddedPool(t *testing.T) {
+	cp := controlplane.Shared(t)
+	cs := cp.Clientset(t)
+	ns := cp.Namespace(t)
+	d := newDriver(t)
+	startProvisioner(t, cs, d)
+	dir := filepath.Join(t.TempDir(), "added", "csi")
+	if err := d.AddPool(hostpath.PoolConfig{Name: "added", Path: dir}); err != nil {
+		t.Fatal(err)
+	}
+	wffc := storagev1.VolumeBindingWaitForFirstConsumer
+	class := ns + "-added"
+	if _, err := cs.StorageV1().StorageClasses().Create(context.Background(), &storagev1.StorageClass{
+		ObjectMeta: metav1.ObjectMeta{Name: class}, Provisioner: CSIProvisionerName, VolumeBindingMode: &wffc,
+		Parameters: map[string]string{hostpath.ParamStoragePool: "added"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = cs.StorageV1().StorageClasses().Delete(context.Background(), class, metav1.DeleteOptions{})
+	})
+	createClaim(t, cs, ns, "in-added", class, "16Mi", node, false)
+	_, pv := waitBound(t, cs, ns, "in-added")
+	if _, err := os.Stat(filepath.Join(dir, "volumes", pv.Spec.CSI.VolumeHandle+".img")); err != nil {
+		t.Fatalf("claim's volume not in the added pool: %v", err)
+	}
+}

@@ -45,7 +45,8 @@ type PathConfig struct {
 	UseNamingPrefix bool   `json:"useNamingPrefix,omitempty"`
 }
 
-// StoragePool is a named directory on every node.
+// StoragePool is a named directory on every node. Volumes live in
+// <path>/csi, as upstream's CSI driver lays them out.
 type StoragePool struct {
 	Name        string                            `json:"name"`
 	Path        string                            `json:"path"`
@@ -65,11 +66,40 @@ type HostPathProvisionerStatus struct {
 	StoragePoolStatuses []StoragePoolStatus `json:"storagePoolStatuses,omitempty"`
 }
 
-// StoragePoolStatus is one pool's state.
+// StoragePoolStatus is one pool's state over the nodes that should serve
+// it (upstream's shape).
 type StoragePoolStatus struct {
-	Name  string `json:"name"`
-	Phase string `json:"phase,omitempty"`
+	Name  string           `json:"name"`
+	Phase StoragePoolPhase `json:"phase,omitempty"`
+	// DesiredReady is how many nodes should serve the pool (the ready
+	// nodes the workload placement selects).
+	DesiredReady int `json:"desiredReady,omitempty"`
+	// CurrentReady is how many of them serve it.
+	CurrentReady int `json:"currentReady,omitempty"`
+	// ClaimStatuses are the claims backing a pvcTemplate pool (none in
+	// nodevirt: such pools are refused).
+	ClaimStatuses []ClaimStatus `json:"claimStatuses,omitempty"`
 }
+
+// ClaimStatus is the state of one claim backing a pool.
+type ClaimStatus struct {
+	Name   string                             `json:"name"`
+	Status corev1.PersistentVolumeClaimStatus `json:"status"`
+}
+
+// StoragePoolPhase is a pool's phase.
+type StoragePoolPhase string
+
+// Upstream's phases, and nodevirt's for a pool it will not serve.
+const (
+	StoragePoolPreparing StoragePoolPhase = "Preparing"
+	StoragePoolMounting  StoragePoolPhase = "Mounting"
+	StoragePoolReady     StoragePoolPhase = "Ready"
+	// StoragePoolRefused: the pool's definition cannot be served (a
+	// pvcTemplate, an invalid name or path); the Degraded condition says
+	// why.
+	StoragePoolRefused StoragePoolPhase = "Refused"
+)
 
 // DeepCopyObject implements runtime.Object.
 func (in *HostPathProvisioner) DeepCopyObject() runtime.Object {
