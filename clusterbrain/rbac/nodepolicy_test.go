@@ -89,8 +89,7 @@ func annotate(key, value string) []byte {
 
 // A node's credentials write only that node's objects: its Node and
 // Lease, the VMIs bound to it, the PVs of its volumes and the claims
-// placed on it. It lists no Secrets and reads none in the brain's
-// namespace.
+// placed on it. It lists no Secrets and gets none, nor any ConfigMap.
 func TestNodeWritesOnlyItsOwnObjects(t *testing.T) {
 	cp := controlplane.Shared(t)
 	ctx := context.Background()
@@ -293,4 +292,13 @@ func TestNodeWritesOnlyItsOwnObjects(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "forbidden") {
 		t.Logf("list in namespace: %v", err)
 	}
+	// Nor read one, or a ConfigMap, by name: what its VMIs and DataVolumes
+	// name comes through the brain (clusterbrain/nodereads).
+	if _, err := admin.CoreV1().Secrets(ns).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "unused"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	_, err = kube.CoreV1().Secrets(ns).Get(ctx, "unused", metav1.GetOptions{})
+	refused(t, "get a secret no VMI on it uses", err)
+	_, err = kube.CoreV1().ConfigMaps(ns).Get(ctx, "kube-root-ca.crt", metav1.GetOptions{})
+	refused(t, "get a configmap", err)
 }

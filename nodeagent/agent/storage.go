@@ -53,7 +53,7 @@ func newProvisionerRole(d *Deps) (Role, error) {
 // newImportRole fills this node's volumes for DataVolumes (HTTP, registry,
 // blank, clone) and receives uploads from the brain's upload proxy.
 func newImportRole(d *Deps) (Role, error) {
-	cfg := dvimport.Config{NodeName: d.Config.NodeName, Kube: d.Kube, Virt: d.Virt, Informers: d.Informers,
+	cfg := dvimport.Config{NodeName: d.Config.NodeName, Kube: d.Kube, Virt: d.Virt, Reads: d.Reads, Informers: d.Informers,
 		Resolver: dvimport.CSIResolver(d.Volumes), BrainNamespace: d.Config.BrainNamespace,
 		UploadAddr: d.Config.UploadAddr, UploadAdvertiseIP: advertisedIP(d.Config.UploadAddr, d.Config.NodeIP), Log: d.Log.With("role", "importer")}
 	if d.Cert != nil {
