@@ -43,7 +43,7 @@ func newProvisionerRole(d *Deps) (Role, error) {
 		return nil, err
 	}
 	p, err := provisioner.New(provisioner.Config{NodeName: d.Config.NodeName, Client: d.Kube, Driver: d.Volumes,
-		Snapshots: snaps, Informers: d.Informers, Logger: d.Log.With("role", "provisioner")})
+		Snapshots: snaps, Reads: d.Reads, Informers: d.Informers, Logger: d.Log.With("role", "provisioner")})
 	if err != nil {
 		return nil, err
 	}
