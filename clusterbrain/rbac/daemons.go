@@ -64,8 +64,8 @@ func NodeAgentRules() []rbacv1.PolicyRule {
 		rule(nodereads.Group, nodereads.Subresources, "get"),
 		// Its own certificate (nodevirt.io/node signer).
 		rule("certificates.k8s.io", []string{"certificatesigningrequests"}, "create", "get"),
+		// Events of its own (source.host: the node restriction).
 		rule("", []string{"events"}, "create", "update", "patch"),
-		rule("events.k8s.io", []string{"events"}, "create", "update", "patch"),
 	}
 }
 
