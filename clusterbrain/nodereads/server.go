@@ -13,7 +13,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
-	"net/url"
 	"strings"
 
 	authv1 "k8s.io/api/authorization/v1"
@@ -112,12 +111,11 @@ func parse(path string) (request, bool) {
 	if len(parts) != 9 || parts[0] != "apis" || parts[1] != api.Group || parts[2] != api.Version || parts[3] != "namespaces" {
 		return request{}, false
 	}
-	for i, p := range parts {
-		u, err := url.PathUnescape(p)
-		if err != nil || u == "" {
+	// path is the decoded URL path: a name cannot hide a "/" in it.
+	for _, p := range parts {
+		if p == "" || p == "." || p == ".." {
 			return request{}, false
 		}
-		parts[i] = u
 	}
 	return request{ref: api.Ref{Namespace: parts[4], Resource: parts[5], Name: parts[6]}, what: parts[7], object: parts[8]}, true
 }
