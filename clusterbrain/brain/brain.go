@@ -27,6 +27,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/fencing"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon"
+	"github.com/nodevirt/nodevirt/clusterbrain/nodereads"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 	"github.com/nodevirt/nodevirt/clusterbrain/ssp"
 )
@@ -54,6 +55,10 @@ type Config struct {
 	// TemplateAPIAddr serves template.openshift.io (common templates and
 	// their processing) to the aggregator; not loopback.
 	TemplateAPIAddr string
+	// NodeReadsAddr serves nodereads.nodevirt.io (the Secrets and
+	// ConfigMaps of what is on a node, to that node) to the aggregator;
+	// not loopback.
+	NodeReadsAddr string
 	// MetricsAddr serves /metrics.
 	MetricsAddr string
 	// CLIDownloadAddr serves the virtctl downloads from VirtctlDir.
@@ -90,6 +95,7 @@ func (c *Config) defaults() {
 	}{
 		{&c.HealthAddr, "127.0.0.1:8480"}, {&c.WebhookAddr, "127.0.0.1:8443"}, {&c.SubresourcesAddr, ":8444"},
 		{&c.UploadAPIAddr, ":8445"}, {&c.UploadProxyAddr, ":8446"}, {&c.TemplateAPIAddr, ":8448"}, {&c.MetricsAddr, DefaultMetricsAddr},
+		{&c.NodeReadsAddr, nodereads.DefaultAddr},
 		{&c.CLIDownloadAddr, ":8482"}, {&c.VirtctlDir, "/usr/local/share/nodevirt/virtctl"},
 	} {
 		if *d.addr == "" {

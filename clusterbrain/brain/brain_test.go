@@ -135,7 +135,7 @@ func brainRunner(t *testing.T, cp *controlplane.ControlPlane, ns string) func(id
 	return func(id string, args ...string) *exec.Cmd {
 		cmd := exec.Command(bin, append([]string{"--kubeconfig=" + cp.Kubeconfig, "--namespace=" + ns, "--identity=" + id,
 			"--health-addr=127.0.0.1:0", "--webhook-addr=127.0.0.1:0", "--subresources-addr=:0", "--upload-api-addr=:0",
-			"--uploadproxy-addr=:0", "--template-api-addr=:0", "--metrics-addr=127.0.0.1:0", "--cli-download-addr=127.0.0.1:0"}, args...)...)
+			"--uploadproxy-addr=:0", "--template-api-addr=:0", "--node-reads-addr=:0", "--metrics-addr=127.0.0.1:0", "--cli-download-addr=127.0.0.1:0"}, args...)...)
 		logf, err := os.Create(filepath.Join(dir, id+".log"))
 		if err != nil {
 			t.Fatal(err)

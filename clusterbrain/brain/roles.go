@@ -22,6 +22,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/migration"
 	"github.com/nodevirt/nodevirt/clusterbrain/nodecerts"
 	"github.com/nodevirt/nodevirt/clusterbrain/nodefailure"
+	"github.com/nodevirt/nodevirt/clusterbrain/nodereads"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/clusterbrain/replicas"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
@@ -55,6 +56,14 @@ var everyBrainRoles = []RoleFactory{
 		}
 		return templateapi.New(templateapi.Config{Kube: d.Kube, Dynamic: dyn, Namespace: d.Config.Namespace,
 			Addr: d.Config.TemplateAPIAddr, Log: d.Log.With("role", "template-api")})
+	},
+	func(d *Deps) (Role, error) {
+		dyn, err := dynamic.NewForConfig(d.RestConfig)
+		if err != nil {
+			return nil, err
+		}
+		return nodereads.New(nodereads.Config{Kube: d.Kube, Dynamic: dyn, Virt: d.Virt, Namespace: d.Config.Namespace,
+			Addr: d.Config.NodeReadsAddr, Log: d.Log})
 	},
 	func(d *Deps) (Role, error) {
 		return newMetricsServer(d.Config.MetricsAddr, d.Virt, d.Log.With("role", "metrics")), nil
@@ -142,9 +151,8 @@ var leaderRoles = []RoleFactory{
 		return nodecerts.New(nodecerts.Config{Kube: d.Kube, Namespace: d.Config.Namespace, Log: d.Log})
 	},
 	func(d *Deps) (Role, error) {
-		// The daemons' roles, and nodes' Secret access outside the brain's
-		// namespace.
-		return rbac.NewNodeSecretAccess(d.Kube, d.Config.Namespace, d.Log)
+		// The daemons' roles and node restriction.
+		return rbac.NewDaemonRoles(d.Kube, d.Log)
 	},
 	func(d *Deps) (Role, error) {
 		if !d.Config.CapacityPods {

@@ -159,13 +159,23 @@ func (c *Controller) buildClaim(ctx context.Context, dv *cdiv1.DataVolume, src *
 		spec.VolumeMode = &mode
 	}
 	var restore int64
+	restoreNode := ""
 	if src != nil && src.Snapshot != nil {
 		loc, err := c.snapshotSource(ctx, src)
 		if err != nil {
 			return nil, err
 		}
 		restore = loc.RestoreSize
-		snapshotDataSource(&spec, src.Snapshot.Name)
+		if src.Snapshot.Namespace == dv.Namespace {
+			snapshotDataSource(&spec, src.Snapshot.Name)
+		}
+		// From another namespace, the claim names no source: it is placed
+		// at once on the node holding the snapshot (the only one that can
+		// restore it, and no scheduler sees a source to follow), which
+		// restores what the brain's clone request says.
+		if src.Snapshot.Namespace != dv.Namespace {
+			restoreNode = loc.Node
+		}
 	}
 	size, ok := spec.Resources.Requests[corev1.ResourceStorage]
 	if !ok && restore > 0 {
@@ -222,6 +232,9 @@ func (c *Controller) buildClaim(ctx context.Context, dv *cdiv1.DataVolume, src *
 		if v, ok := dv.Annotations[k]; ok {
 			ann[k] = v
 		}
+	}
+	if restoreNode != "" {
+		ann[importstate.AnnSelectedNode] = restoreNode
 	}
 	labels := map[string]string{"app": "containerized-data-importer", "app.kubernetes.io/managed-by": "nodevirt"}
 	for k, v := range dv.Labels {

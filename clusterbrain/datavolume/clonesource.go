@@ -44,16 +44,32 @@ func checkAuthorized(dv *cdiv1.DataVolume, src *cdiv1.DataVolumeSource) error {
 	return nil
 }
 
-// ensureCloneRequest writes the clone request of pvc (a claim dv fills from
-// the claim src) in the brain's namespace, where only the brain writes: the
-// nodes take the source from there, never from the claim's annotations.
-func (c *Controller) ensureCloneRequest(ctx context.Context, pvc *corev1.PersistentVolumeClaim, src *cdiv1.DataVolumeSourcePVC) error {
-	req := importstate.CloneRequest{TargetNamespace: pvc.Namespace, TargetName: pvc.Name, SourceNamespace: src.Namespace, SourceName: src.Name}
+// cloneRequestOf is the clone request of pvc, filled from src: a clone of
+// a claim, or the restore of a VolumeSnapshot of another namespace (the
+// claim cannot name it: a cross-namespace dataSourceRef needs an API server
+// feature gate and a ReferenceGrant). ok is false for other sources.
+func cloneRequestOf(pvc *corev1.PersistentVolumeClaim, src *cdiv1.DataVolumeSource) (importstate.CloneRequest, bool) {
+	req := importstate.CloneRequest{TargetNamespace: pvc.Namespace, TargetName: pvc.Name}
+	switch {
+	case src != nil && src.PVC != nil:
+		req.SourceNamespace, req.SourceName, req.SourceKind = src.PVC.Namespace, src.PVC.Name, importstate.CloneSourceClaim
+	case src != nil && src.Snapshot != nil && src.Snapshot.Namespace != pvc.Namespace:
+		req.SourceNamespace, req.SourceName, req.SourceKind = src.Snapshot.Namespace, src.Snapshot.Name, importstate.CloneSourceSnapshot
+	default:
+		return req, false
+	}
+	return req, true
+}
+
+// ensureCloneRequest writes req, the clone request of pvc, in the brain's
+// namespace, where only the brain writes: the nodes take the source from
+// there, never from the claim's annotations.
+func (c *Controller) ensureCloneRequest(ctx context.Context, pvc *corev1.PersistentVolumeClaim, req importstate.CloneRequest) error {
 	name := importstate.CloneRequestName(pvc.UID)
 	cms := c.kube.CoreV1().ConfigMaps(c.cfg.Namespace)
 	cur, err := cms.Get(ctx, name, metav1.GetOptions{})
 	if err == nil {
-		if _, rerr := importstate.ReadCloneRequest(cur, pvc); rerr == nil && cur.Data[importstate.CloneSourceKey] == req.Data()[importstate.CloneSourceKey] {
+		if got, rerr := importstate.ReadCloneRequest(cur, pvc); rerr == nil && got == req {
 			return nil
 		}
 		cur = cur.DeepCopy()
@@ -71,7 +87,7 @@ func (c *Controller) ensureCloneRequest(ctx context.Context, pvc *corev1.Persist
 	if _, err := cms.Create(ctx, cm, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return fmt.Errorf("create clone request %s: %w", name, err)
 	}
-	c.log.Info("clone requested", "namespace", pvc.Namespace, "pvc", pvc.Name, "source", req.SourceNamespace+"/"+req.SourceName)
+	c.log.Info("clone requested", "namespace", pvc.Namespace, "pvc", pvc.Name, "source", req.SourceNamespace+"/"+req.SourceName, "kind", req.SourceKind)
 	return nil
 }
 

@@ -19,12 +19,14 @@ import (
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/nodereads"
 	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
 	hostpath "github.com/nodevirt/nodevirt/csi"
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport"
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport/dvimporttest"
 	"github.com/nodevirt/nodevirt/nodeagent/provisioner"
 	"github.com/nodevirt/nodevirt/nodeagent/snapshotter"
+	"github.com/nodevirt/nodevirt/test/controlplane"
 	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
@@ -46,7 +48,8 @@ func startSnapNode(t *testing.T, e env) *hostpath.Driver {
 	if err != nil {
 		t.Fatal(err)
 	}
-	p, err := provisioner.New(provisioner.Config{NodeName: snapNode, Client: e.kube, Driver: d, Snapshots: e.snaps, Logger: log})
+	p, err := provisioner.New(provisioner.Config{NodeName: snapNode, Client: e.kube, Driver: d, Snapshots: e.snaps,
+		Reads: nodereads.Direct{Core: e.kube, BrainNamespace: brainNamespace}, Logger: log})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -105,7 +108,9 @@ func (e env) volumeDir(t *testing.T, d *hostpath.Driver, name string) string {
 // spec.source.snapshot and with a sourceRef to a DataSource of the snapshot
 // are restored on the snapshot's node with the original bytes and succeed;
 // one smaller than the snapshot fails with a readable reason; one naming a
-// missing snapshot waits.
+// missing snapshot waits. From another namespace, a DataVolume whose
+// creator was authorized (the admission stamp) is restored through the
+// brain's request, its claim naming no source; one not authorized fails.
 func TestDataVolumeFromSnapshot(t *testing.T) {
 	e := setup(t)
 	ctx := context.Background()
@@ -208,6 +213,30 @@ func TestDataVolumeFromSnapshot(t *testing.T) {
 	}
 	if !cloned {
 		t.Error("no CloneSucceeded event on the restored datavolume")
+	}
+
+	// From another namespace.
+	other := e
+	other.ns = controlplane.Shared(t).Namespace(t)
+	across := pvcDV("across", "16Mi", &cdiv1.DataVolumeSource{Snapshot: &cdiv1.DataVolumeSourceSnapshot{Namespace: e.ns, Name: "golden"}})
+	across.Namespace = other.ns
+	unauthorized := across.DeepCopy()
+	unauthorized.Name = "across-unauthorized"
+	across.Annotations = map[string]string{importstate.AnnImmediateBinding: "true", AnnAuthorizedSource: kindSnapshotSource + "/" + e.ns + "/golden"}
+	other.create(t, across)
+	other.create(t, unauthorized)
+	other.wait(t, "across", "Succeeded", func(dv *cdiv1.DataVolume) bool { return dv.Status.Phase == cdiv1.Succeeded })
+	pvc := other.waitPVC(t, "across", func(*corev1.PersistentVolumeClaim) bool { return true })
+	if pvc.Annotations[importstate.AnnSelectedNode] != snapNode || pvc.Spec.DataSource != nil || pvc.Spec.DataSourceRef != nil {
+		t.Errorf("across: placed on %q with data source %+v / %+v, want the snapshot's node and none",
+			pvc.Annotations[importstate.AnnSelectedNode], pvc.Spec.DataSource, pvc.Spec.DataSourceRef)
+	}
+	if got, err := os.ReadFile(filepath.Join(other.volumeDir(t, d, "across"), "disk.img")); err != nil || !bytes.Equal(got, original) {
+		t.Errorf("across holds %d bytes (equal %v, err %v), want the snapshot's", len(got), bytes.Equal(got, original), err)
+	}
+	denied := other.wait(t, "across-unauthorized", "Failed", func(dv *cdiv1.DataVolume) bool { return dv.Status.Phase == cdiv1.Failed })
+	if c := dvimporttest.Condition(denied, cdiv1.DataVolumeBound); c.Reason != "CloneNotAuthorized" {
+		t.Errorf("across-unauthorized: bound condition %+v", c)
 	}
 
 	small := e.wait(t, "too-small", "Failed", func(dv *cdiv1.DataVolume) bool { return dv.Status.Phase == cdiv1.Failed })

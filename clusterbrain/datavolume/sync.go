@@ -51,11 +51,6 @@ func (c *Controller) sync(ctx context.Context, key string) (time.Duration, error
 	if err := checkAuthorized(dv, src); err != nil {
 		return c.pending(ctx, dv, err)
 	}
-	if src != nil && src.Snapshot != nil && src.Snapshot.Namespace != dv.Namespace {
-		st := failedStatus(dv, "CrossNamespaceSnapshot",
-			"restoring a snapshot of another namespace is not implemented by the node's provisioner yet")
-		return 0, c.writeStatus(ctx, dv, st)
-	}
 	pvc, err := c.pvcs.PersistentVolumeClaims(dv.Namespace).Get(dv.Name)
 	if apierrors.IsNotFound(err) && dv.Annotations[migstate.AnnClaimMoving] != "" {
 		// A live migration replaces the claim by one bound to the copy of
@@ -105,11 +100,11 @@ func (c *Controller) sync(ctx context.Context, key string) (time.Duration, error
 	if err := c.writeStatus(ctx, dv, st); err != nil {
 		return 0, err
 	}
-	if src != nil && src.PVC != nil {
+	if req, ok := cloneRequestOf(pvc, src); ok {
 		if st.Phase == cdiv1.Succeeded || st.Phase == cdiv1.Failed {
 			return after, c.deleteCloneRequest(ctx, pvc)
 		}
-		return after, c.ensureCloneRequest(ctx, pvc, src.PVC)
+		return after, c.ensureCloneRequest(ctx, pvc, req)
 	}
 	return after, nil
 }

@@ -11,17 +11,13 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/nodereads"
 )
 
 // The daemons' roles.
 const (
 	// NodeAgentRole is what every node needs, cluster-wide.
 	NodeAgentRole = "nodevirt:nodeagent"
-	// NodeAgentSecretsRole lets nodes read Secrets (cloud-init, import
-	// credentials). It is bound per namespace by NodeSecretAccess, never in
-	// the brain's namespace (which holds the node CA key) nor in system
-	// namespaces.
-	NodeAgentSecretsRole = "nodevirt:nodeagent:secrets"
 	// NodeAgentLeaseRole lets nodes keep their Lease in kube-node-lease.
 	NodeAgentLeaseRole = "nodevirt:nodeagent:lease"
 	// BrainRole is what the brain needs.
@@ -34,8 +30,11 @@ const volumeSnapshot = "snapshot.storage.k8s.io"
 // NodeLeaseNamespace is where node Leases live.
 const NodeLeaseNamespace = "kube-node-lease"
 
-// NodeAgentRules are the nodeagent's permissions (without Secrets and
-// Leases, bound per namespace).
+// NodeAgentRules are the nodeagent's permissions (without Leases, bound
+// in their namespace). Nodes get no Secret or ConfigMap: they read those
+// their VMIs and DataVolumes name through the brain (package
+// clusterbrain/api/nodereads), which checks that the referrer is on the
+// reading node.
 func NodeAgentRules() []rbacv1.PolicyRule {
 	return []rbacv1.PolicyRule{
 		// Its Node: registration, bridge resources, endpoint annotations.
@@ -63,12 +62,12 @@ func NodeAgentRules() []rbacv1.PolicyRule {
 		rule(volumeSnapshot, []string{"volumesnapshots/status", "volumesnapshotcontents/status"}, "get", "update", "patch"),
 		rule(volumeSnapshot, []string{"volumesnapshotcontents"}, "get", "list", "watch", "create", "update", "patch", "delete"),
 		rule(volumeSnapshot, []string{"volumesnapshotclasses"}, read...),
-		// Import sources' CA bundles and the CDI configuration.
-		rule("", []string{"configmaps"}, "get"),
+		// Secrets and ConfigMaps of what is on the node, through the brain.
+		rule(nodereads.Group, nodereads.Subresources, "get"),
 		// Its own certificate (nodevirt.io/node signer).
 		rule("certificates.k8s.io", []string{"certificatesigningrequests"}, "create", "get"),
+		// Events of its own (source.host: the node restriction).
 		rule("", []string{"events"}, "create", "update", "patch"),
-		rule("events.k8s.io", []string{"events"}, "create", "update", "patch"),
 	}
 }
 
@@ -112,8 +111,9 @@ func BrainRules() []rbacv1.PolicyRule {
 			"validatingadmissionpolicies", "validatingadmissionpolicybindings"}, all...),
 		rule("authentication.k8s.io", []string{"tokenreviews"}, "create"),
 		rule("authorization.k8s.io", []string{"subjectaccessreviews"}, "create"),
-		// KubeVirt's roles and the nodes' per-namespace Secret bindings.
-		// bind/escalate: the brain grants rules it does not use itself.
+		// KubeVirt's roles and the daemons' (and removing the legacy
+		// per-namespace node Secret bindings). bind/escalate: the brain
+		// grants rules it does not use itself.
 		rule("rbac.authorization.k8s.io", []string{"clusterroles", "clusterrolebindings", "roles", "rolebindings"},
 			"get", "list", "watch", "create", "update", "patch", "delete", "bind", "escalate"),
 		// Node certificates.
@@ -132,7 +132,6 @@ func DaemonClusterRoles() []*rbacv1.ClusterRole {
 	}
 	return []*rbacv1.ClusterRole{
 		mine(NodeAgentRole, NodeAgentRules()...),
-		mine(NodeAgentSecretsRole, rule("", []string{"secrets"}, "get")),
 		mine(NodeAgentLeaseRole, rule("coordination.k8s.io", []string{"leases"}, "get", "create", "update", "patch")),
 		mine(BrainRole, BrainRules()...),
 	}
@@ -168,7 +167,8 @@ func DaemonClusterRoleBindings() []*rbacv1.ClusterRoleBinding {
 }
 
 // EnsureDaemons installs the daemons' cluster roles and bindings, the
-// node restriction policies and the nodes' Lease binding. An administrator runs it once (the brain cannot
+// node restriction policies and the nodes' Lease binding, and removes the
+// legacy node Secret access. An administrator runs it once (the brain cannot
 // grant itself its own role); the brain runs it again at start to repair
 // drift.
 func EnsureDaemons(ctx context.Context, kube kubernetes.Interface) error {
@@ -181,7 +181,10 @@ func EnsureDaemons(ctx context.Context, kube kubernetes.Interface) error {
 	if err := EnsureNodeRestriction(ctx, kube); err != nil {
 		return err
 	}
-	return ensureRoleBinding(ctx, kube, NodeLeaseNamespace, NodeAgentLeaseRole, NodeAgentLeaseRole, identity.NodesGroup)
+	if err := ensureRoleBinding(ctx, kube, NodeLeaseNamespace, NodeAgentLeaseRole, NodeAgentLeaseRole, identity.NodesGroup); err != nil {
+		return err
+	}
+	return RemoveLegacyNodeSecretAccess(ctx, kube)
 }
 
 func ensureClusterRoles(ctx context.Context, kube kubernetes.Interface, want []*rbacv1.ClusterRole) error {

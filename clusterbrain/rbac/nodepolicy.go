@@ -11,6 +11,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
 )
 
 // Node restriction: what NodeRestriction does for kubelets, for nodevirt's
@@ -36,6 +37,12 @@ import (
 //   - PersistentVolumeClaims (and their status): only claims placed on it
 //     (volume.kubernetes.io/selected-node or kubevirt.io/provisionOnNode),
 //     and it cannot change that placement.
+//   - VolumeSnapshotContents (and their status): only those annotated
+//     snapshot.nodevirt.io/node=<node> (it may claim a pre-provisioned one
+//     no node has claimed yet, as its snapshotter does for handles its
+//     driver holds).
+//   - Events: only those whose source.host is the node (its recorders set
+//     it); it deletes none.
 //
 // A node agent whose user name does not carry the prefix, or whose token
 // names no node, can write none of these. Reads cannot be guarded by admission; see NodeAgentRules.
@@ -111,6 +118,12 @@ func nodePolicies() []nodePolicy {
 			"has(" + o + ".status.migrationState.sourceNode) ? " + o + ".status.migrationState.sourceNode : '', " +
 			"has(" + o + ".status.migrationState.targetNode) ? " + o + ".status.migrationState.targetNode : ''] : ['', ''])"
 	}
+	// snapNode is the node a VolumeSnapshotContent is on (the snapshotter's
+	// annotation; '' while no node has claimed a pre-provisioned one).
+	snapNode := func(o string) string {
+		return "(has(" + o + ".metadata.annotations) && '" + snapshotv1.AnnNode + "' in " + o + ".metadata.annotations ? " +
+			o + ".metadata.annotations['" + snapshotv1.AnnNode + "'] : '')"
+	}
 	migrationParty := func(o string) string {
 		return "(variables.nodeName != '' && variables.nodeName in " + migrationNodes(o) + ")"
 	}
@@ -144,6 +157,21 @@ func nodePolicies() []nodePolicy {
 			validations: []admissionregistrationv1.Validation{{
 				Expression:        "(request.operation == 'CREATE' || (" + pvNode("oldObject") + ")) && (request.operation == 'DELETE' || (" + pvNode("object") + "))",
 				MessageExpression: "'node ' + variables.nodeName + ' may write only the PersistentVolumes of its own volumes'"}}},
+		{name: NodeRestrictionPolicy + "-snapshotcontents",
+			rules: []admissionregistrationv1.NamedRuleWithOperations{
+				ruleFor(snapshotv1.GroupName, "*", []string{"volumesnapshotcontents", "volumesnapshotcontents/status"}, ops(create, update, del))},
+			validations: []admissionregistrationv1.Validation{{
+				Expression: "(request.operation == 'CREATE' || " + snapNode("oldObject") + " == variables.nodeName || " +
+					"(request.operation == 'UPDATE' && " + snapNode("oldObject") + " == '')) && " +
+					"(request.operation == 'DELETE' || " + snapNode("object") + " == variables.nodeName)",
+				MessageExpression: "'node ' + variables.nodeName + ' may write only the VolumeSnapshotContents of its own snapshots'"}}},
+		{name: NodeRestrictionPolicy + "-events",
+			rules: []admissionregistrationv1.NamedRuleWithOperations{
+				ruleFor("", "v1", []string{"events"}, ops(create, update, del))},
+			validations: []admissionregistrationv1.Validation{{
+				Expression: "request.operation != 'DELETE' && has(object.source) && has(object.source.host) && object.source.host == variables.nodeName && " +
+					"(request.operation == 'CREATE' || (has(oldObject.source) && has(oldObject.source.host) && oldObject.source.host == variables.nodeName))",
+				MessageExpression: "'node ' + variables.nodeName + ' may write only events whose source host is itself'"}}},
 		{name: NodeRestrictionPolicy + "-claims",
 			rules: []admissionregistrationv1.NamedRuleWithOperations{
 				ruleFor("", "v1", []string{"persistentvolumeclaims", "persistentvolumeclaims/status"}, ops(update))},

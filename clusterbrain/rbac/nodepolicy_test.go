@@ -15,12 +15,15 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 	"github.com/nodevirt/nodevirt/test/testkit"
@@ -28,9 +31,9 @@ import (
 
 func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
 
-// nodeClient is a client authenticated as node's agent (client
+// nodeConfig is the rest configuration of node's agent (client
 // certificate: CN system:node:<node>, O nodevirt:nodes).
-func nodeClient(t *testing.T, cp *controlplane.ControlPlane, node string) (kubernetes.Interface, *client.Set) {
+func nodeConfig(t *testing.T, cp *controlplane.ControlPlane, node string) *rest.Config {
 	t.Helper()
 	kc := filepath.Join(t.TempDir(), node+".kubeconfig")
 	if err := cp.WriteKubeconfig(kc, identity.NodeUser(node), identity.NodesGroup); err != nil {
@@ -40,6 +43,13 @@ func nodeClient(t *testing.T, cp *controlplane.ControlPlane, node string) (kuber
 	if err != nil {
 		t.Fatal(err)
 	}
+	return cfg
+}
+
+// nodeClient is a client authenticated as node's agent.
+func nodeClient(t *testing.T, cp *controlplane.ControlPlane, node string) (kubernetes.Interface, *client.Set) {
+	t.Helper()
+	cfg := nodeConfig(t, cp, node)
 	kube, err := kubernetes.NewForConfig(cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -89,13 +99,13 @@ func annotate(key, value string) []byte {
 
 // A node's credentials write only that node's objects: its Node and
 // Lease, the VMIs bound to it, the PVs of its volumes and the claims
-// placed on it. It lists no Secrets and reads none in the brain's
-// namespace.
+// placed on it. It lists no Secrets and gets none, nor any ConfigMap.
 func TestNodeWritesOnlyItsOwnObjects(t *testing.T) {
 	cp := controlplane.Shared(t)
 	ctx := context.Background()
 	admin := cp.Clientset(t)
 	testkit.InstallCRDs(t, cp)
+	testkit.InstallSnapshotCRDs(t, cp)
 	if err := rbac.EnsureDaemons(ctx, admin); err != nil {
 		t.Fatal(err)
 	}
@@ -285,6 +295,67 @@ func TestNodeWritesOnlyItsOwnObjects(t *testing.T) {
 		annotate("volume.kubernetes.io/selected-node", other), metav1.PatchOptions{})
 	refused(t, "move its claim to another node", err)
 
+	// VolumeSnapshotContents: its own, and unclaimed pre-provisioned ones
+	// it claims; not another node's.
+	snaps := snapshotv1.NewClient(dynamic.NewForConfigOrDie(cp.RestConfig))
+	nodeSnaps := snapshotv1.NewClient(dynamic.NewForConfigOrDie(nodeConfig(t, cp, mine)))
+	content := func(name, node string) *snapshotv1.VolumeSnapshotContent {
+		handle := "snap-" + name
+		c := &snapshotv1.VolumeSnapshotContent{ObjectMeta: metav1.ObjectMeta{Name: name},
+			Spec: snapshotv1.VolumeSnapshotContentSpec{Driver: "kubevirt.io.hostpath-provisioner", DeletionPolicy: snapshotv1.VolumeSnapshotContentRetain,
+				VolumeSnapshotRef: corev1.ObjectReference{Namespace: ns, Name: "vs-" + name},
+				Source:            snapshotv1.VolumeSnapshotContentSource{SnapshotHandle: &handle}}}
+		if node != "" {
+			c.Annotations = map[string]string{snapshotv1.AnnNode: node}
+		}
+		return c
+	}
+	for _, c := range []*snapshotv1.VolumeSnapshotContent{content("np-vsc-other-"+suffix, other), content("np-vsc-free-"+suffix, "")} {
+		if _, err := snaps.Contents.Create(ctx, c); err != nil {
+			t.Fatal(err)
+		}
+		name := c.Name
+		t.Cleanup(func() { _ = snaps.Contents.Delete(context.Background(), "", name) })
+	}
+	t.Cleanup(func() { _ = snaps.Contents.Delete(context.Background(), "", "np-vsc-mine-"+suffix) })
+	waitRefused(t, "update another node's volumesnapshotcontent", func() error {
+		c, err := nodeSnaps.Contents.Get(ctx, "", "np-vsc-other-"+suffix)
+		if err != nil {
+			return err
+		}
+		c.Labels = map[string]string{"x": "1"}
+		_, err = nodeSnaps.Contents.Update(ctx, c)
+		return err
+	})
+	err = nodeSnaps.Contents.Delete(ctx, "", "np-vsc-other-"+suffix)
+	refused(t, "delete another node's volumesnapshotcontent", err)
+	_, err = nodeSnaps.Contents.Create(ctx, content("np-vsc-forged-"+suffix, other))
+	refused(t, "create a volumesnapshotcontent on another node", err)
+	_, err = nodeSnaps.Contents.Create(ctx, content("np-vsc-mine-"+suffix, mine))
+	allowed(t, "create a volumesnapshotcontent of its own", err)
+	free, err := nodeSnaps.Contents.Get(ctx, "", "np-vsc-free-"+suffix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	free.Annotations = map[string]string{snapshotv1.AnnNode: mine}
+	_, err = nodeSnaps.Contents.Update(ctx, free)
+	allowed(t, "claim an unclaimed pre-provisioned volumesnapshotcontent", err)
+
+	// Events: only with itself as source host.
+	event := func(name, host string) *corev1.Event {
+		return &corev1.Event{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
+			InvolvedObject: corev1.ObjectReference{Kind: "VirtualMachineInstance", Namespace: ns, Name: "on-" + mine},
+			Reason:         "Test", Message: "test", Type: corev1.EventTypeNormal, Source: corev1.EventSource{Component: "virt-handler", Host: host}}
+	}
+	waitRefused(t, "create an event as another node", func() error {
+		_, err := kube.CoreV1().Events(ns).Create(ctx, event("np-ev-forged-"+suffix, other), metav1.CreateOptions{})
+		return err
+	})
+	_, err = kube.CoreV1().Events(ns).Create(ctx, event("np-ev-nohost-"+suffix, ""), metav1.CreateOptions{})
+	refused(t, "create an event without a source host", err)
+	_, err = kube.CoreV1().Events(ns).Create(ctx, event("np-ev-mine-"+suffix, mine), metav1.CreateOptions{})
+	allowed(t, "create an event of its own", err)
+
 	// Secrets: never listed or watched, and none in the brain's namespace.
 	_, err = kube.CoreV1().Secrets("").List(ctx, metav1.ListOptions{})
 	refused(t, "list secrets cluster-wide", err)
@@ -293,4 +364,13 @@ func TestNodeWritesOnlyItsOwnObjects(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "forbidden") {
 		t.Logf("list in namespace: %v", err)
 	}
+	// Nor read one, or a ConfigMap, by name: what its VMIs and DataVolumes
+	// name comes through the brain (clusterbrain/nodereads).
+	if _, err := admin.CoreV1().Secrets(ns).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "unused"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	_, err = kube.CoreV1().Secrets(ns).Get(ctx, "unused", metav1.GetOptions{})
+	refused(t, "get a secret no VMI on it uses", err)
+	_, err = kube.CoreV1().ConfigMaps(ns).Get(ctx, "kube-root-ca.crt", metav1.GetOptions{})
+	refused(t, "get a configmap", err)
 }

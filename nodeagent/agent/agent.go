@@ -22,6 +22,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/fencing"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/nodereads"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/metrics"
 	"github.com/nodevirt/nodevirt/csi"
@@ -219,6 +220,9 @@ type Deps struct {
 	RestConfig *rest.Config
 	Kube       kube.Interface
 	Virt       *client.Set
+	// Reads reads the Secrets and ConfigMaps of this node's VMIs and
+	// DataVolumes through the brain (nodes have no RBAC on either).
+	Reads nodereads.Reader
 	// Informers are the claim, volume and class informers the storage
 	// roles share (one cache and one watch of each kind for the node).
 	Informers *kube.Factory
@@ -277,6 +281,10 @@ func New(cfg Config) (*Agent, error) {
 	if err != nil {
 		return nil, err
 	}
+	reads, err := nodereads.NewClient(rc)
+	if err != nil {
+		return nil, err
+	}
 	nodeIP, err := node.InternalIP(cfg.NodeIP)
 	if err != nil {
 		return nil, err
@@ -311,7 +319,7 @@ func New(cfg Config) (*Agent, error) {
 	if err != nil {
 		return nil, err
 	}
-	d := &Deps{Config: cfg, RestConfig: rc, Kube: kc, Virt: virt, Informers: kube.NewFactory(kc, 10*time.Minute),
+	d := &Deps{Config: cfg, RestConfig: rc, Kube: kc, Virt: virt, Reads: reads, Informers: kube.NewFactory(kc, 10*time.Minute),
 		VMIs: handler.NodeVMIInformer(virt, cfg.NodeName), Log: cfg.Log,
 		Health: daemon.NewHealth("node-registered"), Emulation: emulation, Volumes: volumes, Cert: cert}
 	if d.PodNetwork, d.PodNetworkErr, err = setupPodNetwork(cfg); err != nil {

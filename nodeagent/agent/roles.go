@@ -41,7 +41,7 @@ func NetStateDir(stateDir string) string { return filepath.Join(stateDir, "cni")
 // libvirt domains.
 func newHandlerRole(d *Deps) (Role, error) {
 	cfg := handler.Config{NodeName: d.Config.NodeName, StateDir: filepath.Join(d.Config.StateDir, "vms"),
-		LibvirtURI: d.Config.LibvirtURI, Emulation: d.Emulation, Kube: d.Kube, Virt: d.Virt, Volumes: d.Volumes,
+		LibvirtURI: d.Config.LibvirtURI, Emulation: d.Emulation, Kube: d.Kube, Virt: d.Virt, Reads: d.Reads, Volumes: d.Volumes,
 		NetStateDir: NetStateDir(d.Config.StateDir), Console: d.Config.Console, VMIs: d.VMIs, Log: d.Log,
 		HostDiskRoot: d.Config.HostDiskRoot, NodeIP: d.Config.NodeIP, MigrationTransport: d.Config.MigrationTransport,
 		MigrationPKIDir: d.Config.LibvirtPKIDir}

@@ -54,7 +54,7 @@ func newProvisionerRole(d *Deps) (Role, error) {
 		return nil, err
 	}
 	p, err := provisioner.New(provisioner.Config{NodeName: d.Config.NodeName, Client: d.Kube, Driver: d.Volumes,
-		Snapshots: snaps, Informers: d.Informers, Logger: d.Log.With("role", "provisioner")})
+		Snapshots: snaps, Reads: d.Reads, Informers: d.Informers, Logger: d.Log.With("role", "provisioner")})
 	if err != nil {
 		return nil, err
 	}
@@ -64,7 +64,7 @@ func newProvisionerRole(d *Deps) (Role, error) {
 // newImportRole fills this node's volumes for DataVolumes (HTTP, registry,
 // blank, clone) and receives uploads from the brain's upload proxy.
 func newImportRole(d *Deps) (Role, error) {
-	cfg := dvimport.Config{NodeName: d.Config.NodeName, Kube: d.Kube, Virt: d.Virt, Informers: d.Informers,
+	cfg := dvimport.Config{NodeName: d.Config.NodeName, Kube: d.Kube, Virt: d.Virt, Reads: d.Reads, Informers: d.Informers,
 		Resolver: dvimport.CSIResolver(d.Volumes), BrainNamespace: d.Config.BrainNamespace,
 		UploadAddr: d.Config.UploadAddr, UploadAdvertiseIP: advertisedIP(d.Config.UploadAddr, d.Config.NodeIP), Log: d.Log.With("role", "importer")}
 	if d.Cert != nil {

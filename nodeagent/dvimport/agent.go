@@ -31,6 +31,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/nodereads"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 	"github.com/nodevirt/nodevirt/nodeagent/kube"
 )
@@ -46,6 +47,11 @@ type Config struct {
 	Informers *kube.Factory
 	// Resolver finds volumes' disks (required).
 	Resolver VolumeResolver
+	// Reads gives the Secrets and ConfigMaps DataVolumes name and the
+	// brain's clone requests: the brain's nodereads API for an agent
+	// (nodes have no RBAC on Secrets or ConfigMaps); nil reads them
+	// directly with Kube's credentials.
+	Reads nodereads.Reader
 	// BrainNamespace holds the upload CA Secret and the import proxy's
 	// trusted CA ConfigMap (default kubevirt-hyperconverged).
 	BrainNamespace string
@@ -102,6 +108,9 @@ func (c *Config) defaults() {
 	}
 	if c.Log == nil {
 		c.Log = slog.Default()
+	}
+	if c.Reads == nil && c.Kube != nil {
+		c.Reads = nodereads.Direct{Core: c.Kube, BrainNamespace: c.BrainNamespace}
 	}
 }
 

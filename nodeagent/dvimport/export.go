@@ -15,6 +15,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/nodereads"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/httperr"
 	"github.com/nodevirt/nodevirt/nodeagent/importer"
 )
@@ -67,7 +68,7 @@ func (a *Agent) cloneWanted(ctx context.Context, ns, name, node string) bool {
 			continue
 		}
 		req, err := a.cloneRequest(ctx, c)
-		if err == nil && req.SourceNamespace == ns && req.SourceName == name {
+		if err == nil && req.SourceKind == importstate.CloneSourceClaim && req.SourceNamespace == ns && req.SourceName == name {
 			return true
 		}
 	}
@@ -78,7 +79,7 @@ func (a *Agent) cloneWanted(ctx context.Context, ns, name, node string) bool {
 // the brain's namespace.
 func (a *Agent) cloneRequest(ctx context.Context, pvc *corev1.PersistentVolumeClaim) (importstate.CloneRequest, error) {
 	name := importstate.CloneRequestName(pvc.UID)
-	cm, err := a.kube.CoreV1().ConfigMaps(a.cfg.BrainNamespace).Get(ctx, name, metav1.GetOptions{})
+	cm, err := a.cfg.Reads.BrainConfigMap(ctx, nodereads.Ref{Resource: nodereads.Claims, Namespace: pvc.Namespace, Name: pvc.Name}, name)
 	if apierrors.IsNotFound(err) {
 		// The brain writes it just after the claim: retried.
 		return importstate.CloneRequest{}, &importer.Error{Reason: importer.ReasonSourceUnreachable,

@@ -19,6 +19,7 @@ import (
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/nodereads"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/reach"
 	"github.com/nodevirt/nodevirt/nodeagent/importer"
 )
@@ -239,7 +240,7 @@ func (a *Agent) request(ctx context.Context, t *target) (importer.Request, error
 	if t.dv.Spec.ContentType == cdiv1.DataVolumeArchive {
 		return req, invalid("content type archive is not supported")
 	}
-	ns := t.dv.Namespace
+	ref := nodereads.Ref{Resource: nodereads.DataVolumes, Namespace: t.dv.Namespace, Name: t.dv.Name}
 	switch {
 	case t.kind == importstate.SourceBlank:
 		req.Blank = true
@@ -251,14 +252,14 @@ func (a *Agent) request(ctx context.Context, t *target) (importer.Request, error
 		hs := &importer.HTTPSource{URL: h.URL, ExtraHeaders: h.ExtraHeaders, Checksum: h.Checksum,
 			Retries: a.cfg.HTTPRetries, RetryDelay: a.cfg.HTTPRetryDelay}
 		var err error
-		if hs.CACertPEM, err = a.configMapPEM(ctx, ns, h.CertConfigMap); err != nil {
+		if hs.CACertPEM, err = a.configMapPEM(ctx, ref, h.CertConfigMap); err != nil {
 			return req, err
 		}
-		if hs.Username, hs.Password, err = a.credentials(ctx, ns, h.SecretRef); err != nil {
+		if hs.Username, hs.Password, err = a.credentials(ctx, ref, h.SecretRef); err != nil {
 			return req, err
 		}
 		for _, name := range h.SecretExtraHeaders {
-			s, err := a.secret(ctx, ns, name)
+			s, err := a.secret(ctx, ref, name)
 			if err != nil {
 				return req, err
 			}
@@ -267,7 +268,7 @@ func (a *Agent) request(ctx context.Context, t *target) (importer.Request, error
 			}
 		}
 		cfg := a.cdiConfig(ctx)
-		if hs.Proxy, err = a.proxy(ctx, cfg); err != nil {
+		if hs.Proxy, err = a.proxy(ctx, ref, cfg); err != nil {
 			return req, err
 		}
 		if hs.AllowedNetworks, err = a.allowedNetworks(ctx); err != nil {
@@ -285,12 +286,12 @@ func (a *Agent) request(ctx context.Context, t *target) (importer.Request, error
 		rs := &importer.RegistrySource{URL: *r.URL}
 		var err error
 		if r.CertConfigMap != nil {
-			if rs.CACertPEM, err = a.configMapPEM(ctx, ns, *r.CertConfigMap); err != nil {
+			if rs.CACertPEM, err = a.configMapPEM(ctx, ref, *r.CertConfigMap); err != nil {
 				return req, err
 			}
 		}
 		if r.SecretRef != nil {
-			if rs.Username, rs.Password, err = a.credentials(ctx, ns, *r.SecretRef); err != nil {
+			if rs.Username, rs.Password, err = a.credentials(ctx, ref, *r.SecretRef); err != nil {
 				return req, err
 			}
 		}
@@ -301,7 +302,7 @@ func (a *Agent) request(ctx context.Context, t *target) (importer.Request, error
 		if cfg != nil {
 			rs.InsecureRegistries = cfg.InsecureRegistries
 		}
-		if rs.Proxy, err = a.proxy(ctx, cfg); err != nil {
+		if rs.Proxy, err = a.proxy(ctx, ref, cfg); err != nil {
 			return req, err
 		}
 		if rs.AllowedNetworks, err = a.allowedNetworks(ctx); err != nil {
@@ -318,40 +319,47 @@ func invalid(msg string) error {
 	return &importer.Error{Reason: importer.ReasonInvalidRequest, Err: errors.New(msg)}
 }
 
-func (a *Agent) secret(ctx context.Context, ns, name string) (*corev1.Secret, error) {
-	s, err := a.kube.CoreV1().Secrets(ns).Get(ctx, name, metav1.GetOptions{})
+// secret reads the Secret name that the DataVolume ref names.
+func (a *Agent) secret(ctx context.Context, ref nodereads.Ref, name string) (*corev1.Secret, error) {
+	s, err := a.cfg.Reads.Secret(ctx, ref, name)
 	if err != nil {
-		return nil, &importer.Error{Reason: importer.ReasonInvalidRequest, Err: fmt.Errorf("secret %s/%s: %w", ns, name, err)}
+		return nil, &importer.Error{Reason: importer.ReasonInvalidRequest, Err: fmt.Errorf("secret %s/%s: %w", ref.Namespace, name, err)}
 	}
 	return s, nil
 }
 
 // credentials reads CDI's accessKeyId/secretKey Secret.
-func (a *Agent) credentials(ctx context.Context, ns, name string) (user, password string, err error) {
+func (a *Agent) credentials(ctx context.Context, ref nodereads.Ref, name string) (user, password string, err error) {
 	if name == "" {
 		return "", "", nil
 	}
-	s, err := a.secret(ctx, ns, name)
+	s, err := a.secret(ctx, ref, name)
 	if err != nil {
 		return "", "", err
 	}
 	return string(s.Data["accessKeyId"]), string(s.Data["secretKey"]), nil
 }
 
-// configMapPEM concatenates the values of a CA ConfigMap.
-func (a *Agent) configMapPEM(ctx context.Context, ns, name string) ([]byte, error) {
+// configMapPEM concatenates the values of the CA ConfigMap name that the
+// DataVolume ref names.
+func (a *Agent) configMapPEM(ctx context.Context, ref nodereads.Ref, name string) ([]byte, error) {
 	if name == "" {
 		return nil, nil
 	}
-	cm, err := a.kube.CoreV1().ConfigMaps(ns).Get(ctx, name, metav1.GetOptions{})
+	cm, err := a.cfg.Reads.ConfigMap(ctx, ref, name)
 	if err != nil {
-		return nil, &importer.Error{Reason: importer.ReasonInvalidRequest, Err: fmt.Errorf("configmap %s/%s: %w", ns, name, err)}
+		return nil, &importer.Error{Reason: importer.ReasonInvalidRequest, Err: fmt.Errorf("configmap %s/%s: %w", ref.Namespace, name, err)}
 	}
+	return pemOf(cm), nil
+}
+
+// pemOf concatenates the values of a CA ConfigMap.
+func pemOf(cm *corev1.ConfigMap) []byte {
 	var out []byte
 	for _, v := range cm.Data {
 		out = append(append(out, v...), '\n')
 	}
-	return out, nil
+	return out
 }
 
 // cdiConfig is the CDI CR's configuration, or nil.
@@ -376,8 +384,9 @@ func (a *Agent) allowedNetworks(ctx context.Context) ([]netip.Prefix, error) {
 	return nets, nil
 }
 
-// proxy is the import proxy of the CDI configuration, or nil.
-func (a *Agent) proxy(ctx context.Context, cfg *cdiv1.CDIConfigSpec) (*importer.Proxy, error) {
+// proxy is the import proxy of the CDI configuration, or nil; its CA is
+// read for the DataVolume ref.
+func (a *Agent) proxy(ctx context.Context, ref nodereads.Ref, cfg *cdiv1.CDIConfigSpec) (*importer.Proxy, error) {
 	if cfg == nil || cfg.ImportProxy == nil {
 		return nil, nil
 	}
@@ -387,11 +396,12 @@ func (a *Agent) proxy(ctx context.Context, cfg *cdiv1.CDIConfigSpec) (*importer.
 		return nil, nil
 	}
 	if ca := deref(ip.TrustedCAProxy); ca != "" {
-		pem, err := a.configMapPEM(ctx, a.cfg.BrainNamespace, ca)
+		cm, err := a.cfg.Reads.BrainConfigMap(ctx, ref, ca)
 		if err != nil {
-			return nil, err
+			return nil, &importer.Error{Reason: importer.ReasonInvalidRequest,
+				Err: fmt.Errorf("import proxy ca configmap %s/%s: %w", a.cfg.BrainNamespace, ca, err)}
 		}
-		p.TrustedCAPEM = pem
+		p.TrustedCAPEM = pemOf(cm)
 	}
 	return p, nil
 }

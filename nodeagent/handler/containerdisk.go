@@ -9,7 +9,6 @@ import (
 
 	k8sv1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	v1 "kubevirt.io/api/core/v1"
 
@@ -76,7 +75,7 @@ func (h *Handler) resolveContainerDisks(ctx context.Context, vmi *v1.VirtualMach
 		req := containerdisk.Request{Image: cd.Image, PullPolicy: cd.ImagePullPolicy, Path: cd.Path,
 			InsecureRegistries: insecure, AllowedNetworks: allowed}
 		if cd.ImagePullSecret != "" {
-			sec, err := h.pullSecret(ctx, vmi.Namespace, cd.ImagePullSecret)
+			sec, err := h.pullSecret(ctx, vmi, cd.ImagePullSecret)
 			if err != nil {
 				return fmt.Errorf("spec.volumes[%d] (%s): %w", i, vol.Name, err)
 			}
@@ -100,8 +99,9 @@ func (h *Handler) resolveContainerDisks(ctx context.Context, vmi *v1.VirtualMach
 
 // pullSecret reads a kubernetes.io/dockerconfigjson (or legacy dockercfg)
 // Secret.
-func (h *Handler) pullSecret(ctx context.Context, namespace, name string) ([]byte, error) {
-	sec, err := h.cfg.Kube.CoreV1().Secrets(namespace).Get(ctx, name, metav1.GetOptions{})
+func (h *Handler) pullSecret(ctx context.Context, vmi *v1.VirtualMachineInstance, name string) ([]byte, error) {
+	namespace := vmi.Namespace
+	sec, err := h.cfg.Reads.Secret(ctx, vmiRef(vmi), name)
 	if apierrors.IsNotFound(err) {
 		return nil, fmt.Errorf("%w: imagePullSecret %s/%s does not exist", errWaiting, namespace, name)
 	}

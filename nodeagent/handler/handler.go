@@ -62,6 +62,7 @@ import (
 	"libvirt.org/go/libvirt"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/nodereads"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 	"github.com/nodevirt/nodevirt/launcher"
 	"github.com/nodevirt/nodevirt/launcher/domain"
@@ -124,6 +125,10 @@ type Config struct {
 	// Kube and Virt are the API clients; required.
 	Kube kube.Interface
 	Virt *client.Set
+	// Reads gives the Secrets the VMIs name (cloud-init, pull secrets):
+	// the brain's nodereads API for an agent (nodes have no RBAC on
+	// Secrets); nil reads them directly with Kube's credentials.
+	Reads nodereads.Reader
 	// VMIs is the informer of this node's VMIs (labelled
 	// kubevirt.io/nodeName=<NodeName>), shared with other roles and run
 	// by whoever made it; nil makes the handler its own, run by Run.
@@ -182,6 +187,9 @@ func (c *Config) defaults() {
 	}
 	if c.Log == nil {
 		c.Log = slog.Default()
+	}
+	if c.Reads == nil && c.Kube != nil {
+		c.Reads = nodereads.Direct{Core: c.Kube}
 	}
 	if c.MigrationTransport == "" {
 		c.MigrationTransport = TransportTLS

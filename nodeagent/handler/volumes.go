@@ -13,6 +13,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	v1 "kubevirt.io/api/core/v1"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/api/nodereads"
 	"github.com/nodevirt/nodevirt/launcher/domain"
 )
 
@@ -135,6 +136,11 @@ func hostDisk(path string) (string, bool, error) {
 	}
 }
 
+// vmiRef names vmi as the referrer of what it reads through the brain.
+func vmiRef(vmi *v1.VirtualMachineInstance) nodereads.Ref {
+	return nodereads.Ref{Resource: nodereads.VMIs, Namespace: vmi.Namespace, Name: vmi.Name}
+}
+
 // resolveSecrets reads the Secrets the cloud-init volumes refer to.
 func (h *Handler) resolveSecrets(ctx context.Context, vmi *v1.VirtualMachineInstance) (map[string]map[string][]byte, error) {
 	out := map[string]map[string][]byte{}
@@ -150,7 +156,7 @@ func (h *Handler) resolveSecrets(ctx context.Context, vmi *v1.VirtualMachineInst
 			if ref == nil || out[ref.Name] != nil {
 				continue
 			}
-			sec, err := h.cfg.Kube.CoreV1().Secrets(vmi.Namespace).Get(ctx, ref.Name, metav1.GetOptions{})
+			sec, err := h.cfg.Reads.Secret(ctx, vmiRef(vmi), ref.Name)
 			if apierrors.IsNotFound(err) {
 				return nil, fmt.Errorf("%w: volume %s: secret %s/%s does not exist", errWaiting, vol.Name, vmi.Namespace, ref.Name)
 			}

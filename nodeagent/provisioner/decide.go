@@ -11,6 +11,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
 	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
 	hostpath "github.com/nodevirt/nodevirt/csi"
 )
@@ -135,7 +136,7 @@ func planClaim(pvc *corev1.PersistentVolumeClaim, sc *storagev1.StorageClass, no
 		plan.Err = fmt.Errorf("data source %s %s is not supported: only PersistentVolumeClaim clones and VolumeSnapshot restores are", ds.Kind, ds.Name)
 	} else if ds := pvc.Spec.DataSourceRef; ds != nil && isSnapshotSource(ds.APIGroup, ds.Kind) && ds.Namespace != nil && *ds.Namespace != "" && *ds.Namespace != pvc.Namespace {
 		plan.Err = fmt.Errorf("volumesnapshot %s/%s is in another namespace: cross-namespace restores are not served", *ds.Namespace, ds.Name)
-	} else if k == kindLegacy && snapshotSource(pvc) != "" {
+	} else if k == kindLegacy && (snapshotSource(pvc) != "" || pvc.Annotations[importstate.AnnSource] == importstate.SourceSnapshot) {
 		plan.Err = errors.New("the legacy provisioner does not restore snapshots; use the CSI storage class")
 	}
 	return plan

@@ -23,6 +23,7 @@ import (
 	storagelisters "k8s.io/client-go/listers/storage/v1"
 	"k8s.io/client-go/tools/cache"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/api/nodereads"
 	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 	hostpath "github.com/nodevirt/nodevirt/csi"
@@ -55,6 +56,10 @@ type Config struct {
 	// Snapshots locates the VolumeSnapshots claims are restored from; nil
 	// refuses such claims with an event.
 	Snapshots *snapshotv1.Client
+	// Reads gives the brain's clone requests, which name the VolumeSnapshot
+	// of another namespace a claim restores (the claim itself cannot); nil
+	// refuses such claims with an event.
+	Reads nodereads.Reader
 	// Workers is the number of claims and volumes handled at once;
 	// defaults to 2.
 	Workers int

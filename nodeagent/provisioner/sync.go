@@ -16,6 +16,8 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/tools/cache"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/nodereads"
 	hostpath "github.com/nodevirt/nodevirt/csi"
 )
 
@@ -154,7 +156,13 @@ func (r *refusal) Unwrap() error { return r.err }
 // it names, which must be ready, on this node, and no larger than the
 // claim.
 func (p *Provisioner) sourceSnapshot(ctx context.Context, pvc *corev1.PersistentVolumeClaim) (string, error) {
-	name := snapshotSource(pvc)
+	namespace, name := pvc.Namespace, snapshotSource(pvc)
+	if name == "" && pvc.Annotations[importstate.AnnSource] == importstate.SourceSnapshot {
+		var err error
+		if namespace, name, err = p.crossNamespaceSnapshot(ctx, pvc); err != nil {
+			return "", err
+		}
+	}
 	if name == "" {
 		return "", nil
 	}
@@ -164,23 +172,49 @@ func (p *Provisioner) sourceSnapshot(ctx context.Context, pvc *corev1.Persistent
 	if p.cfg.Snapshots == nil {
 		return "", &refusal{fmt.Errorf("volumesnapshot %s: this provisioner has no snapshot client", name)}
 	}
-	loc, err := p.cfg.Snapshots.Locate(ctx, pvc.Namespace, name)
+	loc, err := p.cfg.Snapshots.Locate(ctx, namespace, name)
 	if err != nil {
 		return "", fmt.Errorf("restore source: %w", err)
 	}
 	switch {
 	case loc.Driver != hostpath.DriverName:
-		return "", &refusal{fmt.Errorf("volumesnapshot %s/%s belongs to driver %s, not %s", pvc.Namespace, name, loc.Driver, hostpath.DriverName)}
+		return "", &refusal{fmt.Errorf("volumesnapshot %s/%s belongs to driver %s, not %s", namespace, name, loc.Driver, hostpath.DriverName)}
 	case loc.Node != p.cfg.NodeName:
-		return "", &refusal{fmt.Errorf("volumesnapshot %s/%s is held by node %q, the claim is selected for node %s", pvc.Namespace, name, loc.Node, p.cfg.NodeName)}
+		return "", &refusal{fmt.Errorf("volumesnapshot %s/%s is held by node %q, the claim is selected for node %s", namespace, name, loc.Node, p.cfg.NodeName)}
 	case !loc.Ready:
-		return "", fmt.Errorf("volumesnapshot %s/%s is not ready to use yet", pvc.Namespace, name)
+		return "", fmt.Errorf("volumesnapshot %s/%s is not ready to use yet", namespace, name)
 	}
 	if size, err := requestedBytes(pvc); err == nil && loc.RestoreSize > size {
 		return "", &refusal{fmt.Errorf("requested size %d bytes is smaller than the restore size %d bytes of volumesnapshot %s/%s",
-			size, loc.RestoreSize, pvc.Namespace, name)}
+			size, loc.RestoreSize, namespace, name)}
 	}
 	return loc.Handle, nil
+}
+
+// crossNamespaceSnapshot is the VolumeSnapshot of another namespace that a
+// DataVolume's claim restores: the claim names no source (a
+// cross-namespace dataSourceRef needs an API server feature gate), only
+// that it is a snapshot restore; the brain, having checked CDI's rule,
+// names the snapshot in the claim's clone request, which users cannot
+// write. Without that request nothing is restored.
+func (p *Provisioner) crossNamespaceSnapshot(ctx context.Context, pvc *corev1.PersistentVolumeClaim) (namespace, name string, err error) {
+	if p.cfg.Reads == nil {
+		return "", "", &refusal{fmt.Errorf("claim %s/%s restores a snapshot the brain names: this provisioner cannot read the brain's requests", pvc.Namespace, pvc.Name)}
+	}
+	ref := nodereads.Ref{Resource: nodereads.Claims, Namespace: pvc.Namespace, Name: pvc.Name}
+	cm, err := p.cfg.Reads.BrainConfigMap(ctx, ref, importstate.CloneRequestName(pvc.UID))
+	if err != nil {
+		// The brain writes it just after the claim: retried.
+		return "", "", fmt.Errorf("restore request of claim %s/%s: %w", pvc.Namespace, pvc.Name, err)
+	}
+	req, err := importstate.ReadCloneRequest(cm, pvc)
+	if err != nil {
+		return "", "", &refusal{err}
+	}
+	if req.SourceKind != importstate.CloneSourceSnapshot {
+		return "", "", &refusal{fmt.Errorf("the clone request of claim %s/%s names a %s, not a VolumeSnapshot", pvc.Namespace, pvc.Name, req.SourceKind)}
+	}
+	return req.SourceNamespace, req.SourceName, nil
 }
 
 // syncVolume deletes a released volume of ours per its reclaim policy.

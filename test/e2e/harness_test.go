@@ -228,7 +228,7 @@ func (e *env) startDaemons() error {
 		// Aggregated APIs are reached through Endpoints, which may not be
 		// loopback: those listen on every address.
 		"--webhook-addr=127.0.0.1:0", "--subresources-addr=:0", "--upload-api-addr=:0", "--uploadproxy-addr=:0", "--template-api-addr=:0",
-		"--metrics-addr=127.0.0.1:0", "--cli-download-addr=127.0.0.1:0"}
+		"--node-reads-addr=:0", "--metrics-addr=127.0.0.1:0", "--cli-download-addr=127.0.0.1:0"}
 	e.brain = newDaemon(e, "clusterbrain", brainArgs...)
 	agentDir := e.path("nodeagent")
 	agentArgs := []string{"--kubeconfig=" + agentKC, "--node-name=" + e.nodeName, "--fencing-window=" + fencingWindow.String(), "--heartbeat=" + heartbeat.String(),

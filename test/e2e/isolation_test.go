@@ -13,6 +13,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -24,6 +25,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/nodereads"
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/uploadtls"
 	nodeconsole "github.com/nodevirt/nodevirt/nodeagent/console"
@@ -167,7 +169,8 @@ func TestCrossNamespaceCloneFollowsCDIsRule(t *testing.T) {
 // (user system:node:<other>, group nodevirt:nodes, and a certificate from
 // the node CA naming it) nothing of this suite's node can be written and
 // its console cannot be read: the Node, the claims placed on it, its
-// console server. Secrets are never listed.
+// console server. Secrets are never listed, and a Secret only objects of
+// the suite's node name is not read.
 func TestAnotherNodesCredentials(t *testing.T) {
 	e := require(t)
 	n := e.namespace(t)
@@ -203,6 +206,36 @@ func TestAnotherNodesCredentials(t *testing.T) {
 	}
 	if _, err := kube.CoreV1().Secrets(hcov1beta1.DefaultNamespace).Get(ctx, identity.UploadCASecretName, metav1.GetOptions{}); err == nil {
 		t.Error("a node read the node CA's Secret")
+	}
+
+	// A Secret an import on the suite's node uses: that node read it (the
+	// import ran), the other node cannot, neither through the brain nor
+	// directly.
+	creds := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "import-creds", Namespace: n.name},
+		StringData: map[string]string{"accessKeyId": "user", "secretKey": "password"}}
+	if _, err := e.kube.CoreV1().Secrets(n.name).Create(ctx, creds, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	image := filepath.Join(t.TempDir(), "small.raw")
+	if err := os.WriteFile(image, make([]byte, 1<<20), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	withCreds := immediateDV(n.name, "with-creds", &cdiv1.DataVolumeSource{HTTP: &cdiv1.DataVolumeSourceHTTP{URL: serveFile(t, image), SecretRef: "import-creds"}})
+	withCreds.Annotations["volume.kubernetes.io/selected-node"] = e.nodeName
+	if _, err := e.virt.DataVolumes.Create(ctx, withCreds); err != nil {
+		t.Fatal(err)
+	}
+	n.waitImported("", "with-creds")
+	reads, err := nodereads.NewClient(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ref := nodereads.Ref{Resource: nodereads.DataVolumes, Namespace: n.name, Name: "with-creds"}
+	if _, err := reads.Secret(ctx, ref, "import-creds"); !apierrors.IsForbidden(err) {
+		t.Errorf("another node read the secret of an import on node %s through the brain: %v, want forbidden", e.nodeName, err)
+	}
+	if _, err := kube.CoreV1().Secrets(n.name).Get(ctx, "import-creds", metav1.GetOptions{}); !apierrors.IsForbidden(err) {
+		t.Errorf("another node read a secret no object on it uses: %v, want forbidden", err)
 	}
 
 	// The suite node's console server refuses another node's certificate.

@@ -157,6 +157,7 @@ func Up(ctx context.Context, cfg Config) error {
 	// APIs as soon as their registered server stops answering).
 	if err := startDaemonAs(cfg, standbyBrain, "clusterbrain", "--kubeconfig="+brainKC, "--health-addr=127.0.0.1:8490",
 		"--webhook-addr=127.0.0.1:8453", "--subresources-addr=:8454", "--upload-api-addr=:8455", "--uploadproxy-addr=:8456", "--template-api-addr=:8458",
+		"--node-reads-addr=:8459",
 		"--metrics-addr=:8494", "--cli-download-addr=:8492", "--virtctl-dir="+filepath.Join(cfg.BinDir, "dist")); err != nil {
 		return err
 	}

@@ -24,8 +24,15 @@ const (
 	CloneRequestLabel = "nodevirt.io/clone-request"
 	// CloneTargetKey is the claim to fill, "namespace/name".
 	CloneTargetKey = "target"
-	// CloneSourceKey is the claim to copy, "namespace/name".
+	// CloneSourceKey is what to copy, "namespace/name": a claim, or the
+	// VolumeSnapshot to restore when CloneSourceKindKey says so.
 	CloneSourceKey = "source"
+	// CloneSourceKindKey is the kind of the source: CloneSourceClaim (also
+	// when absent) or CloneSourceSnapshot.
+	CloneSourceKindKey = "sourceKind"
+	// The kinds of clone sources.
+	CloneSourceClaim    = "PersistentVolumeClaim"
+	CloneSourceSnapshot = "VolumeSnapshot"
 )
 
 // CloneRequestName is the name of the clone request of the claim whose UID
@@ -36,13 +43,20 @@ func CloneRequestName(uid types.UID) string { return CloneRequestPrefix + string
 type CloneRequest struct {
 	TargetNamespace, TargetName string
 	SourceNamespace, SourceName string
+	// SourceKind is CloneSourceClaim or CloneSourceSnapshot.
+	SourceKind string
 }
 
 // Data is the ConfigMap data of r.
 func (r CloneRequest) Data() map[string]string {
+	kind := r.SourceKind
+	if kind == "" {
+		kind = CloneSourceClaim
+	}
 	return map[string]string{
-		CloneTargetKey: r.TargetNamespace + "/" + r.TargetName,
-		CloneSourceKey: r.SourceNamespace + "/" + r.SourceName,
+		CloneTargetKey:     r.TargetNamespace + "/" + r.TargetName,
+		CloneSourceKey:     r.SourceNamespace + "/" + r.SourceName,
+		CloneSourceKindKey: kind,
 	}
 }
 
@@ -61,5 +75,13 @@ func ReadCloneRequest(cm *corev1.ConfigMap, pvc *corev1.PersistentVolumeClaim) (
 	if tns != pvc.Namespace || tname != pvc.Name {
 		return CloneRequest{}, fmt.Errorf("clone request %s targets %s/%s, not pvc %s/%s", cm.Name, tns, tname, pvc.Namespace, pvc.Name)
 	}
-	return CloneRequest{TargetNamespace: tns, TargetName: tname, SourceNamespace: sns, SourceName: sname}, nil
+	kind := cm.Data[CloneSourceKindKey]
+	switch kind {
+	case "":
+		kind = CloneSourceClaim
+	case CloneSourceClaim, CloneSourceSnapshot:
+	default:
+		return CloneRequest{}, fmt.Errorf("clone request %s has an unknown source kind %q", cm.Name, kind)
+	}
+	return CloneRequest{TargetNamespace: tns, TargetName: tname, SourceNamespace: sns, SourceName: sname, SourceKind: kind}, nil
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/capacitypods"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon/buildinfo"
+	"github.com/nodevirt/nodevirt/clusterbrain/nodereads"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 )
 
@@ -29,6 +30,7 @@ func main() {
 	flag.StringVar(&cfg.UploadAPIAddr, "upload-api-addr", ":8445", "address of the upload.cdi.kubevirt.io aggregated API (not loopback)")
 	flag.StringVar(&cfg.UploadProxyAddr, "uploadproxy-addr", ":8446", "address of the upload proxy")
 	flag.StringVar(&cfg.TemplateAPIAddr, "template-api-addr", ":8448", "address of the template.openshift.io aggregated API (not loopback)")
+	flag.StringVar(&cfg.NodeReadsAddr, "node-reads-addr", nodereads.DefaultAddr, "address of the nodereads.nodevirt.io aggregated API nodes read Secrets and ConfigMaps through (not loopback)")
 	flag.StringVar(&cfg.MetricsAddr, "metrics-addr", brain.DefaultMetricsAddr, "address of /metrics (unauthenticated: loopback unless you put a proxy in front)")
 	flag.StringVar(&cfg.CLIDownloadAddr, "cli-download-addr", ":8482", "address of the virtctl download service")
 	flag.StringVar(&cfg.VirtctlDir, "virtctl-dir", "/usr/local/share/nodevirt/virtctl", "directory of the virtctl builds served for download")

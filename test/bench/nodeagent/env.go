@@ -131,7 +131,7 @@ func (e *env) start(ctx context.Context) error {
 	}
 	if e.brain, err = e.daemon("clusterbrain", "--kubeconfig="+brainKC, "--health-addr="+freeAddr("127.0.0.1"),
 		"--webhook-addr=127.0.0.1:0", "--subresources-addr=:0", "--upload-api-addr=:0", "--uploadproxy-addr=:0", "--template-api-addr=:0",
-		"--metrics-addr=127.0.0.1:0", "--cli-download-addr=127.0.0.1:0"); err != nil {
+		"--node-reads-addr=:0", "--metrics-addr=127.0.0.1:0", "--cli-download-addr=127.0.0.1:0"); err != nil {
 		return err
 	}
 	// The agent starts as on a node that just booted: its executable is
