@@ -123,6 +123,9 @@ func TestExecuteInVM(t *testing.T) {
 		t.Errorf("a failing script: %s", out)
 	}
 	// A host key that is not the server's is refused (strict checking).
+	if conn, err = e.c.Kube.CoreV1().Secrets(e.ns).Get(ctx, "conn", metav1.GetOptions{}); err != nil {
+		t.Fatal(err)
+	}
 	conn.Data[SecretHostPublicKey] = pub.Data[PublicKeyKey]
 	if _, err := e.c.Kube.CoreV1().Secrets(e.ns).Update(ctx, conn, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)

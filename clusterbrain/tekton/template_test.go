@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"io"
 	"log/slog"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -13,6 +14,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/dynamic"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
@@ -22,14 +24,21 @@ import (
 	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
+func testLog() *slog.Logger {
+	if os.Getenv("TEKTON_TEST_LOG") != "" {
+		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
+	return slog.New(slog.NewTextHandler(io.Discard, nil))
+}
+
 // withTemplates runs the brain's template.openshift.io API and puts the
 // common template name (as the SSP renders it) into the test's namespace.
 func (e *env) withTemplates(t *testing.T, name string) dynamic.ResourceInterface {
 	t.Helper()
 	cp := controlplane.Shared(t)
 	dyn := dynamic.NewForConfigOrDie(cp.RestConfig)
-	api, err := templateapi.New(templateapi.Config{Kube: e.c.Kube, Dynamic: dyn, Namespace: e.ns, Addr: "127.0.0.1:0",
-		Log: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	api, err := templateapi.New(templateapi.Config{Kube: e.c.Kube, Dynamic: dyn, Namespace: e.ns, Addr: ":0",
+		Log: testLog()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -111,9 +120,12 @@ func TestCopyTemplate(t *testing.T) {
 	if out := e.run(t, 1, "copy-template", "--sourceTemplateName=fedora-server-small", "--targetTemplateName=my-fedora"); !strings.Contains(out, "already exists") {
 		t.Errorf("copy onto an existing template: %s", out)
 	}
+	if _, err := res.Patch(ctx, "my-fedora", types.MergePatchType, []byte(`{"metadata":{"labels":{"edited":"yes"}}}`), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
 	e.run(t, 0, "copy-template", "--sourceTemplateName=fedora-server-small", "--targetTemplateName=my-fedora", "--allowReplace=true")
-	if again, err := res.Get(ctx, "my-fedora", metav1.GetOptions{}); err != nil || again.GetResourceVersion() == cp.GetResourceVersion() {
-		t.Errorf("allowReplace did not replace: %v", err)
+	if again, err := res.Get(ctx, "my-fedora", metav1.GetOptions{}); err != nil || again.GetLabels()["edited"] != "" {
+		t.Errorf("allowReplace did not replace the edited copy: %v %v", err, again.GetLabels())
 	}
 
 	// Without a target name the copy's name is generated; a user's
@@ -126,6 +138,10 @@ func TestCopyTemplate(t *testing.T) {
 
 	// setOwnerReference: the TaskRun's pod (created here without a
 	// kubelet: only its identity matters) owns the copy.
+	sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "default"}}
+	if _, err := e.c.Kube.CoreV1().ServiceAccounts(e.ns).Create(ctx, sa, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
 	pod, err := e.c.Kube.CoreV1().Pods(e.ns).Create(ctx, &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "taskrun-pod"},
 		Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "step", Image: "nodevirt-tasks"}}}}, metav1.CreateOptions{})
 	if err != nil {
