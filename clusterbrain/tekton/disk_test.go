@@ -166,11 +166,11 @@ func TestDiskVirtCustomizeAndSysprep(t *testing.T) {
 	// A command that fails fails the task.
 	e.run(t, 1, "disk-virt-customize", "--pvc=rootdisk", "--disk="+img, "--virtCommands=run-command exit 7")
 
-	// virt-sysprep resets the machine identity and runs its customize
-	// commands.
+	// virt-sysprep resets the machine identity (its customize step then
+	// writes a fresh one) and runs its customize commands.
 	e.run(t, 0, "disk-virt-sysprep", "--pvc=rootdisk", "--disk="+img, "--virtCommands=write /etc/sysprepped:yes",
 		"--additionalVirtOptions=--operations machine-id,customize")
-	if got := catFile(t, img, "/etc/machine-id"); strings.TrimSpace(got) != "" {
+	if got := catFile(t, img, "/etc/machine-id"); strings.TrimSpace(got) == "0123456789abcdef0123456789abcdef" {
 		t.Errorf("machine-id after virt-sysprep: %q", got)
 	}
 	if got := catFile(t, img, "/etc/sysprepped"); got != "yes" {
