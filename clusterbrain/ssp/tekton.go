@@ -18,7 +18,7 @@ import (
 
 	sspv1beta2 "github.com/nodevirt/nodevirt/clusterbrain/api/ssp/v1beta2"
 	"github.com/nodevirt/nodevirt/clusterbrain/ssp/templates"
-	"github.com/nodevirt/nodevirt/clusterbrain/tekton"
+	"github.com/nodevirt/nodevirt/clusterbrain/tekton/manifests"
 )
 
 // The pipeline objects the role deploys when an SSP's
@@ -110,11 +110,11 @@ func tektonObjects(tasksNS, pipelinesNS string) ([]tektonObject, error) {
 		u.SetLabels(l)
 		out = append(out, tektonObject{gvr, u})
 	}
-	files, err := tekton.Tasks()
+	files, err := manifests.Tasks()
 	if err != nil {
 		return nil, err
 	}
-	rules := tekton.TaskRules()
+	rules := manifests.TaskRules()
 	names := make([]string, 0, len(files))
 	for f := range files {
 		names = append(names, f)
@@ -145,12 +145,12 @@ func tektonObjects(tasksNS, pipelinesNS string) ([]tektonObject, error) {
 		}
 		add(roleBindingGVR, rb)
 	}
-	pipes, err := tekton.Pipelines()
+	pipes, err := manifests.Pipelines()
 	if err != nil {
 		return nil, err
 	}
 	for f, data := range pipes {
-		p, err := fromYAML([]byte(strings.ReplaceAll(string(data), tekton.TasksNamespacePlaceholder, tasksNS)), pipelinesNS)
+		p, err := fromYAML([]byte(strings.ReplaceAll(string(data), manifests.TasksNamespacePlaceholder, tasksNS)), pipelinesNS)
 		if err != nil {
 			return nil, fmt.Errorf("pipeline %s: %w", f, err)
 		}

@@ -16,7 +16,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	sspv1beta2 "github.com/nodevirt/nodevirt/clusterbrain/api/ssp/v1beta2"
-	"github.com/nodevirt/nodevirt/clusterbrain/tekton"
+	"github.com/nodevirt/nodevirt/clusterbrain/tekton/manifests"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
 
@@ -103,7 +103,7 @@ func TestPipelineTasksDeployedIntoTheTektonNamespace(t *testing.T) {
 
 	installTektonCRDs(t)
 	setGate(true)
-	names := tekton.TaskNames()
+	names := manifests.TaskNames()
 	eventually(t, 120*time.Second, func() error {
 		if err := e.role.Health(); err != nil {
 			return err
@@ -136,7 +136,7 @@ func TestPipelineTasksDeployedIntoTheTektonNamespace(t *testing.T) {
 	}
 	for _, p := range pipes.Items {
 		data, _ := p.MarshalJSON()
-		if strings.Contains(string(data), tekton.TasksNamespacePlaceholder) || !strings.Contains(string(data), `"value":"`+pns+`"`) {
+		if strings.Contains(string(data), manifests.TasksNamespacePlaceholder) || !strings.Contains(string(data), `"value":"`+pns+`"`) {
 			t.Errorf("pipeline %s does not resolve its tasks in %s", p.GetName(), pns)
 		}
 	}

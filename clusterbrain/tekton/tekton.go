@@ -2,7 +2,7 @@
 // subcommands do what OpenShift Virtualization's Tekton tasks do, with
 // the tasks' parameter names as flags, writing each result to a file named
 // after it in --results-dir (Tekton's /tekton/results). The Task manifests
-// that run it are in tasks/ (Tasks()).
+// that run it and the example Pipelines are in package manifests.
 //
 // Tasks: create-vm-from-manifest, create-vm-from-template, copy-template,
 // modify-vm-template, modify-data-object, wait-for-vmi-status, cleanup-vm,
@@ -12,7 +12,6 @@ package tekton
 
 import (
 	"context"
-	"embed"
 	"errors"
 	"flag"
 	"fmt"
@@ -23,27 +22,11 @@ import (
 	"strings"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/client/virtctl"
+	"github.com/nodevirt/nodevirt/clusterbrain/tekton/manifests"
 )
 
-//go:embed tasks/*.yaml
-var taskFiles embed.FS
-
 // Tasks returns the tekton.dev/v1 Task manifests, by file name.
-func Tasks() (map[string][]byte, error) {
-	entries, err := taskFiles.ReadDir("tasks")
-	if err != nil {
-		return nil, err
-	}
-	out := map[string][]byte{}
-	for _, e := range entries {
-		data, err := taskFiles.ReadFile("tasks/" + e.Name())
-		if err != nil {
-			return nil, err
-		}
-		out[e.Name()] = data
-	}
-	return out, nil
-}
+func Tasks() (map[string][]byte, error) { return manifests.Tasks() }
 
 // Env is where a task runs.
 type Env struct {

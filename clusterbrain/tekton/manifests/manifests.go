@@ -1,4 +1,9 @@
-package tekton
+// Package manifests holds what the pipeline tasks program is deployed
+// with: the tekton.dev/v1 Task manifests that run nodevirt-tasks, the
+// example Pipelines, and each task's RBAC rules. It is a leaf the brain's
+// SSP role reads (the program itself is a client and stays out of the
+// brain).
+package manifests
 
 import (
 	"embed"
@@ -8,8 +13,28 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 )
 
+//go:embed tasks/*.yaml
+var taskFiles embed.FS
+
 //go:embed pipelines/*.yaml
 var pipelineFiles embed.FS
+
+// Tasks returns the tekton.dev/v1 Task manifests, by file name.
+func Tasks() (map[string][]byte, error) {
+	entries, err := taskFiles.ReadDir("tasks")
+	if err != nil {
+		return nil, err
+	}
+	out := map[string][]byte{}
+	for _, e := range entries {
+		data, err := taskFiles.ReadFile("tasks/" + e.Name())
+		if err != nil {
+			return nil, err
+		}
+		out[e.Name()] = data
+	}
+	return out, nil
+}
 
 // Pipelines returns the example tekton.dev/v1 Pipelines, by file name.
 // Their taskRefs name the Tasks through the cluster resolver in the
