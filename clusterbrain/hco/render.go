@@ -434,6 +434,12 @@ func renderSSP(hc *hcov1beta1.HyperConverged, version string) (*sspv1beta2.SSP, 
 	if s.DeployVMConsoleProxy != nil && *s.DeployVMConsoleProxy {
 		spec.FeatureGates = &sspv1beta2.SSPFeatureGates{DeployVmConsoleProxy: true}
 	}
+	if d := s.FeatureGates.DeployTektonTaskResources; d != nil && *d {
+		if spec.FeatureGates == nil {
+			spec.FeatureGates = &sspv1beta2.SSPFeatureGates{}
+		}
+		spec.FeatureGates.DeployTektonTaskResources = true
+	}
 	ssp := &sspv1beta2.SSP{
 		TypeMeta:   metav1.TypeMeta{APIVersion: sspv1beta2.SchemeGroupVersion.String(), Kind: "SSP"},
 		ObjectMeta: ownedMeta(hc, SSPName, "schedule", version),

@@ -92,6 +92,7 @@ func BrainRules() []rbacv1.PolicyRule {
 		rule("networkaddonsoperator.network.kubevirt.io", []string{"*"}, all...),
 		rule("hostpathprovisioner.kubevirt.io", []string{"*"}, all...),
 		rule("ssp.kubevirt.io", []string{"*"}, all...),
+		rule("tekton.dev", []string{"tasks", "pipelines"}, all...), // the SSP's pipeline tasks
 		rule("k8s.cni.cncf.io", []string{"*"}, all...),
 		rule("nodevirt.io", []string{"*"}, all...), // the MAC pool's allocations
 		rule("", []string{"nodes", "persistentvolumeclaims", "persistentvolumes", "namespaces"}, all...),

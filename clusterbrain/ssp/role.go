@@ -2,7 +2,8 @@
 // every SSP CR (rendered by the hco role) in the SSP's
 // spec.commonTemplates.namespace — created, versioned, edits reverted,
 // removed with the SSP — and the SSP's boot sources (DataImportCrons from
-// spec.commonTemplates.dataImportCronTemplates, crons.go), and reports
+// spec.commonTemplates.dataImportCronTemplates, crons.go), the pipeline
+// tasks when asked (deployTektonTaskResources, tekton.go), and reports
 // whether they are in place (the
 // HyperConverged's SSP child follows that). The template.openshift.io API
 // itself is package templateapi; the catalogue is package templates.
@@ -215,6 +216,9 @@ func (r *Role) Sync(ctx context.Context) error {
 		r.cfg.Log.Info("created common templates", "count", created, "version", templates.Version)
 	}
 	if err := r.syncCrons(ctx, ssps); err != nil {
+		errs = append(errs, err)
+	}
+	if err := r.syncTekton(ctx, ssps); err != nil {
 		errs = append(errs, err)
 	}
 	if len(ssps) == 0 && len(errs) == 0 {

@@ -2,15 +2,16 @@
 // subcommands do what OpenShift Virtualization's Tekton tasks do, with
 // the tasks' parameter names as flags, writing each result to a file named
 // after it in --results-dir (Tekton's /tekton/results). The Task manifests
-// that run it are in tasks/ (Tasks()).
+// that run it and the example Pipelines are in package manifests.
 //
-// Done: create-vm-from-manifest, create-vm-from-template,
-// wait-for-vmi-status, cleanup-vm, generate-ssh-keys.
+// Tasks: create-vm-from-manifest, create-vm-from-template, copy-template,
+// modify-vm-template, modify-data-object, wait-for-vmi-status, cleanup-vm,
+// generate-ssh-keys, execute-in-vm (the OpenSSH client), disk-virt-customize
+// and disk-virt-sysprep (libguestfs' virt-customize and virt-sysprep).
 package tekton
 
 import (
 	"context"
-	"embed"
 	"errors"
 	"flag"
 	"fmt"
@@ -21,27 +22,11 @@ import (
 	"strings"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/client/virtctl"
+	"github.com/nodevirt/nodevirt/clusterbrain/tekton/manifests"
 )
 
-//go:embed tasks/*.yaml
-var taskFiles embed.FS
-
 // Tasks returns the tekton.dev/v1 Task manifests, by file name.
-func Tasks() (map[string][]byte, error) {
-	entries, err := taskFiles.ReadDir("tasks")
-	if err != nil {
-		return nil, err
-	}
-	out := map[string][]byte{}
-	for _, e := range entries {
-		data, err := taskFiles.ReadFile("tasks/" + e.Name())
-		if err != nil {
-			return nil, err
-		}
-		out[e.Name()] = data
-	}
-	return out, nil
-}
+func Tasks() (map[string][]byte, error) { return manifests.Tasks() }
 
 // Env is where a task runs.
 type Env struct {
@@ -62,6 +47,12 @@ var tasks = map[string]task{
 	"wait-for-vmi-status":     {"Wait until a VirtualMachineInstance meets a success or a failure condition.", waitForVMIStatus},
 	"cleanup-vm":              {"Stop and/or delete a VirtualMachine.", cleanupVM},
 	"generate-ssh-keys":       {"Generate an SSH key pair into a public and a private Secret.", generateSSHKeys},
+	"copy-template":           {"Copy a template.openshift.io Template (a common one becomes a user's).", copyTemplate},
+	"modify-vm-template":      {"Modify a Template and its VirtualMachine, or delete the Template.", modifyVMTemplate},
+	"execute-in-vm":           {"Run a script or command in a VM over SSH (starting the VM if it is not running).", executeInVM},
+	"disk-virt-customize":     {"Run virt-customize commands on a claim's disk.", diskVirtCustomize},
+	"disk-virt-sysprep":       {"Run virt-sysprep (and its customize commands) on a claim's disk.", diskVirtSysprep},
+	"modify-data-object":      {"Create (or replace, or delete) a DataVolume or DataSource, waiting for it if asked.", modifyDataObject},
 }
 
 // results writes Tekton results.
@@ -108,23 +99,15 @@ func run(ctx context.Context, args []string, env Env) error {
 	resultsDir := fs.String("results-dir", "/tekton/results", "where Tekton collects the results (empty: print only)")
 	ns := fs.String("n", "", "namespace for parameters left empty (default: the pod's or the kubeconfig's)")
 	// Tekton expands an array parameter into separate arguments: the
-	// Task passes them after "--" and names the flag they are values of.
+	// Task passes them after "--" and names the flag they are values of;
+	// after "--", --array-param=NAME switches to the next array.
 	arrayParam := fs.String("array-param", "", "the repeatable flag the arguments after -- are values of")
 	exec := t.run(ctx, fs)
 	if err := fs.Parse(args[1:]); err != nil {
 		return err
 	}
-	if *arrayParam != "" {
-		for _, v := range fs.Args() {
-			if v == "" {
-				continue
-			}
-			if err := fs.Set(*arrayParam, v); err != nil {
-				return fmt.Errorf("%s: %w", *arrayParam, err)
-			}
-		}
-	} else if fs.NArg() > 0 {
-		return fmt.Errorf("%s: unexpected arguments %v", args[0], fs.Args())
+	if err := setArrays(fs, *arrayParam); err != nil {
+		return fmt.Errorf("%s: %w", args[0], err)
 	}
 	c, err := env.Connect(*ns)
 	if err != nil {
@@ -143,6 +126,31 @@ func usage(w io.Writer) {
 	for _, n := range names {
 		fmt.Fprintf(w, "  %-26s %s\n", n, tasks[n].short)
 	}
+}
+
+// setArrays gives the arguments left after "--" to the repeatable flag
+// named by --array-param, and after each "--array-param=NAME" among them
+// to NAME; empty arguments (an empty array's expansion) are skipped.
+func setArrays(fs *flag.FlagSet, current string) error {
+	for _, v := range fs.Args() {
+		if name, ok := strings.CutPrefix(v, "--array-param="); ok {
+			if fs.Lookup(name) == nil {
+				return fmt.Errorf("--array-param: no parameter %q", name)
+			}
+			current = name
+			continue
+		}
+		if v == "" {
+			continue
+		}
+		if current == "" {
+			return fmt.Errorf("unexpected arguments %v", fs.Args())
+		}
+		if err := fs.Set(current, v); err != nil {
+			return fmt.Errorf("%s: %w", current, err)
+		}
+	}
+	return nil
 }
 
 // multi collects a repeated flag.

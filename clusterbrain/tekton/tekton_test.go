@@ -3,6 +3,7 @@ package tekton
 import (
 	"bytes"
 	"context"
+	"flag"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -168,6 +169,18 @@ func TestTaskManifests(t *testing.T) {
 		"wait-for-vmi-status.yaml":     {"vmiName", "vmiNamespace", "successCondition", "failureCondition"},
 		"cleanup-vm.yaml":              {"vmName", "vmNamespace", "stop", "delete", "timeout"},
 		"generate-ssh-keys.yaml":       {"publicKeySecretName", "publicKeySecretNamespace", "privateKeySecretName", "privateKeySecretNamespace", "privateKeyConnectionOptions"},
+		"copy-template.yaml":           {"sourceTemplateName", "sourceTemplateNamespace", "targetTemplateName", "targetTemplateNamespace", "allowReplace", "setOwnerReference"},
+		"modify-vm-template.yaml": {"templateName", "templateNamespace", "cpuSockets", "cpuCores", "cpuThreads", "memory", "templateLabels",
+			"templateAnnotations", "vmLabels", "vmAnnotations", "disks", "deleteDisks", "volumes", "datavolumeTemplates",
+			"deleteDatavolumeTemplate", "deleteVolumes", "templateParameters", "deleteTemplateParameters", "deleteTemplate"},
+		"modify-data-object.yaml": {"manifest", "namespace", "waitForSuccess", "allowReplace", "deleteObject", "deleteObjectKind",
+			"deleteObjectName", "timeout", "setOwnerReference"},
+		"execute-in-vm.yaml":       {"vmName", "vmNamespace", "secretName", "command", "args", "script"},
+		"disk-virt-customize.yaml": {"pvc", "virtCommands", "verbose", "additionalVirtOptions"},
+		"disk-virt-sysprep.yaml":   {"pvc", "virtCommands", "verbose", "additionalVirtOptions"},
+	}
+	if len(files) != len(want) {
+		t.Errorf("%d task manifests, %d checked", len(files), len(want))
 	}
 	for name, params := range want {
 		var task struct {
@@ -199,9 +212,36 @@ func TestTaskManifests(t *testing.T) {
 			t.Errorf("%s: step args %v", name, args)
 			continue
 		}
-		fs := tasks[args[0]]
-		if fs.run == nil {
+		tk := tasks[args[0]]
+		if tk.run == nil {
 			t.Errorf("%s: no such task in the program", name)
+			continue
+		}
+		// Every $(params.X) flag the step passes is one of the program's
+		// flags, and every parameter reaches the step.
+		fs := flag.NewFlagSet(name, flag.ContinueOnError)
+		fs.String("results-dir", "", "")
+		fs.String("array-param", "", "")
+		tk.run(context.Background(), fs)
+		joined := strings.Join(args, "\n")
+		for _, a := range args[1:] {
+			if a == "--" {
+				break
+			}
+			flagName, _, _ := strings.Cut(strings.TrimPrefix(a, "--"), "=")
+			if fs.Lookup(flagName) == nil {
+				t.Errorf("%s: the step passes --%s, which the program does not know", name, flagName)
+			}
+		}
+		for p := range have {
+			if p != "image" && !strings.Contains(joined, "$(params."+p+")") && !strings.Contains(joined, "$(params."+p+"[*])") {
+				t.Errorf("%s: parameter %s does not reach the step", name, p)
+			}
+		}
+		for _, a := range args {
+			if n, ok := strings.CutPrefix(a, "--array-param="); ok && fs.Lookup(n) == nil {
+				t.Errorf("%s: array parameter %s is no flag", name, n)
+			}
 		}
 	}
 }
