@@ -66,7 +66,8 @@ func TestCrossNodeGuest(t *testing.T) {
 	})
 	var info kubevirtv1.VirtualMachineInstanceGuestAgentInfo
 	out := u.run(time.Minute, "guestosinfo", "remote")
-	if err := json.Unmarshal([]byte(out), &info); err != nil || info.GAVersion == "" || info.OS.KernelRelease == "" {
+	doc := out[max(strings.Index(out, "{"), 0) : strings.LastIndex(out, "}")+1] // the JSON, without what virtctl logs
+	if err := json.Unmarshal([]byte(doc), &info); err != nil || info.GAVersion == "" || info.OS.KernelRelease == "" {
 		t.Errorf("virtctl guestosinfo of the guest on %s: %v %q, want the agent's version and the kernel", node2.Name, err, out)
 	}
 
