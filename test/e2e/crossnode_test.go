@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -174,6 +175,23 @@ func (e *env) firstNode() lab.Node {
 	return lab.Node{Name: e.nodeName, Dir: e.root}
 }
 
+// readOn reads file path as node sees it: a node of its own namespaces
+// keeps its volumes' filesystems mounted there only.
+func (e *env) readOn(node lab.Node, path string) ([]byte, error) {
+	if node.Name == e.nodeName {
+		return os.ReadFile(path)
+	}
+	argv := lab.EnterCommand(node, "cat", path)
+	var stderr bytes.Buffer
+	cmd := exec.Command(argv[0], argv[1:]...)
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return nil, fmt.Errorf("cat %s on %s: %w: %s", path, node.Name, err, strings.TrimSpace(stderr.String()))
+	}
+	return out, nil
+}
+
 // domainStateOn is the state of the VMI's domain in node's libvirtd.
 func domainStateOn(node lab.Node, ns, vmi string) string {
 	out, _ := nodeVirsh(node, "domstate", domainName(ns, vmi))
@@ -197,7 +215,7 @@ func (n *testNS) checkVolumeOn(node lab.Node, claim string, image []byte) {
 		t.Fatalf("the volume of claim %s is on node %q, want %s", claim, got, node.Name)
 	}
 	disk := filepath.Join(node.Dir, "pools", poolName(), "volumes", pv.Spec.CSI.VolumeHandle, "disk.img")
-	got, err := os.ReadFile(disk)
+	got, err := e.readOn(node, disk)
 	if err != nil {
 		t.Fatalf("the volume of claim %s on %s: %v", claim, node.Name, err)
 	}
