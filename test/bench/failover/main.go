@@ -95,16 +95,22 @@ func run(rounds int, dir, bin string) (err error) {
 	}()
 	nodes := cfg.Nodes()
 	victim := nodes[len(nodes)-1]
-	var took []time.Duration
+	var took, failed []time.Duration
 	for i := range rounds {
-		d, err := round(ctx, cfg, kube, virt, victim.Name)
+		d, f, err := round(ctx, cfg, kube, virt, victim.Name)
 		if err != nil {
 			return fmt.Errorf("round %d: %w", i+1, err)
 		}
-		took = append(took, d)
+		took, failed = append(took, d), append(failed, f)
 	}
-	sort.Slice(took, func(i, j int) bool { return took[i] < took[j] })
-	got := took[len(took)/2].Seconds()
+	// The brain's part: the lost node's VMI failed over at window +
+	// margin after the last renewal (which came before the power loss).
+	fail := report.Result{Name: "lost node (power loss) → its VMI Failed (NodeUnreachable), median", Unit: "s", Value: median(failed).Seconds(),
+		Anchor: window.Seconds(), AnchorName: "fencing window", LowerIsBetter: true,
+		Target: fmt.Sprintf("≤ window + margin (%s) + 1 s", fencing.DefaultMargin)}
+	fail.Met = fail.Value <= (window + fencing.DefaultMargin + time.Second).Seconds()
+	report.Emit(fail)
+	got := median(took).Seconds()
 	res := report.Result{Name: "lost node (power loss) → its VM running on another node, median", Unit: "s", Value: got,
 		Anchor: window.Seconds(), AnchorName: "fencing window (KubeVirt: waits for pod deletion or a remediation operator)",
 		Target: fmt.Sprintf("≤ window + 15 s (%s)", window+15*time.Second), LowerIsBetter: true}
@@ -116,17 +122,17 @@ func run(rounds int, dir, bin string) (err error) {
 // round places the VM on victim, powers victim off, waits for the VM to
 // run on another node and powers victim on again; it returns the time from
 // the power loss to the VM running elsewhere.
-func round(ctx context.Context, cfg lab.Config, kube kubernetes.Interface, virt *client.Set, victim string) (took time.Duration, err error) {
+func round(ctx context.Context, cfg lab.Config, kube kubernetes.Interface, virt *client.Set, victim string) (took, failed time.Duration, err error) {
 	if err := poll(ctx, 3*time.Minute, func() (bool, error) {
 		node, err := kube.CoreV1().Nodes().Get(ctx, victim, metav1.GetOptions{})
 		return err == nil && ready(node) && !slices.ContainsFunc(node.Spec.Taints, func(t corev1.Taint) bool {
 			return t.Key == corev1.TaintNodeUnreachable || t.Key == corev1.TaintNodeNotReady
 		}), nil
 	}); err != nil {
-		return 0, fmt.Errorf("node %s Ready: %w", victim, err)
+		return 0, 0, fmt.Errorf("node %s Ready: %w", victim, err)
 	}
 	if err := ensureVM(ctx, virt, victim); err != nil {
-		return 0, err
+		return 0, 0, err
 	}
 	var first *kubevirtv1.VirtualMachineInstance
 	if err := poll(ctx, 3*time.Minute, func() (bool, error) {
@@ -140,12 +146,12 @@ func round(ctx context.Context, cfg lab.Config, kube kubernetes.Interface, virt 
 		first = vmi
 		return true, nil
 	}); err != nil {
-		return 0, fmt.Errorf("vm %s running on %s: %w", vmName, victim, err)
+		return 0, 0, fmt.Errorf("vm %s running on %s: %w", vmName, victim, err)
 	}
 
 	off := time.Now()
 	if err := lab.PowerOffNode(cfg, victim); err != nil {
-		return 0, err
+		return 0, 0, err
 	}
 	// Power on at the end, as `make lab` does; the node cleans its stale
 	// domain.
@@ -172,7 +178,8 @@ func round(ctx context.Context, cfg lab.Config, kube kubernetes.Interface, virt 
 		case err != nil:
 			return false, nil
 		case vmi.UID == first.UID:
-			if vmi.Status.Phase == kubevirtv1.Failed {
+			if vmi.Status.Phase == kubevirtv1.Failed && failed == 0 {
+				failed = time.Since(off)
 				mark("old VMI Failed (" + vmi.Status.Reason + ")")
 			}
 			return false, nil
@@ -190,11 +197,14 @@ func round(ctx context.Context, cfg lab.Config, kube kubernetes.Interface, virt 
 		mark("new VMI Running on " + vmi.Status.NodeName)
 		return true, nil
 	}); err != nil {
-		return 0, fmt.Errorf("vm %s running elsewhere after %s lost power: %w", vmName, victim, err)
+		return 0, 0, fmt.Errorf("vm %s running elsewhere after %s lost power: %w", vmName, victim, err)
 	}
 	took = time.Since(off)
 	timeline(marks)
-	return took, nil
+	if failed == 0 {
+		failed = marks["old VMI gone"] // replaced between two looks
+	}
+	return took, failed, nil
 }
 
 // ensureVM creates the VM (once): an emptyDisk, no NIC, preferring victim.
@@ -238,6 +248,12 @@ func ready(n *corev1.Node) bool {
 	return slices.ContainsFunc(n.Status.Conditions, func(c corev1.NodeCondition) bool {
 		return c.Type == corev1.NodeReady && c.Status == corev1.ConditionTrue
 	})
+}
+
+func median(ds []time.Duration) time.Duration {
+	s := slices.Clone(ds)
+	slices.Sort(s)
+	return s[len(s)/2]
 }
 
 // timeline prints the round's marks in order.
