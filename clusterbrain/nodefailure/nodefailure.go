@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
+	"sync"
 	"time"
 
 	coordinationv1 "k8s.io/api/coordination/v1"
@@ -18,7 +19,9 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
@@ -36,7 +39,9 @@ type Config struct {
 	// Grace, Window and Margin are the timeline of package fencing
 	// (its defaults when zero).
 	Grace, Window, Margin time.Duration
-	// Interval is how often nodes are checked (2 s when zero).
+	// Interval is how often nodes are checked at least (2 s when zero);
+	// Run also checks as soon as a node's next deadline (grace, window +
+	// margin) passes.
 	Interval time.Duration
 	Log      *slog.Logger
 	// Now is the clock (time.Now when nil).
@@ -54,6 +59,8 @@ type Config struct {
 // side: nothing is failed over.
 type Controller struct {
 	cfg Config
+	// mu guards seen, written by Sync and by the Lease watch.
+	mu sync.Mutex
 	// seen is, per node, the last renewal time read from its Lease and
 	// when this brain first read it.
 	seen map[string]observation
@@ -97,20 +104,73 @@ func New(cfg Config) (*Controller, error) {
 // Name implements daemon.Role.
 func (c *Controller) Name() string { return "node-failure" }
 
-// Run checks every node each interval until ctx ends.
+// Run checks every node each interval, and when a node's next deadline
+// passes, until ctx ends. A watch on the Leases times each renewal when it
+// happens rather than at the next check: polled alone, a renewal was seen
+// up to an interval late, and a lost node failed over up to an interval
+// after its deadline, two intervals in all.
 func (c *Controller) Run(ctx context.Context) error {
-	t := time.NewTicker(c.cfg.Interval)
+	c.watchLeases(ctx)
+	t := time.NewTimer(0)
 	defer t.Stop()
 	for {
-		if err := c.Sync(ctx); err != nil && ctx.Err() == nil {
-			c.cfg.Log.Warn("node failure check", "err", err)
-		}
 		select {
 		case <-ctx.Done():
 			return nil
 		case <-t.C:
 		}
+		if err := c.Sync(ctx); err != nil && ctx.Err() == nil {
+			c.cfg.Log.Warn("node failure check", "err", err)
+		}
+		t.Reset(c.nextCheck(c.cfg.Now()))
 	}
+}
+
+// watchLeases records each node Lease's renewals as the API server sends
+// them.
+func (c *Controller) watchLeases(ctx context.Context) {
+	f := informers.NewSharedInformerFactoryWithOptions(c.cfg.Kube, 0, informers.WithNamespace(corev1.NamespaceNodeLease))
+	inf := f.Coordination().V1().Leases().Informer()
+	observe := func(obj any) {
+		if l, ok := obj.(*coordinationv1.Lease); ok {
+			c.observe(l.Name, leaseRenewed(l), c.cfg.Now())
+		}
+	}
+	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: observe, UpdateFunc: func(_, obj any) { observe(obj) }}); err != nil {
+		c.cfg.Log.Warn("lease watch", "err", err)
+		return
+	}
+	f.Start(ctx.Done())
+}
+
+// observe records that node's Lease reads renewal at now, keeping the
+// earlier sighting of the same renewal.
+func (c *Controller) observe(node string, renewal, now time.Time) observation {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	o, known := c.seen[node]
+	if !known || !o.renewal.Equal(renewal) {
+		o = observation{renewal: renewal, at: now}
+		c.seen[node] = o
+	}
+	return o
+}
+
+// nextCheck is how long until the next check: the interval, or less when
+// a node's grace or window + margin ends sooner.
+func (c *Controller) nextCheck(now time.Time) time.Duration {
+	const past = 10 * time.Millisecond // checked just after, not at, the deadline
+	next := c.cfg.Interval
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, o := range c.seen {
+		for _, d := range []time.Duration{c.cfg.Grace, c.cfg.Window + c.cfg.Margin} {
+			if left := o.at.Add(d).Sub(now) + past; left > 0 && left < next {
+				next = left
+			}
+		}
+	}
+	return next
 }
 
 // Sync checks every node agent's Node once.
@@ -129,7 +189,9 @@ func (c *Controller) Sync(ctx context.Context) error {
 	if c.blind {
 		// Back from not seeing the API: what happened meanwhile is unknown,
 		// every node gets a full window from now.
+		c.mu.Lock()
 		c.seen = map[string]observation{}
+		c.mu.Unlock()
 		c.blind = false
 	}
 	renewals := map[string]time.Time{}
@@ -143,11 +205,7 @@ func (c *Controller) Sync(ctx context.Context) error {
 		if !ok {
 			continue // registering
 		}
-		o, known := c.seen[n.Name]
-		if !known || !o.renewal.Equal(r) {
-			o = observation{renewal: r, at: now}
-			c.seen[n.Name] = o
-		}
+		o := c.observe(n.Name, r, now)
 		states = append(states, c.check(n, o.at, now))
 	}
 	lost := 0

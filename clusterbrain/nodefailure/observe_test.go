@@ -84,3 +84,33 @@ func TestTimesNodesFromWhatItSaw(t *testing.T) {
 		t.Fatal("back from an API outage, the brain tainted a node before a full grace")
 	}
 }
+
+// TestChecksAtTheDeadline: the next check comes just after a node's grace
+// or window + margin ends when that is sooner than the interval, and a
+// renewal keeps the time it was first seen (the watch's, not a later
+// poll's).
+func TestChecksAtTheDeadline(t *testing.T) {
+	start := time.Date(2026, 11, 25, 12, 0, 0, 0, time.UTC)
+	c, err := New(Config{Kube: fake.NewSimpleClientset(), Virt: &client.Set{}, Grace: 20 * time.Second, Window: 30 * time.Second,
+		Margin: 10 * time.Second, Interval: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	renewal := start.Add(-time.Second)
+	c.observe("n1", renewal, start)
+	if o := c.observe("n1", renewal, start.Add(1500*time.Millisecond)); !o.at.Equal(start) {
+		t.Fatalf("a renewal seen again moved its sighting to %s, want %s", o.at, start)
+	}
+	if got := c.nextCheck(start.Add(5 * time.Second)); got != 2*time.Second {
+		t.Errorf("far from any deadline: next check in %s, want the interval", got)
+	}
+	if got := c.nextCheck(start.Add(19500 * time.Millisecond)); got != 510*time.Millisecond {
+		t.Errorf("0.5 s before the grace ends: next check in %s, want 510ms", got)
+	}
+	if got := c.nextCheck(start.Add(39 * time.Second)); got != 1010*time.Millisecond {
+		t.Errorf("1 s before window + margin: next check in %s, want 1.01s", got)
+	}
+	if got := c.nextCheck(start.Add(41 * time.Second)); got != 2*time.Second {
+		t.Errorf("past every deadline: next check in %s, want the interval", got)
+	}
+}

@@ -31,6 +31,10 @@ func recordedNodeCount(dir string) int {
 	return n
 }
 
+// RecordedNodes is how many nodes the lab in dir was brought up with, 0
+// when none was.
+func RecordedNodes(dir string) int { return recordedNodeCount(dir) }
+
 // upNodes brings up the multi-node lab's nodes up to their libvirtd: the
 // host-side fabric, then each node's namespaces, cgroups, private
 // directories and virtlogd/libvirtd.
