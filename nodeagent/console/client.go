@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -35,6 +36,12 @@ func (c *Client) Console(ctx context.Context, namespace, name string) (net.Conn,
 // VNC opens the VMI's VNC display as a raw stream.
 func (c *Client) VNC(ctx context.Context, namespace, name string) (net.Conn, error) {
 	return c.dial(ctx, c.path(namespace, name, "vnc"))
+}
+
+// PortForward opens a raw stream to port of the VMI's guest over protocol
+// (tcp or udp).
+func (c *Client) PortForward(ctx context.Context, namespace, name string, port int, protocol string) (net.Conn, error) {
+	return c.dial(ctx, c.path(namespace, name, "portforward/"+strconv.Itoa(port)+"/"+protocol))
 }
 
 func (c *Client) dial(ctx context.Context, path string) (net.Conn, error) {
