@@ -73,6 +73,12 @@ func (s *standin) called() []string {
 func (s *standin) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// /v1/namespaces/{ns}/virtualmachineinstances/{name}/{action}
 	p := strings.Split(strings.Trim(r.URL.Path, "/"), "/")
+	if len(p) == 7 && p[5] == "vnc" && p[6] == "screenshot" {
+		s.record(r, p[2]+"/"+p[4]+"/vnc/screenshot")
+		w.Header().Set("Content-Type", "image/png")
+		_, _ = w.Write(append([]byte("\x89PNG\r\n\x1a\n"), p[4]...))
+		return
+	}
 	if len(p) == 8 && p[5] == "portforward" {
 		s.record(r, p[2]+"/"+p[4]+"/"+strings.Join(p[5:], "/"))
 		s.portForward(w, r, p[6]+"/"+p[7])

@@ -43,6 +43,27 @@ func validateVNC(vmi *kubevirtv1.VirtualMachineInstance) error {
 	return nil
 }
 
+// screenshot answers a PNG picture of the VMI's display, taken by its
+// nodeagent.
+func (s *Server) screenshot(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger) error {
+	vmi, err := s.fetchVMI(r.Context(), req.namespace, req.name)
+	if err == nil {
+		err = validateVNC(vmi)
+	}
+	if err != nil {
+		return err
+	}
+	img, err := s.cfg.Node.Call(r.Context(), vmi, http.MethodGet, "vnc/screenshot", nil)
+	if err != nil {
+		log.Info("nodeagent screenshot", "node", vmi.Status.NodeName, "err", err)
+		return err
+	}
+	w.Header().Set("Content-Type", "image/png")
+	w.WriteHeader(http.StatusOK)
+	_, _ = w.Write(img)
+	return nil
+}
+
 // stream proxies a console or VNC websocket to the VMI's nodeagent. A new
 // stream of the same kind to the same VMI ends the previous one first.
 func (s *Server) stream(action string) handler {

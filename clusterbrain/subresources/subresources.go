@@ -203,6 +203,7 @@ func (s *Server) routes() []route {
 		{"virtualmachineinstances", "filesystemlist", http.MethodGet, s.guestAgentGet("filesystemlist")},
 		{"virtualmachineinstances", "console", http.MethodGet, s.stream("console")},
 		{"virtualmachineinstances", "vnc", http.MethodGet, s.stream("vnc")},
+		{"virtualmachineinstances", "vnc/screenshot", http.MethodGet, s.screenshot},
 		{"virtualmachineinstances", portForwardSub + "/", http.MethodGet, s.portForward},
 		{"expand-vm-spec", "", http.MethodPut, s.expandSpecBody},
 	}

@@ -792,3 +792,33 @@ func wantStreamError(t *testing.T, what string, err error, code int, msg string)
 		t.Errorf("%s: got %v, want %d containing %q", what, err, code, msg)
 	}
 }
+
+// TestScreenshot fetches vnc/screenshot as upstream virtctl does (GET with
+// moveCursor): the node's PNG comes back as it is; a VMI without a display
+// is refused.
+func TestScreenshot(t *testing.T) {
+	setup(t)
+	ctx := context.Background()
+	ns := controlplane.Shared(t).Namespace(t)
+	newVMI(t, ns, "shot", kubevirtv1.Running)
+	rc := controlplane.Shared(t).Clientset(t).Discovery().RESTClient()
+	path := "/apis/" + Group + "/v1/namespaces/" + ns + "/virtualmachineinstances/shot/vnc/screenshot"
+	body, err := rc.Get().AbsPath(path).Param("moveCursor", "false").DoRaw(ctx)
+	if err != nil || !strings.HasPrefix(string(body), "\x89PNG\r\n\x1a\n") || !strings.HasSuffix(string(body), "shot") {
+		t.Fatalf("screenshot: %q %v", body, err)
+	}
+	headless := newVMI(t, ns, "headless", kubevirtv1.Running)
+	no := false
+	headless.Spec.Domain.Devices.AutoattachGraphicsDevice = &no
+	if _, err := env.virt.VMIs.Update(ctx, headless); err != nil {
+		t.Fatal(err)
+	}
+	_, err = rc.Get().AbsPath("/apis/" + Group + "/v1/namespaces/" + ns + "/virtualmachineinstances/headless/vnc/screenshot").DoRaw(ctx)
+	if !apierrors.IsBadRequest(err) {
+		t.Errorf("screenshot of a vmi without a display: %v", err)
+	}
+	_, err = rc.Get().AbsPath("/apis/" + Group + "/v1/namespaces/" + ns + "/virtualmachineinstances/absent/vnc/screenshot").DoRaw(ctx)
+	if !apierrors.IsNotFound(err) {
+		t.Errorf("screenshot of an absent vmi: %v", err)
+	}
+}

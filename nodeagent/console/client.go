@@ -136,3 +136,26 @@ func (c *Client) GuestAgent(ctx context.Context, namespace, name, what string, o
 	}
 	return err
 }
+
+// Screenshot fetches a PNG picture of the VMI's display.
+func (c *Client) Screenshot(ctx context.Context, namespace, name string) ([]byte, error) {
+	hc := &http.Client{Transport: &http.Transport{TLSClientConfig: c.TLS}}
+	defer hc.CloseIdleConnections()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "https://"+c.Addr+c.path(namespace, name, "vnc/screenshot"), nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := hc.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("screenshot %s/%s: %w", namespace, name, err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+	if err != nil {
+		return nil, fmt.Errorf("screenshot %s/%s: %w", namespace, name, err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("screenshot %s/%s: %s: %s", namespace, name, resp.Status, strings.TrimSpace(string(body)))
+	}
+	return body, nil
+}

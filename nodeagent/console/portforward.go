@@ -54,3 +54,27 @@ func (s *Server) portForward(ctx context.Context, r *http.Request) (io.ReadWrite
 	}
 	return pf.PortForward(ctx, r.PathValue("namespace"), r.PathValue("name"), port, protocol)
 }
+
+// ScreenshotBackend takes pictures of a running VMI's display; the
+// virt-handler role implements it. A Backend without it answers screenshot
+// requests 501.
+type ScreenshotBackend interface {
+	// Screenshot returns the first display as PNG.
+	Screenshot(ctx context.Context, namespace, name string) ([]byte, error)
+}
+
+// screenshot answers a screenshot request with the PNG.
+func (s *Server) screenshot(w http.ResponseWriter, r *http.Request) error {
+	sb, ok := s.backend.(ScreenshotBackend)
+	if !ok {
+		return httperr.NotImplemented("screenshots are not served by this node")
+	}
+	img, err := sb.Screenshot(r.Context(), r.PathValue("namespace"), r.PathValue("name"))
+	if err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "image/png")
+	w.WriteHeader(http.StatusOK)
+	_, _ = w.Write(img)
+	return nil
+}

@@ -53,6 +53,11 @@
 //	GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/userlist        VirtualMachineInstanceGuestOSUserList
 //	GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/filesystemlist  VirtualMachineInstanceFileSystemList
 //
+// A screenshot of the display, when the Backend implements
+// ScreenshotBackend, answered 200 with image/png:
+//
+//	GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/vnc/screenshot
+//
 // Errors are plain-text bodies with 404 (the VMI is not running on this
 // node's books: ErrNotFound), 409 (the VMI has no running domain:
 // ErrNotRunning; or no connected guest agent: ErrNoGuestAgent), 501 (the
@@ -205,6 +210,7 @@ func New(cfg Config, backend Backend) (*Server, error) {
 	mux := http.NewServeMux()
 	mux.Handle("GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/console", s.stream("console", false, exclusive(backend.Console)))
 	mux.Handle("GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/vnc", s.stream("vnc", false, exclusive(backend.VNC)))
+	mux.Handle("GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/vnc/screenshot", httperr.TextHandler(s.screenshot))
 	pf := s.stream("portforward", true, s.portForward)
 	mux.Handle("GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/portforward/{port}", pf)
 	mux.Handle("GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/portforward/{port}/{protocol}", pf)

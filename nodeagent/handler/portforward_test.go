@@ -1,7 +1,9 @@
 package handler
 
 import (
+	"bytes"
 	"context"
+	"image/png"
 	"io"
 	"net"
 	"strings"
@@ -28,7 +30,7 @@ httpd -p 8080 -h /www && echo PORTFORWARD-LISTENING
 // to the guest, two tunnels work side by side, a port nothing listens on
 // fails naming the address, a masquerade interface that lists its ports
 // forwards only those, and a VMI without a pod network interface is
-// refused.
+// refused. The guest's display answers a screenshot.
 func TestPortForward(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
@@ -125,6 +127,16 @@ func TestPortForward(t *testing.T) {
 	}
 	if _, err := cc.PortForward(ctx, n.ns, "absent", 8080, "tcp"); err == nil || !strings.Contains(err.Error(), "404") {
 		t.Errorf("port forward to an absent vmi: %v", err)
+	}
+
+	// The same guest's display, photographed: a PNG of the VGA text
+	// console's size.
+	shot, err := cc.Screenshot(ctx, n.ns, "pfguest")
+	if err != nil {
+		t.Fatalf("screenshot: %v", err)
+	}
+	if img, err := png.Decode(bytes.NewReader(shot)); err != nil || img.Bounds().Dx() < 320 || img.Bounds().Dy() < 200 {
+		t.Errorf("screenshot: %d bytes, not a display-sized PNG (%v)", len(shot), err)
 	}
 
 	// A VMI whose only interface is on a Multus network has no address
