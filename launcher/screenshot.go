@@ -43,6 +43,9 @@ func (m *Manager) Screenshot(ctx context.Context, name string) ([]byte, error) {
 	buf := make([]byte, 256<<10)
 	for {
 		n, err := st.Recv(buf)
+		if errors.Is(err, io.EOF) {
+			break
+		}
 		if err != nil {
 			_ = st.Abort()
 			return nil, fmt.Errorf("screenshot %s: %w", name, err)
