@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"image/png"
 	"net"
 	"os"
 	"os/exec"
@@ -59,8 +60,8 @@ func withPodNetwork() vmiOption {
 
 // TestUpstreamVirtctlPortForwardSSH reaches a guest's sshd through the
 // portforward subresource with upstream virtctl: port-forward to a local
-// port, ssh with a command, scp to the guest and back, and a closed port
-// refused.
+// port, ssh with a command, scp to the guest and back, a closed port
+// refused; then vnc screenshot and reset of the same guest.
 func TestUpstreamVirtctlPortForwardSSH(t *testing.T) {
 	t.Parallel()
 	e := require(t)
@@ -160,5 +161,30 @@ func TestUpstreamVirtctlPortForwardSSH(t *testing.T) {
 	out = u.fail(2*time.Minute, append([]string{"ssh", "root@vm/" + vm, "-p", "2222", "--command", "true"}, sshOpts...)...)
 	if !strings.Contains(out, "2222") {
 		t.Errorf("ssh to a closed port said %q", out)
+	}
+
+	// The display, photographed by virtctl vnc screenshot: a PNG.
+	shot := filepath.Join(dir, "shot.png")
+	u.run(2*time.Minute, "vnc", "screenshot", vm, "--file="+shot)
+	if f, err := os.Open(shot); err != nil {
+		t.Error(err)
+	} else {
+		img, err := png.Decode(f)
+		f.Close()
+		if err != nil || img.Bounds().Dx() < 320 {
+			t.Errorf("virtctl vnc screenshot wrote no display-sized PNG: %v", err)
+		}
+	}
+
+	// virtctl reset: the same VMI boots again (its serial log shows a
+	// second boot).
+	vmi, err := n.getVMI(vm)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.run(time.Minute, "reset", vm)
+	serial.expect(`NODEVIRT-GUEST-BOOTED`, bootTimeout)
+	if after, err := n.getVMI(vm); err != nil || after.UID != vmi.UID || after.Status.Phase != kubevirtv1.Running {
+		t.Errorf("after virtctl reset the VMI is %s (err %v), want the same running %s", vmiSummary(after), err, vmi.UID)
 	}
 }
