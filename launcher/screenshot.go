@@ -10,6 +10,8 @@ import (
 	"image/png"
 	"io"
 	"strconv"
+
+	"libvirt.org/go/libvirt"
 )
 
 // maxScreenshot bounds what is read of a screenshot stream: a 4096x2160
@@ -20,25 +22,16 @@ const maxScreenshot = 64 << 20
 // (virDomainScreenshot) and returns it as PNG. QEMU hands libvirt a PPM
 // image, converted here.
 func (m *Manager) Screenshot(ctx context.Context, name string) ([]byte, error) {
-	conn, err := m.connection()
+	var mime string
+	st, err := m.openStream(name, "screenshot", func(d *libvirt.Domain, st *libvirt.Stream) error {
+		var err error
+		mime, err = d.Screenshot(st, 0, 0)
+		return err
+	})
 	if err != nil {
-		return nil, fmt.Errorf("screenshot %s: %w", name, err)
-	}
-	defer conn.Close()
-	d, err := conn.LookupDomainByName(name)
-	if err != nil {
-		return nil, wrapErr(name, err)
-	}
-	defer d.Free()
-	st, err := conn.NewStream(0)
-	if err != nil {
-		return nil, fmt.Errorf("screenshot %s: %w", name, err)
+		return nil, err
 	}
 	defer st.Free()
-	mime, err := d.Screenshot(st, 0, 0)
-	if err != nil {
-		return nil, fmt.Errorf("screenshot %s: %w", name, err)
-	}
 	var raw bytes.Buffer
 	buf := make([]byte, 256<<10)
 	for {

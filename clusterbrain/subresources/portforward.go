@@ -9,11 +9,8 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/gorilla/websocket"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	kubevirtv1 "kubevirt.io/api/core/v1"
-
-	"github.com/nodevirt/nodevirt/clusterbrain/api/plainstream"
 )
 
 // portForwardSub is the subresource of
@@ -98,17 +95,12 @@ func (s *Server) portForward(w http.ResponseWriter, r *http.Request, req request
 		log.Info("open node port forward", "node", vmi.Status.NodeName, "port", port, "protocol", protocol, "err", err)
 		return err
 	}
-	up := websocket.Upgrader{ReadBufferSize: wsBufferSize, WriteBufferSize: wsBufferSize,
-		HandshakeTimeout: handshakeTimeout, Subprotocols: []string{PlainStreamProtocol},
-		CheckOrigin: func(*http.Request) bool { return true }}
-	conn, err := up.Upgrade(w, r, nil)
-	if err != nil {
-		node.Close()
-		log.Info("websocket upgrade", "err", err) // the upgrader answered the client
+	client := upgrade(w, r, node, log)
+	if client == nil {
 		return nil
 	}
 	log.Info("port forward opened", "node", vmi.Status.NodeName, "port", port, "protocol", protocol)
-	n1, n2, err := splice(plainstream.New(conn), node)
+	n1, n2, err := splice(client, node)
 	log.Info("port forward closed", "port", port, "protocol", protocol, "toNode", n1, "toClient", n2, "err", err)
 	return nil
 }

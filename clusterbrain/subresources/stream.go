@@ -87,16 +87,10 @@ func (s *Server) stream(action string) handler {
 			log.Error("open node stream", "node", vmi.Status.NodeName, "err", err)
 			return err
 		}
-		up := websocket.Upgrader{ReadBufferSize: wsBufferSize, WriteBufferSize: wsBufferSize,
-			HandshakeTimeout: handshakeTimeout, Subprotocols: []string{PlainStreamProtocol},
-			CheckOrigin: func(*http.Request) bool { return true }}
-		conn, err := up.Upgrade(w, r, nil)
-		if err != nil {
-			node.Close()
-			log.Info("websocket upgrade", "err", err) // the upgrader answered the client
+		client := upgrade(w, r, node, log)
+		if client == nil {
 			return nil
 		}
-		client := plainstream.New(conn)
 		sess := s.sessions.add(key, func() { client.Close(); node.Close() })
 		defer s.sessions.remove(key, sess)
 		log.Info("stream opened", "kind", action, "node", vmi.Status.NodeName)
@@ -104,6 +98,22 @@ func (s *Server) stream(action string) handler {
 		log.Info("stream closed", "kind", action, "toNode", n1, "toClient", n2, "err", err)
 		return nil
 	}
+}
+
+// upgrade turns the client's request into a plain.kubevirt.io websocket
+// for node's stream; on failure the upgrader has answered the client, node
+// is closed and the result is nil.
+func upgrade(w http.ResponseWriter, r *http.Request, node io.Closer, log *slog.Logger) *plainstream.Stream {
+	up := websocket.Upgrader{ReadBufferSize: wsBufferSize, WriteBufferSize: wsBufferSize,
+		HandshakeTimeout: handshakeTimeout, Subprotocols: []string{PlainStreamProtocol},
+		CheckOrigin: func(*http.Request) bool { return true }}
+	conn, err := up.Upgrade(w, r, nil)
+	if err != nil {
+		node.Close()
+		log.Info("websocket upgrade", "err", err)
+		return nil
+	}
+	return plainstream.New(conn)
 }
 
 // splice copies both ways until either side ends, then closes both.

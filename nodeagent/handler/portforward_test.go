@@ -10,8 +10,6 @@ import (
 	"testing"
 	"time"
 
-	k8sv1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	v1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/httperr"
@@ -35,17 +33,7 @@ func TestPortForward(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
 	defer cancel()
-	n := newNode(t)
-	hp := newHostPodnet(t)
-	pn, _ := hp.start(ctx)
-	n.pod = pn
-	n.bootVolume(ctx, "boot")
-	if _, err := n.kube.CoreV1().Secrets(n.ns).Create(ctx, &k8sv1.Secret{
-		ObjectMeta: metav1.ObjectMeta{Name: "seed", Namespace: n.ns},
-		Data:       map[string][]byte{"userdata": []byte(listenerUserData)},
-	}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	n, _, _, _ := newPodGuestNode(ctx, t, listenerUserData)
 	h, _ := n.handler(true)
 	vmi := podVMI("pfguest")
 	vmi.Spec.Domain.Devices.Interfaces[0].Ports = []v1.Port{{Port: 8080}, {Port: 9, Protocol: "UDP"}, {Port: 8081}}
