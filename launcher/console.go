@@ -14,9 +14,21 @@ import (
 // stream. It takes the console over from any earlier session. Close ends the
 // session; the guest keeps running.
 func (m *Manager) Console(ctx context.Context, name string) (io.ReadWriteCloser, error) {
+	st, err := m.openStream(name, "console", func(d *libvirt.Domain, st *libvirt.Stream) error {
+		return d.OpenConsole("", st, libvirt.DOMAIN_CONSOLE_FORCE)
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &console{st: st}, nil
+}
+
+// openStream makes a libvirt stream and has open tie it to the domain
+// name; the caller frees the stream.
+func (m *Manager) openStream(name, what string, open func(*libvirt.Domain, *libvirt.Stream) error) (*libvirt.Stream, error) {
 	conn, err := m.connection()
 	if err != nil {
-		return nil, fmt.Errorf("console %s: %w", name, err)
+		return nil, fmt.Errorf("%s %s: %w", what, name, err)
 	}
 	defer conn.Close()
 	d, err := conn.LookupDomainByName(name)
@@ -26,13 +38,13 @@ func (m *Manager) Console(ctx context.Context, name string) (io.ReadWriteCloser,
 	defer d.Free()
 	st, err := conn.NewStream(0)
 	if err != nil {
-		return nil, fmt.Errorf("console %s: %w", name, err)
+		return nil, fmt.Errorf("%s %s: %w", what, name, err)
 	}
-	if err := d.OpenConsole("", st, libvirt.DOMAIN_CONSOLE_FORCE); err != nil {
+	if err := open(d, st); err != nil {
 		st.Free()
-		return nil, fmt.Errorf("console %s: %w", name, err)
+		return nil, fmt.Errorf("%s %s: %w", what, name, err)
 	}
-	return &console{st: st}, nil
+	return st, nil
 }
 
 // rawStream is what a console needs of a libvirt stream (*libvirt.Stream).

@@ -4,6 +4,7 @@ import (
 	"net/http"
 	"runtime"
 	"runtime/debug"
+	"slices"
 	"strings"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -46,21 +47,21 @@ func DefaultInfo() Info {
 	return info
 }
 
-// resources is virt-api's resource list for each version.
-var resources = []string{
-	"expand-vm-spec",
-	"virtualmachineinstances/vnc", "virtualmachineinstances/vnc/screenshot", "virtualmachineinstances/console",
-	"virtualmachineinstances/portforward", "virtualmachineinstances/backup", "virtualmachineinstances/redefine-checkpoint",
-	"virtualmachineinstances/pause", "virtualmachineinstances/unpause",
-	"virtualmachineinstances/freeze", "virtualmachineinstances/unfreeze", "virtualmachineinstances/reset",
-	"virtualmachineinstances/softreboot",
-	"virtualmachines/start", "virtualmachines/stop", "virtualmachines/restart", "virtualmachines/migrate",
-	"virtualmachines/expand-spec", "virtualmachines/objectgraph", "virtualmachines/evacuate/cancel",
-	"virtualmachineinstances/guestosinfo", "virtualmachineinstances/userlist", "virtualmachineinstances/filesystemlist",
-	"virtualmachineinstances/addvolume", "virtualmachineinstances/removevolume", "virtualmachineinstances/objectgraph",
-	"virtualmachineinstances/sev/fetchcertchain", "virtualmachineinstances/sev/querylaunchmeasurement",
-	"virtualmachineinstances/sev/setupsession", "virtualmachineinstances/sev/injectlaunchsecret",
-	"virtualmachineinstances/evacuate/cancel",
+// resources lists the subresources served, as virt-api names them in
+// discovery: only what has a route, so a client never finds a name that
+// answers 404.
+func (s *Server) resources() []string {
+	var names []string
+	for _, rt := range s.routes() {
+		name := rt.resource
+		if sub := strings.TrimSuffix(rt.sub, "/"); sub != "" {
+			name += "/" + sub
+		}
+		if !slices.Contains(names, name) {
+			names = append(names, name)
+		}
+	}
+	return names
 }
 
 func apiGroup() metav1.APIGroup {
@@ -115,7 +116,7 @@ func (s *Server) serveDiscovery(w http.ResponseWriter, r *http.Request) bool {
 		case base:
 			list := metav1.APIResourceList{TypeMeta: metav1.TypeMeta{Kind: "APIResourceList", APIVersion: "v1"},
 				GroupVersion: Group + "/" + v}
-			for _, name := range resources {
+			for _, name := range s.resources() {
 				list.APIResources = append(list.APIResources, metav1.APIResource{Name: name, Namespaced: true})
 			}
 			_ = httperr.WriteJSON(w, http.StatusOK, list)

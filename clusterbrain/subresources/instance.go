@@ -117,6 +117,16 @@ func (s *Server) softRebootVMI(w http.ResponseWriter, r *http.Request, req reque
 	}, false)
 }
 
+// resetVMI resets a running VMI like its reset button.
+func (s *Server) resetVMI(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger) error {
+	return s.forward(r, req, log, func(vmi *kubevirtv1.VirtualMachineInstance) error {
+		if !vmi.IsRunning() {
+			return apierrors.NewConflict(vmiResource, vmi.Name, fmt.Errorf("Failed to reset non-running VMI with phase %s", vmi.Status.Phase))
+		}
+		return nil
+	}, false)
+}
+
 // guestAgentGet reads guest-agent information from the nodeagent; a VMI
 // without a connected agent is a conflict, as in KubeVirt.
 func (s *Server) guestAgentGet(action string) handler {

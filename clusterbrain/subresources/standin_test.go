@@ -73,6 +73,17 @@ func (s *standin) called() []string {
 func (s *standin) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// /v1/namespaces/{ns}/virtualmachineinstances/{name}/{action}
 	p := strings.Split(strings.Trim(r.URL.Path, "/"), "/")
+	if len(p) == 7 && p[5] == "vnc" && p[6] == "screenshot" {
+		s.record(r, p[2]+"/"+p[4]+"/vnc/screenshot")
+		w.Header().Set("Content-Type", "image/png")
+		_, _ = w.Write(append([]byte("\x89PNG\r\n\x1a\n"), p[4]...))
+		return
+	}
+	if len(p) == 8 && p[5] == "portforward" {
+		s.record(r, p[2]+"/"+p[4]+"/"+strings.Join(p[5:], "/"))
+		s.portForward(w, r, p[6]+"/"+p[7])
+		return
+	}
 	if len(p) != 6 || p[0] != "v1" || p[1] != "namespaces" || p[3] != "virtualmachineinstances" {
 		http.NotFound(w, r)
 		return
@@ -141,6 +152,19 @@ func (s *standin) vnc(w http.ResponseWriter, r *http.Request) {
 	stream := plainstream.New(conn)
 	defer stream.Close()
 	_, _ = stream.Write([]byte("RFB 003.008\n"))
+	_, _ = io.Copy(stream, stream)
+}
+
+// portForward greets with the port it was asked for, then echoes:
+// standing in for a guest's listener.
+func (s *standin) portForward(w http.ResponseWriter, r *http.Request, port string) {
+	conn, err := standinUpgrader.Upgrade(w, r, nil)
+	if err != nil {
+		return
+	}
+	stream := plainstream.New(conn)
+	defer stream.Close()
+	_, _ = stream.Write([]byte("guest port " + port + "\n"))
 	_, _ = io.Copy(stream, stream)
 }
 

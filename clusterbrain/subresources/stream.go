@@ -43,6 +43,27 @@ func validateVNC(vmi *kubevirtv1.VirtualMachineInstance) error {
 	return nil
 }
 
+// screenshot answers a PNG picture of the VMI's display, taken by its
+// nodeagent.
+func (s *Server) screenshot(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger) error {
+	vmi, err := s.fetchVMI(r.Context(), req.namespace, req.name)
+	if err == nil {
+		err = validateVNC(vmi)
+	}
+	if err != nil {
+		return err
+	}
+	img, err := s.cfg.Node.Call(r.Context(), vmi, http.MethodGet, "vnc/screenshot", nil)
+	if err != nil {
+		log.Info("nodeagent screenshot", "node", vmi.Status.NodeName, "err", err)
+		return err
+	}
+	w.Header().Set("Content-Type", "image/png")
+	w.WriteHeader(http.StatusOK)
+	_, _ = w.Write(img)
+	return nil
+}
+
 // stream proxies a console or VNC websocket to the VMI's nodeagent. A new
 // stream of the same kind to the same VMI ends the previous one first.
 func (s *Server) stream(action string) handler {
@@ -66,16 +87,10 @@ func (s *Server) stream(action string) handler {
 			log.Error("open node stream", "node", vmi.Status.NodeName, "err", err)
 			return err
 		}
-		up := websocket.Upgrader{ReadBufferSize: wsBufferSize, WriteBufferSize: wsBufferSize,
-			HandshakeTimeout: handshakeTimeout, Subprotocols: []string{PlainStreamProtocol},
-			CheckOrigin: func(*http.Request) bool { return true }}
-		conn, err := up.Upgrade(w, r, nil)
-		if err != nil {
-			node.Close()
-			log.Info("websocket upgrade", "err", err) // the upgrader answered the client
+		client := upgrade(w, r, node, log)
+		if client == nil {
 			return nil
 		}
-		client := plainstream.New(conn)
 		sess := s.sessions.add(key, func() { client.Close(); node.Close() })
 		defer s.sessions.remove(key, sess)
 		log.Info("stream opened", "kind", action, "node", vmi.Status.NodeName)
@@ -83,6 +98,22 @@ func (s *Server) stream(action string) handler {
 		log.Info("stream closed", "kind", action, "toNode", n1, "toClient", n2, "err", err)
 		return nil
 	}
+}
+
+// upgrade turns the client's request into a plain.kubevirt.io websocket
+// for node's stream; on failure the upgrader has answered the client, node
+// is closed and the result is nil.
+func upgrade(w http.ResponseWriter, r *http.Request, node io.Closer, log *slog.Logger) *plainstream.Stream {
+	up := websocket.Upgrader{ReadBufferSize: wsBufferSize, WriteBufferSize: wsBufferSize,
+		HandshakeTimeout: handshakeTimeout, Subprotocols: []string{PlainStreamProtocol},
+		CheckOrigin: func(*http.Request) bool { return true }}
+	conn, err := up.Upgrade(w, r, nil)
+	if err != nil {
+		node.Close()
+		log.Info("websocket upgrade", "err", err)
+		return nil
+	}
+	return plainstream.New(conn)
 }
 
 // splice copies both ways until either side ends, then closes both.

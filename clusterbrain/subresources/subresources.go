@@ -162,11 +162,11 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) error {
 	if !ok || !validVersion(req.version) {
 		return apierrors.NewNotFound(kubevirtv1.Resource("subresource"), r.URL.Path)
 	}
-	h, verb := s.route(req, r.Method)
+	h, verb, sar := s.route(req, r.Method)
 	if h == nil {
 		return apierrors.NewNotFound(kubevirtv1.Resource(req.resource+"/"+req.subresource), req.name)
 	}
-	if err := s.authorize(r, req, verb); err != nil {
+	if err := s.authorize(r, req, verb, sar); err != nil {
 		return err
 	}
 	log := s.cfg.Log.With("namespace", req.namespace, "name", req.name, "subresource", req.subresource)
@@ -178,46 +178,71 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) error {
 // returns the error of a failure.
 type handler func(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger) error
 
-// route returns the handler and the RBAC verb of method on req.
-func (s *Server) route(req request, method string) (handler, string) {
-	type key struct{ resource, sub, method string }
-	routes := map[key]handler{
-		{"virtualmachines", "start", http.MethodPut}:                  s.startVM,
-		{"virtualmachines", "stop", http.MethodPut}:                   s.stopVM,
-		{"virtualmachines", "restart", http.MethodPut}:                s.restartVM,
-		{"virtualmachines", "migrate", http.MethodPut}:                s.migrateVM,
-		{"virtualmachines", "expand-spec", http.MethodGet}:            s.expandVMSpec,
-		{"virtualmachineinstances", "pause", http.MethodPut}:          s.pauseVMI,
-		{"virtualmachineinstances", "unpause", http.MethodPut}:        s.unpauseVMI,
-		{"virtualmachineinstances", "softreboot", http.MethodPut}:     s.softRebootVMI,
-		{"virtualmachineinstances", "guestosinfo", http.MethodGet}:    s.guestAgentGet("guestosinfo"),
-		{"virtualmachineinstances", "userlist", http.MethodGet}:       s.guestAgentGet("userlist"),
-		{"virtualmachineinstances", "filesystemlist", http.MethodGet}: s.guestAgentGet("filesystemlist"),
-		{"virtualmachineinstances", "console", http.MethodGet}:        s.stream("console"),
-		{"virtualmachineinstances", "vnc", http.MethodGet}:            s.stream("vnc"),
-		{"expand-vm-spec", "", http.MethodPut}:                        s.expandSpecBody,
+// route is one subresource served: discovery lists exactly these.
+type route struct {
+	resource, sub, method string
+	h                     handler
+}
+
+// routes are the subresources served. A sub ending in "/" takes the rest
+// of the path as parameters (portforward/{port}[/{protocol}]).
+func (s *Server) routes() []route {
+	return []route{
+		{"virtualmachines", "start", http.MethodPut, s.startVM},
+		{"virtualmachines", "stop", http.MethodPut, s.stopVM},
+		{"virtualmachines", "restart", http.MethodPut, s.restartVM},
+		{"virtualmachines", "migrate", http.MethodPut, s.migrateVM},
+		{"virtualmachines", "expand-spec", http.MethodGet, s.expandVMSpec},
+		{"virtualmachines", portForwardSub + "/", http.MethodGet, s.portForward},
+		{"virtualmachineinstances", "pause", http.MethodPut, s.pauseVMI},
+		{"virtualmachineinstances", "unpause", http.MethodPut, s.unpauseVMI},
+		{"virtualmachineinstances", "softreboot", http.MethodPut, s.softRebootVMI},
+		{"virtualmachineinstances", "reset", http.MethodPut, s.resetVMI},
+		{"virtualmachineinstances", "guestosinfo", http.MethodGet, s.guestAgentGet("guestosinfo")},
+		{"virtualmachineinstances", "userlist", http.MethodGet, s.guestAgentGet("userlist")},
+		{"virtualmachineinstances", "filesystemlist", http.MethodGet, s.guestAgentGet("filesystemlist")},
+		{"virtualmachineinstances", "console", http.MethodGet, s.stream("console")},
+		{"virtualmachineinstances", "vnc", http.MethodGet, s.stream("vnc")},
+		{"virtualmachineinstances", "vnc/screenshot", http.MethodGet, s.screenshot},
+		{"virtualmachineinstances", portForwardSub + "/", http.MethodGet, s.portForward},
+		{"expand-vm-spec", "", http.MethodPut, s.expandSpecBody},
 	}
-	h := routes[key{req.resource, req.subresource, method}]
-	if h == nil {
-		return nil, ""
+}
+
+// route returns the handler of method on req, the RBAC verb and the
+// subresource the access review names (the first segment of a
+// parameterized one, as virt-api's).
+func (s *Server) route(req request, method string) (handler, string, string) {
+	for _, rt := range s.routes() {
+		if rt.resource != req.resource || rt.method != method {
+			continue
+		}
+		sar := rt.sub
+		if strings.HasSuffix(rt.sub, "/") {
+			if !strings.HasPrefix(req.subresource, rt.sub) {
+				continue
+			}
+			sar = strings.TrimSuffix(rt.sub, "/")
+		} else if rt.sub != req.subresource {
+			continue
+		}
+		if method == http.MethodGet {
+			return rt.h, "get", sar
+		}
+		return rt.h, "update", sar
 	}
-	switch method {
-	case http.MethodGet:
-		return h, "get"
-	default:
-		return h, "update"
-	}
+	return nil, "", ""
 }
 
 // authorize runs the SubjectAccessReview virt-api runs: the verb of the
 // HTTP method on resource/subresource in the subresource group.
-func (s *Server) authorize(r *http.Request, req request, verb string) error {
+func (s *Server) authorize(r *http.Request, req request, verb, subresource string) error {
 	u, ok := aggregated.UserFrom(r.Context())
 	if !ok {
 		return apierrors.NewUnauthorized("request not authenticated by the aggregator")
 	}
 	attrs := authv1.ResourceAttributes{Namespace: req.namespace, Verb: verb, Group: Group, Version: req.version,
-		Resource: req.resource, Subresource: req.subresource, Name: req.name}
+		Resource: req.resource, Subresource: subresource, Name: req.name}
 	allowed, reason, err := aggregated.Authorize(r.Context(), s.cfg.Kube, u, attrs)
 	if err != nil {
 		return apierrors.NewInternalError(err)

@@ -218,9 +218,35 @@ func TestDiscoveryAndVersion(t *testing.T) {
 			names[r.Name] = true
 		}
 		for _, want := range []string{"virtualmachines/start", "virtualmachines/stop", "virtualmachineinstances/console",
-			"virtualmachineinstances/vnc", "virtualmachineinstances/guestosinfo", "expand-vm-spec"} {
+			"virtualmachineinstances/vnc", "virtualmachineinstances/guestosinfo", "expand-vm-spec",
+			"virtualmachineinstances/portforward", "virtualmachines/portforward", "virtualmachineinstances/reset"} {
 			if !names[want] {
 				t.Errorf("%s discovery lacks %s", v, want)
+			}
+		}
+		// What is not served is not advertised (virtctl would find it and
+		// get a 404).
+		for _, absent := range []string{"virtualmachineinstances/backup", "virtualmachineinstances/sev/fetchcertchain",
+			"virtualmachines/objectgraph", "virtualmachines/evacuate/cancel", "virtualmachineinstances/redefine-checkpoint"} {
+			if names[absent] {
+				t.Errorf("%s discovery advertises %s, which is not served", v, absent)
+			}
+		}
+		for name := range names {
+			parts := strings.SplitN(name, "/", 2)
+			sub := ""
+			if len(parts) == 2 {
+				sub = parts[1]
+			}
+			method := http.MethodPut
+			if h, _, _ := env.srv.route(request{resource: parts[0], subresource: sub + "/1"}, http.MethodGet); h != nil {
+				continue // parameterized
+			}
+			if h, _, _ := env.srv.route(request{resource: parts[0], subresource: sub}, http.MethodGet); h != nil {
+				method = http.MethodGet
+			}
+			if h, _, _ := env.srv.route(request{resource: parts[0], subresource: sub}, method); h == nil {
+				t.Errorf("%s discovery advertises %s, which has no route", v, name)
 			}
 		}
 	}

@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -35,6 +36,12 @@ func (c *Client) Console(ctx context.Context, namespace, name string) (net.Conn,
 // VNC opens the VMI's VNC display as a raw stream.
 func (c *Client) VNC(ctx context.Context, namespace, name string) (net.Conn, error) {
 	return c.dial(ctx, c.path(namespace, name, "vnc"))
+}
+
+// PortForward opens a raw stream to port of the VMI's guest over protocol
+// (tcp or udp).
+func (c *Client) PortForward(ctx context.Context, namespace, name string, port int, protocol string) (net.Conn, error) {
+	return c.dial(ctx, c.path(namespace, name, "portforward/"+strconv.Itoa(port)+"/"+protocol))
 }
 
 func (c *Client) dial(ctx context.Context, path string) (net.Conn, error) {
@@ -128,4 +135,27 @@ func (c *Client) GuestAgent(ctx context.Context, namespace, name, what string, o
 		return fmt.Errorf("%w: %w", ErrNotRunning, err)
 	}
 	return err
+}
+
+// Screenshot fetches a PNG picture of the VMI's display.
+func (c *Client) Screenshot(ctx context.Context, namespace, name string) ([]byte, error) {
+	hc := &http.Client{Transport: &http.Transport{TLSClientConfig: c.TLS}}
+	defer hc.CloseIdleConnections()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "https://"+c.Addr+c.path(namespace, name, "vnc/screenshot"), nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := hc.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("screenshot %s/%s: %w", namespace, name, err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+	if err != nil {
+		return nil, fmt.Errorf("screenshot %s/%s: %w", namespace, name, err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("screenshot %s/%s: %s: %s", namespace, name, resp.Status, strings.TrimSpace(string(body)))
+	}
+	return body, nil
 }

@@ -28,6 +28,15 @@
 // connection is closed), as with KubeVirt's console. Closing a stream leaves
 // the guest running.
 //
+// Port forwarding, when the Backend implements PortForwardBackend (one
+// stream per forwarded connection, any number side by side):
+//
+//	GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/portforward/{port}[/{protocol}]
+//
+// carries the bytes of a TCP connection (protocol tcp, the default) or the
+// datagrams of a UDP socket (udp) to the port of the guest's pod network
+// address, as virt-api dials a VMI's pod address for KubeVirt.
+//
 // Controls, each a PUT with an empty body, answered 200 when done (202 for
 // shutdown, which only starts the graceful shutdown):
 //
@@ -50,6 +59,11 @@
 //	GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/userlist        VirtualMachineInstanceGuestOSUserList
 //	GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/filesystemlist  VirtualMachineInstanceFileSystemList
 //
+// A screenshot of the display, when the Backend implements
+// ScreenshotBackend, answered 200 with image/png:
+//
+//	GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/vnc/screenshot
+//
 // Errors are plain-text bodies with 404 (the VMI is not running on this
 // node's books: ErrNotFound), 409 (the VMI has no running domain:
 // ErrNotRunning; or no connected guest agent: ErrNoGuestAgent), 501 (the
@@ -71,6 +85,7 @@ import (
 	"os"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	kubevirtv1 "kubevirt.io/api/core/v1"
@@ -180,6 +195,7 @@ type Server struct {
 
 	mu       sync.Mutex
 	sessions map[string]io.Closer
+	streamID atomic.Uint64 // tells shared streams apart
 }
 
 // New validates cfg and listens on cfg.Addr; Run serves.
@@ -205,8 +221,12 @@ func New(cfg Config, backend Backend) (*Server, error) {
 	s := &Server{cfg: cfg, log: cfg.Log.With("server", "console"), backend: backend, sessions: map[string]io.Closer{}}
 	s.ln = tls.NewListener(ln, tc)
 	mux := http.NewServeMux()
-	mux.Handle("GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/console", s.stream("console", backend.Console))
-	mux.Handle("GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/vnc", s.stream("vnc", backend.VNC))
+	mux.Handle("GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/console", s.stream("console", false, exclusive(backend.Console)))
+	mux.Handle("GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/vnc", s.stream("vnc", false, exclusive(backend.VNC)))
+	mux.Handle("GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/vnc/screenshot", httperr.TextHandler(s.screenshot))
+	pf := s.stream("portforward", true, s.portForward)
+	mux.Handle("GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/portforward/{port}", pf)
+	mux.Handle("GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/portforward/{port}/{protocol}", pf)
 	mux.Handle("PUT /v1/namespaces/{namespace}/virtualmachineinstances/{name}/{action}", httperr.TextHandler(s.control))
 	mux.Handle("GET /v1/namespaces/{namespace}/virtualmachineinstances/{name}/{info}", httperr.TextHandler(s.guestAgent))
 	s.srv = &http.Server{

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 
@@ -25,8 +26,20 @@ const PlainSubprotocol = "plain.kubevirt.io"
 
 type opener func(ctx context.Context, namespace, name string) (io.ReadWriteCloser, error)
 
-// stream serves a console or VNC stream over a raw upgrade or a WebSocket.
-func (s *Server) stream(kind string, open opener) http.Handler {
+// requestOpener opens a stream from the whole request (its path values).
+type requestOpener func(ctx context.Context, r *http.Request) (io.ReadWriteCloser, error)
+
+// exclusive opens one stream per VMI and kind: a new one ends the old.
+func exclusive(open opener) requestOpener {
+	return func(ctx context.Context, r *http.Request) (io.ReadWriteCloser, error) {
+		return open(ctx, r.PathValue("namespace"), r.PathValue("name"))
+	}
+}
+
+// stream serves a console, VNC or port-forward stream over a raw upgrade
+// or a WebSocket. Streams of a shared kind live side by side; of any other
+// kind, a new stream for the VMI ends the previous one.
+func (s *Server) stream(kind string, shared bool, open requestOpener) http.Handler {
 	return httperr.TextHandler(func(w http.ResponseWriter, r *http.Request) error {
 		ns, name := r.PathValue("namespace"), r.PathValue("name")
 		log := s.log.With("vmi", ns+"/"+name, "stream", kind)
@@ -35,12 +48,15 @@ func (s *Server) stream(kind string, open opener) http.Handler {
 			return httperr.New(http.StatusUpgradeRequired, "upgrade to %s or websocket required", RawUpgrade)
 		}
 		// The stream must outlive the request's context.
-		backend, err := open(context.WithoutCancel(r.Context()), ns, name)
+		backend, err := open(context.WithoutCancel(r.Context()), r)
 		if err != nil {
 			log.Info("open stream failed", "err", err)
 			return err
 		}
 		key := kind + "/" + ns + "/" + name
+		if shared {
+			key += "/" + strconv.FormatUint(s.streamID.Add(1), 10)
+		}
 		if upgrade == "websocket" {
 			ws := websocket.Server{
 				Handshake: func(c *websocket.Config, r *http.Request) error {

@@ -120,3 +120,14 @@ func (h *Handler) Shutdown(ctx context.Context, namespace, name string) error {
 	h.beginShutdown(lv, vmi, grace)
 	return nil
 }
+
+var _ console.ScreenshotBackend = (*Handler)(nil)
+
+// Screenshot takes a PNG picture of the VMI's display.
+func (h *Handler) Screenshot(ctx context.Context, namespace, name string) ([]byte, error) {
+	_, lv, dom, err := h.running(ctx, namespace, name)
+	if err != nil {
+		return nil, err
+	}
+	return lv.Screenshot(ctx, dom)
+}

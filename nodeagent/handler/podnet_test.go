@@ -187,6 +187,24 @@ func podVMI(name string) *v1.VirtualMachineInstance {
 	}
 }
 
+// newPodGuestNode is a node with a pod network of the test's own, the
+// boot volume "boot" and the Secret "seed" holding userData, for podVMI.
+func newPodGuestNode(ctx context.Context, t *testing.T, userData string) (*node, *hostPodnet, *podnet.Network, func()) {
+	t.Helper()
+	n := newNode(t)
+	hp := newHostPodnet(t)
+	pn, stopPod := hp.start(ctx)
+	n.pod = pn
+	n.bootVolume(ctx, "boot")
+	if _, err := n.kube.CoreV1().Secrets(n.ns).Create(ctx, &k8sv1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: "seed", Namespace: n.ns},
+		Data:       map[string][]byte{"userdata": []byte(userData)},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	return n, hp, pn, stopPod
+}
+
 // TestPodNetwork boots a guest on the pod network: the VMI status shows the
 // address the guest then gets by DHCP, the guest reaches the gateway, an
 // agent restart (handler and pod network) keeps the address and re-applies
@@ -195,17 +213,7 @@ func TestPodNetwork(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
 	defer cancel()
-	n := newNode(t)
-	hp := newHostPodnet(t)
-	pn, stopPod := hp.start(ctx)
-	n.pod = pn
-	n.bootVolume(ctx, "boot")
-	if _, err := n.kube.CoreV1().Secrets(n.ns).Create(ctx, &k8sv1.Secret{
-		ObjectMeta: metav1.ObjectMeta{Name: "seed", Namespace: n.ns},
-		Data:       map[string][]byte{"userdata": []byte(dhcpUserData)},
-	}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	n, hp, pn, stopPod := newPodGuestNode(ctx, t, dhcpUserData)
 	h, stop := n.handler(true)
 
 	start := time.Now()

@@ -74,7 +74,9 @@ func (n *testNS) upstreamVirtctlAs(user, clusterRole string, groups ...string) *
 
 func (u *upstream) command(ctx context.Context, args ...string) *exec.Cmd {
 	cmd := exec.CommandContext(ctx, u.bin, append([]string{"--kubeconfig=" + u.kubeconfig, "--namespace=" + u.n.name}, args...)...)
-	cmd.Env = append(os.Environ(), "HOME="+filepath.Dir(u.kubeconfig))
+	// KUBECONFIG too: virtctl ssh and scp run ssh with virtctl itself as
+	// the ProxyCommand, without the flag.
+	cmd.Env = append(os.Environ(), "HOME="+filepath.Dir(u.kubeconfig), "KUBECONFIG="+u.kubeconfig)
 	cmd.WaitDelay = 5 * time.Second
 	return cmd
 }

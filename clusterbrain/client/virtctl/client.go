@@ -224,7 +224,14 @@ func (e *StreamError) Unwrap() error { return e.Err }
 // Stream opens virtualmachineinstances/{name}/{kind} (console, vnc) as a
 // plain.kubevirt.io websocket through kube-apiserver.
 func (c *Client) Stream(ctx context.Context, name, kind string, query url.Values) (*plainstream.Stream, error) {
-	u, err := c.subresourceURL("virtualmachineinstances", name, kind, query)
+	return c.StreamOf(ctx, "virtualmachineinstances", name, kind, query)
+}
+
+// StreamOf opens resource/{name}/{sub} (virtualmachines or
+// virtualmachineinstances; console, vnc, portforward/{port}[/{protocol}])
+// as a plain.kubevirt.io websocket through kube-apiserver.
+func (c *Client) StreamOf(ctx context.Context, resource, name, sub string, query url.Values) (*plainstream.Stream, error) {
+	u, err := c.subresourceURL(resource, name, sub, query)
 	if err != nil {
 		return nil, err
 	}
