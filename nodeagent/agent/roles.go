@@ -37,7 +37,7 @@ func newPluginRegistrationRole(d *Deps) (Role, error) {
 func NetStateDir(stateDir string) string { return filepath.Join(stateDir, "cni") }
 
 // vmStateDir is the handler's state directory (Config.StateDir of package
-// handler) in the agent's.
+// handler, as newHandlerRole sets it) in the agent's.
 func vmStateDir(stateDir string) string { return filepath.Join(stateDir, "vms") }
 
 // TeardownTaps removes the bridge taps and spoof-check rules of the VMs the
@@ -50,7 +50,7 @@ func TeardownTaps(ctx context.Context, stateDir string, each func(tap string)) e
 // newHandlerRole is the virt-handler role: VMIs bound to this node become
 // libvirt domains.
 func newHandlerRole(d *Deps) (Role, error) {
-	cfg := handler.Config{NodeName: d.Config.NodeName, StateDir: vmStateDir(d.Config.StateDir),
+	cfg := handler.Config{NodeName: d.Config.NodeName, StateDir: filepath.Join(d.Config.StateDir, "vms"),
 		LibvirtURI: d.Config.LibvirtURI, Emulation: d.Emulation, Kube: d.Kube, Virt: d.Virt, Volumes: d.Volumes,
 		NetStateDir: NetStateDir(d.Config.StateDir), Console: d.Config.Console, VMIs: d.VMIs, Log: d.Log,
 		HostDiskRoot: d.Config.HostDiskRoot, NodeIP: d.Config.NodeIP, MigrationTransport: d.Config.MigrationTransport,
