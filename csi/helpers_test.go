@@ -11,6 +11,8 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func requireRoot(t *testing.T) {
@@ -56,16 +58,10 @@ func startDriver(t *testing.T, cfg Config) (*Driver, string) {
 	done := make(chan error, 1)
 	go func() { done <- d.Run(ctx) }()
 	sock := cfg.Endpoint
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		if _, err := os.Stat(sock); err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("driver socket did not appear")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	testkit.Eventually(t, 5*time.Second, "the driver socket", func() error {
+		_, err := os.Stat(sock)
+		return err
+	})
 	t.Cleanup(func() {
 		cancel()
 		if err := <-done; err != nil {

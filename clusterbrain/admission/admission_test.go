@@ -12,7 +12,6 @@ import (
 
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
@@ -66,17 +65,15 @@ func serve(t *testing.T, e env, cc certs.Config, contributors ...Contributor) *S
 	}
 	// The apiserver picks the configuration up asynchronously: wait until a
 	// bad VM is refused.
-	err = wait.PollUntilContextTimeout(context.Background(), 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+	testkit.PollEvery(t, 100*time.Millisecond, 30*time.Second, "the webhook to take effect", func() (bool, error) {
+		ctx := context.Background()
 		vm := vmWith(e.ns, "probe", func(s *kubevirtv1.VirtualMachineInstanceSpec) { s.Volumes = nil })
 		_, err := e.virt.VMs.Create(ctx, vm)
 		if err == nil {
 			_ = e.virt.VMs.Delete(ctx, e.ns, "probe", metav1.DeleteOptions{})
 		}
-		return err != nil && strings.Contains(err.Error(), "denied the request"), nil
+		return err != nil && strings.Contains(err.Error(), "denied the request"), err
 	})
-	if err != nil {
-		t.Fatalf("webhook never took effect: %v", err)
-	}
 	return s
 }
 

@@ -3,6 +3,7 @@ package aggregated
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"path/filepath"
 	"strings"
@@ -19,6 +20,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/httperr"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
@@ -78,18 +80,13 @@ func TestProxiedRequestCarriesUser(t *testing.T) {
 		t.Fatal("server not ready")
 	}
 	var body []byte
-	deadline := time.Now().Add(60 * time.Second)
-	for {
-		body, err = kube.Discovery().RESTClient().Get().AbsPath("/apis", group, "v1", "hello").DoRaw(ctx)
-		if err == nil || time.Now().After(deadline) {
-			break
+	testkit.Eventually(t, 60*time.Second, "an admin call through the aggregator", func() (err error) {
+		if body, err = kube.Discovery().RESTClient().Get().AbsPath("/apis", group, "v1", "hello").DoRaw(ctx); err != nil {
+			avail, msg, _ := APIServiceAvailable(ctx, dyn, group, "v1")
+			return fmt.Errorf("%w (available=%v %s)", err, avail, msg)
 		}
-		time.Sleep(250 * time.Millisecond)
-	}
-	if err != nil {
-		avail, msg, _ := APIServiceAvailable(ctx, dyn, group, "v1")
-		t.Fatalf("admin call through the aggregator: %v (available=%v %s)", err, avail, msg)
-	}
+		return nil
+	})
 	var got struct {
 		User   string
 		Groups []string

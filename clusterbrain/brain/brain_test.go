@@ -2,6 +2,7 @@ package brain
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"k8s.io/client-go/util/retry"
 	"log/slog"
@@ -23,6 +24,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
@@ -82,12 +84,10 @@ func TestKilledLeaderHandsOver(t *testing.T) {
 		return ""
 	}
 	t0 := time.Now()
-	for why := serving(); why != ""; why = serving() {
-		if time.Since(t0) > 20*time.Second {
-			t.Fatalf("20s after the handover: %s", why)
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+	testkit.PollEvery(t, 200*time.Millisecond, 20*time.Second, "webhooks and aggregated APIs on the survivor after the handover", func() (bool, error) {
+		why := serving()
+		return why == "", errors.New(why)
+	})
 	t.Logf("webhooks and aggregated APIs answer on the survivor %s after the handover", time.Since(t0).Round(100*time.Millisecond))
 
 	// A brain that is not the leader but registered last dies: the leader
@@ -101,24 +101,18 @@ func TestKilledLeaderHandsOver(t *testing.T) {
 	}
 	before := webhookURL()
 	late := start("brain-c")
-	t0 = time.Now()
-	for webhookURL() == before {
-		if time.Since(t0) > 60*time.Second {
-			t.Fatal("brain-c never registered its webhooks")
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+	testkit.PollEvery(t, 200*time.Millisecond, 60*time.Second, "brain-c to register its webhooks", func() (bool, error) {
+		return webhookURL() != before, nil
+	})
 	if err := late.Process.Signal(syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
 	t0 = time.Now()
 	time.Sleep(200 * time.Millisecond)
-	for why := serving(); why != ""; why = serving() {
-		if time.Since(t0) > 20*time.Second {
-			t.Fatalf("20s after killing the last registrant: %s", why)
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+	testkit.PollEvery(t, 200*time.Millisecond, 20*time.Second, "webhooks and aggregated APIs on the leader after killing the last registrant", func() (bool, error) {
+		why := serving()
+		return why == "", errors.New(why)
+	})
 	t.Logf("the last registrant killed: webhooks and aggregated APIs back on the leader after %s", time.Since(t0).Round(100*time.Millisecond))
 }
 
@@ -234,23 +228,13 @@ func TestRegainedLeaseLeadsAgain(t *testing.T) {
 			Spec: kubevirtv1.VirtualMachineInstanceSpec{Domain: kubevirtv1.DomainSpec{Resources: kubevirtv1.ResourceRequirements{
 				Requests: corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("64Mi")}}}}}}}
 	deadline := time.Now().Add(60 * time.Second)
-	for {
-		// The brain's webhooks may still be settling after its restart.
-		if _, err = virt.VMs.Create(ctx, vm); err == nil || time.Now().After(deadline) {
-			break
-		}
-		time.Sleep(500 * time.Millisecond)
-	}
-	if err != nil {
-		t.Fatalf("create vm: %v", err)
-	}
-	for {
-		if _, err := virt.VMIs.Get(ctx, ns, "second-term"); err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("no VMI for the VM 60s after the brain led again")
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+	// The brain's webhooks may still be settling after its restart.
+	testkit.Eventually(t, 60*time.Second, "creating a VM", func() error {
+		_, err := virt.VMs.Create(ctx, vm)
+		return err
+	})
+	testkit.Eventually(t, time.Until(deadline), "the VM's VMI (60s after the brain led again)", func() error {
+		_, err := virt.VMIs.Get(ctx, ns, "second-term")
+		return err
+	})
 }

@@ -9,6 +9,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/metrics"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/uploadtls"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // The metrics endpoints carry no authentication, so by default they listen
@@ -34,18 +35,13 @@ func TestMetricsListenOnLoopbackByDefault(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go func() { _ = s.Run(ctx) }()
-	deadline := time.Now().Add(5 * time.Second)
-	for {
+	testkit.Eventually(t, 5*time.Second, "the metrics server", func() error {
 		resp, err := http.Get("http://" + addr + "/metrics")
 		if err == nil {
 			resp.Body.Close()
-			break
 		}
-		if time.Now().After(deadline) {
-			t.Fatal(err)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		return err
+	})
 	ip, err := uploadtls.HostIP()
 	if err != nil || ip.IsLoopback() {
 		t.Skipf("no non-loopback host address to try (%v)", err)

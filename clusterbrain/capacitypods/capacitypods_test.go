@@ -19,6 +19,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
@@ -62,12 +63,10 @@ func TestPodHoldsBoundVMIsCapacity(t *testing.T) {
 		t.Fatal(err)
 	}
 	var pod *corev1.Pod
-	if err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 20*time.Second, true, func(ctx context.Context) (bool, error) {
+	testkit.Eventually(t, 20*time.Second, "the capacity pod", func() (err error) {
 		pod, err = kube.CoreV1().Pods(ns).Get(ctx, PodName("vm"), metav1.GetOptions{})
-		return err == nil, nil
-	}); err != nil {
-		t.Fatalf("no capacity pod: %v", err)
-	}
+		return err
+	})
 	cpu, mem := scheduler.Requests(vmi)
 	req := pod.Spec.Containers[0].Resources.Requests
 	if pod.Spec.NodeName != "cap-node-1" || req.Memory().Value() != mem || req.Cpu().MilliValue() != cpu || mem != 300<<20 ||

@@ -12,6 +12,7 @@ package clidownload
 import (
 	"archive/tar"
 	"archive/zip"
+	"bytes"
 	"compress/gzip"
 	"context"
 	"errors"
@@ -24,6 +25,8 @@ import (
 	"os"
 	"path/filepath"
 	"time"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/httperr"
 )
 
 // Platform is one downloadable build.
@@ -96,9 +99,9 @@ func New(cfg Config) (*Server, error) {
 		cfg.Log = slog.Default()
 	}
 	s := &Server{cfg: cfg, mux: http.NewServeMux()}
-	s.mux.HandleFunc("GET /{$}", s.index)
+	s.mux.Handle("GET /{$}", httperr.TextHandler(s.index))
 	for _, p := range Platforms {
-		s.mux.HandleFunc("GET "+p.Path(), func(w http.ResponseWriter, r *http.Request) { s.serve(w, r, p) })
+		s.mux.Handle("GET "+p.Path(), httperr.TextHandler(func(w http.ResponseWriter, r *http.Request) error { return s.serve(w, r, p) }))
 	}
 	return s, nil
 }
@@ -129,28 +132,25 @@ func (s *Server) Run(ctx context.Context) error {
 	return nil
 }
 
-func (s *Server) serve(w http.ResponseWriter, r *http.Request, p Platform) {
-	log := s.cfg.Log.With("path", r.URL.Path, "remote", r.RemoteAddr)
+func (s *Server) serve(w http.ResponseWriter, r *http.Request, p Platform) error {
 	archive := filepath.Join(s.cfg.Dir, p.Arch, p.OSDir, p.Archive)
 	if f, err := os.Open(archive); err == nil {
 		defer f.Close()
 		if st, err := f.Stat(); err == nil && st.Mode().IsRegular() {
 			http.ServeContent(w, r, p.Archive, st.ModTime(), f)
-			return
+			return nil
 		}
 	}
 	bin := filepath.Join(s.cfg.Dir, p.Binary())
 	f, err := os.Open(bin)
 	if err != nil {
-		http.Error(w, fmt.Sprintf("virtctl for %s/%s is not built: neither %s nor %s exists (build it with make)",
-			p.GOOS, p.Arch, archive, bin), http.StatusNotFound)
-		return
+		return httperr.NotFound("virtctl for %s/%s is not built: neither %s nor %s exists (build it with make)",
+			p.GOOS, p.Arch, archive, bin)
 	}
 	defer f.Close()
 	st, err := f.Stat()
 	if err != nil || !st.Mode().IsRegular() {
-		http.Error(w, fmt.Sprintf("virtctl for %s/%s: %s is not a file", p.GOOS, p.Arch, bin), http.StatusNotFound)
-		return
+		return httperr.NotFound("virtctl for %s/%s: %s is not a file", p.GOOS, p.Arch, bin)
 	}
 	ctype := "application/zip"
 	if p.Archive == "virtctl.tar.gz" {
@@ -160,7 +160,7 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, p Platform) {
 	w.Header().Set("Content-Disposition", `attachment; filename="`+p.Archive+`"`)
 	w.Header().Set("Last-Modified", st.ModTime().UTC().Format(http.TimeFormat))
 	if r.Method == http.MethodHead {
-		return
+		return nil
 	}
 	if p.Archive == "virtctl.tar.gz" {
 		err = writeTarGz(w, f, st, p.member())
@@ -169,8 +169,9 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, p Platform) {
 	}
 	if err != nil {
 		// Headers are gone: the client sees a truncated archive.
-		log.Warn("virtctl download failed", "err", err)
+		s.cfg.Log.Warn("virtctl download failed", "path", r.URL.Path, "remote", r.RemoteAddr, "err", err)
 	}
+	return nil
 }
 
 func writeTarGz(w io.Writer, f io.Reader, st os.FileInfo, name string) error {
@@ -210,7 +211,7 @@ var indexPage = template.Must(template.New("index").Parse(`<!DOCTYPE html>
 {{end}}</ul></body></html>
 `))
 
-func (s *Server) index(w http.ResponseWriter, _ *http.Request) {
+func (s *Server) index(w http.ResponseWriter, _ *http.Request) error {
 	type entry struct {
 		Path, Text string
 		Built      bool
@@ -221,6 +222,11 @@ func (s *Server) index(w http.ResponseWriter, _ *http.Request) {
 		_, errB := os.Stat(filepath.Join(s.cfg.Dir, p.Binary()))
 		es = append(es, entry{Path: p.Path(), Text: p.Text, Built: errA == nil || errB == nil})
 	}
+	var page bytes.Buffer
+	if err := indexPage.Execute(&page, es); err != nil {
+		return fmt.Errorf("render the download page: %w", err)
+	}
 	w.Header().Set("Content-Type", "text/html; charset=utf-8")
-	_ = indexPage.Execute(w, es)
+	_, _ = w.Write(page.Bytes())
+	return nil
 }

@@ -16,6 +16,7 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/httperr"
 )
 
 // Path is where the brain's webhook server answers ConversionReviews.
@@ -24,16 +25,14 @@ const Path = "/convert-hyperconverged"
 // Handler answers apiextensions.k8s.io/v1 ConversionReviews for
 // HyperConverged objects.
 func Handler(log *slog.Logger) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	return httperr.TextHandler(func(w http.ResponseWriter, r *http.Request) error {
 		body, err := io.ReadAll(io.LimitReader(r.Body, 16<<20))
 		if err != nil {
-			http.Error(w, "read body", http.StatusBadRequest)
-			return
+			return httperr.BadRequest("read body")
 		}
 		var review apiextensionsv1.ConversionReview
 		if err := json.Unmarshal(body, &review); err != nil || review.Request == nil {
-			http.Error(w, "not a conversion review", http.StatusBadRequest)
-			return
+			return httperr.BadRequest("not a conversion review")
 		}
 		resp := review.Request.UID
 		out := apiextensionsv1.ConversionReview{TypeMeta: review.TypeMeta,
@@ -48,6 +47,7 @@ func Handler(log *slog.Logger) http.Handler {
 		}
 		w.Header().Set("Content-Type", "application/json")
 		_ = json.NewEncoder(w).Encode(&out)
+		return nil
 	})
 }
 

@@ -18,6 +18,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
@@ -69,18 +70,11 @@ func TestV1SampleAppliesUnchanged(t *testing.T) {
 	dyn := dynamic.NewForConfigOrDie(cp.RestConfig)
 	v1 := dyn.Resource(schema.GroupVersionResource{Group: "hco.kubevirt.io", Version: "v1", Resource: "hyperconvergeds"}).Namespace(ns)
 	var created *unstructured.Unstructured
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		// The CRD's conversion settles a moment after the server publishes.
+	// The CRD's conversion settles a moment after the server publishes.
+	testkit.Eventually(t, 30*time.Second, "creating the v1 sample", func() (err error) {
 		created, err = v1.Create(ctx, &unstructured.Unstructured{Object: deepCopy(sample)}, metav1.CreateOptions{})
-		if err == nil || time.Now().After(deadline) {
-			break
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
-	if err != nil {
-		t.Fatalf("create the v1 sample: %v", err)
-	}
+		return err
+	})
 	t.Cleanup(func() { _ = v1.Delete(context.Background(), created.GetName(), metav1.DeleteOptions{}) })
 
 	beta, err := virt.HyperConvergeds.Get(ctx, ns, created.GetName())

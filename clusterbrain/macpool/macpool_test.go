@@ -149,11 +149,9 @@ func setRange(t *testing.T, e env, start, end string) {
 func waitRange(t *testing.T, p *Pool, start string) {
 	t.Helper()
 	want, _ := ParseMAC(start)
-	if err := wait.PollUntilContextTimeout(context.Background(), 50*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
-		return p.Range().Start == want, nil
-	}); err != nil {
-		t.Fatalf("range %s never applied (have %s)", start, p.Range())
-	}
+	testkit.Poll(t, 10*time.Second, "range "+start+" to apply", func() (bool, error) {
+		return p.Range().Start == want, fmt.Errorf("have %s", p.Range())
+	})
 }
 
 // vm returns a VM with one interface per binding ("bridge", "masquerade",

@@ -9,9 +9,10 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/apimachinery/pkg/watch"
 	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // TestReserveBeforeCreation places VMIs before they exist, as the VM
@@ -31,12 +32,10 @@ func TestReserveBeforeCreation(t *testing.T) {
 		return v
 	}
 	var node string
-	if err := wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+	testkit.Until(t, 10*time.Second, "the scheduler to reserve a node", func() bool {
 		node = e.sched.Reserve(newVMI("r-0"))
-		return node != "", nil
-	}); err != nil {
-		t.Fatal("the scheduler never reserved a node")
-	}
+		return node != ""
+	})
 	reserved := map[string]string{"r-0": node}
 	perNode := map[string]int{node: 1}
 	for i := 1; i < 4; i++ {

@@ -17,6 +17,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	uploadv1beta1 "kubevirt.io/containerized-data-importer-api/pkg/apis/upload/v1beta1"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/httperr"
 )
 
 const (
@@ -102,26 +104,25 @@ func (s *Server) apiHandler() http.Handler {
 		Versions:         []metav1.GroupVersionForDiscovery{{GroupVersion: gv, Version: version}},
 		PreferredVersion: metav1.GroupVersionForDiscovery{GroupVersion: gv, Version: version}}
 	mux.HandleFunc("GET /apis", func(w http.ResponseWriter, _ *http.Request) {
-		writeJSON(w, http.StatusOK, metav1.APIGroupList{TypeMeta: metav1.TypeMeta{Kind: "APIGroupList", APIVersion: "v1"},
+		_ = httperr.WriteJSON(w, http.StatusOK, metav1.APIGroupList{TypeMeta: metav1.TypeMeta{Kind: "APIGroupList", APIVersion: "v1"},
 			Groups: []metav1.APIGroup{groupInfo}})
 	})
-	mux.HandleFunc("GET /apis/"+group, func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, http.StatusOK, groupInfo) })
+	mux.HandleFunc("GET /apis/"+group, func(w http.ResponseWriter, _ *http.Request) { _ = httperr.WriteJSON(w, http.StatusOK, groupInfo) })
 	mux.HandleFunc("GET /apis/"+gv, func(w http.ResponseWriter, _ *http.Request) {
-		writeJSON(w, http.StatusOK, metav1.APIResourceList{TypeMeta: metav1.TypeMeta{Kind: "APIResourceList", APIVersion: "v1"},
+		_ = httperr.WriteJSON(w, http.StatusOK, metav1.APIResourceList{TypeMeta: metav1.TypeMeta{Kind: "APIResourceList", APIVersion: "v1"},
 			GroupVersion: gv, APIResources: []metav1.APIResource{{Name: resource, SingularName: "uploadtokenrequest",
 				Namespaced: true, Kind: "UploadTokenRequest", Verbs: metav1.Verbs{"create"}}}})
 	})
-	mux.HandleFunc("POST /apis/"+gv+"/namespaces/{namespace}/"+resource, s.createToken)
+	mux.Handle("POST /apis/"+gv+"/namespaces/{namespace}/"+resource, httperr.StatusHandler(s.createToken))
 	return mux
 }
 
 // createToken serves POST .../namespaces/{ns}/uploadtokenrequests.
-func (s *Server) createToken(w http.ResponseWriter, r *http.Request) {
+func (s *Server) createToken(w http.ResponseWriter, r *http.Request) error {
 	ns := r.PathValue("namespace")
 	user, groups, extra, err := s.authenticate(r)
 	if err != nil {
-		writeStatus(w, http.StatusUnauthorized, metav1.StatusReasonUnauthorized, err.Error())
-		return
+		return httperr.With(http.StatusUnauthorized, err)
 	}
 	sar := &authorizationv1.SubjectAccessReview{Spec: authorizationv1.SubjectAccessReviewSpec{
 		User: user, Groups: groups, Extra: extra,
@@ -130,38 +131,31 @@ func (s *Server) createToken(w http.ResponseWriter, r *http.Request) {
 	res, err := s.kube.AuthorizationV1().SubjectAccessReviews().Create(r.Context(), sar, metav1.CreateOptions{})
 	if err != nil {
 		s.log.Error("subject access review failed", "namespace", ns, "user", user, "err", err)
-		writeStatus(w, http.StatusInternalServerError, metav1.StatusReasonInternalError, "authorization check failed")
-		return
+		return httperr.New(http.StatusInternalServerError, "authorization check failed")
 	}
 	if !res.Status.Allowed {
-		writeStatus(w, http.StatusForbidden, metav1.StatusReasonForbidden, fmt.Sprintf(
-			"user %q cannot create %s.%s in namespace %q: %s", user, resource, group, ns, res.Status.Reason))
-		return
+		return httperr.Forbidden("user %q cannot create %s.%s in namespace %q: %s", user, resource, group, ns, res.Status.Reason)
 	}
 	var req uploadv1beta1.UploadTokenRequest
 	if err := json.NewDecoder(io.LimitReader(r.Body, 1<<20)).Decode(&req); err != nil {
-		writeStatus(w, http.StatusBadRequest, metav1.StatusReasonBadRequest, "decode upload token request: "+err.Error())
-		return
+		return httperr.BadRequest("decode upload token request: %v", err)
 	}
 	if req.Namespace != "" && req.Namespace != ns {
-		writeStatus(w, http.StatusBadRequest, metav1.StatusReasonBadRequest, "the namespace of the object does not match the namespace of the request")
-		return
+		return httperr.BadRequest("the namespace of the object does not match the namespace of the request")
 	}
 	if req.Spec.PvcName == "" {
-		writeStatus(w, http.StatusUnprocessableEntity, metav1.StatusReasonInvalid, "spec.pvcName is required")
-		return
+		return httperr.New(http.StatusUnprocessableEntity, "spec.pvcName is required")
 	}
 	token, err := s.signer.Issue(ns, req.Spec.PvcName)
 	if err != nil {
-		writeStatus(w, http.StatusInternalServerError, metav1.StatusReasonInternalError, "issue token: "+err.Error())
-		return
+		return httperr.New(http.StatusInternalServerError, "issue token: %v", err)
 	}
 	s.log.Info("issued upload token", "namespace", ns, "pvc", req.Spec.PvcName, "user", user)
 	req.APIVersion, req.Kind = group+"/"+version, "UploadTokenRequest"
 	req.Namespace = ns
 	req.CreationTimestamp = metav1.Now()
 	req.Status.Token = token
-	writeJSON(w, http.StatusCreated, req)
+	return httperr.WriteJSON(w, http.StatusCreated, req)
 }
 
 // authenticate returns the user the front proxy vouches for.
@@ -196,17 +190,6 @@ func (s *Server) authenticate(r *http.Request) (string, []string, map[string]aut
 		}
 	}
 	return user, groups, extra, nil
-}
-
-func writeJSON(w http.ResponseWriter, code int, v any) {
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(code)
-	_ = json.NewEncoder(w).Encode(v)
-}
-
-func writeStatus(w http.ResponseWriter, code int, reason metav1.StatusReason, msg string) {
-	writeJSON(w, code, metav1.Status{TypeMeta: metav1.TypeMeta{Kind: "Status", APIVersion: "v1"},
-		Status: metav1.StatusFailure, Code: int32(code), Reason: reason, Message: msg})
 }
 
 // register publishes the aggregated API: a Service without selector, its

@@ -341,6 +341,10 @@ func TestTokenRequestsAreAuthorized(t *testing.T) {
 	if err != nil || c.Namespace != e.ns || c.Name != "disk" {
 		t.Fatalf("issued token: %+v %v", c, err)
 	}
+	// A request without a claim is refused as invalid, as cdi-apiserver does.
+	if _, err := requestToken(alice, e.ns, ""); !apierrors.IsInvalid(err) || !strings.Contains(err.Error(), "spec.pvcName is required") {
+		t.Errorf("token without a claim: %v", err)
+	}
 	// Alice's rights end at her namespace.
 	if _, err := requestToken(alice, "default", "disk"); !apierrors.IsForbidden(err) {
 		t.Errorf("token in another namespace: %v", err)

@@ -2,6 +2,7 @@ package vmcontroller
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -23,6 +24,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // TestBrainAdmitsItsOwnVMIs: the VMI webhooks are not called for the
@@ -72,16 +74,13 @@ func TestBrainAdmitsItsOwnVMIs(t *testing.T) {
 		Spec: *bad.Spec.Template.Spec.DeepCopy()}
 	admission.DefaultVMISpec(&probe.Spec)
 	var webhookErr error
-	err = wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+	testkit.PollEvery(t, 100*time.Millisecond, 30*time.Second, "the validating webhook to refuse another user's invalid vmi", func() (bool, error) {
 		_, webhookErr = e.virt.VMIs.Create(ctx, probe.DeepCopy())
 		if webhookErr == nil {
 			_ = e.virt.VMIs.Delete(ctx, e.ns, probe.Name, metav1.DeleteOptions{})
 		}
-		return webhookErr != nil && strings.Contains(webhookErr.Error(), "denied the request"), nil
+		return webhookErr != nil && strings.Contains(webhookErr.Error(), "denied the request"), fmt.Errorf("last: %v", webhookErr)
 	})
-	if err != nil {
-		t.Fatalf("the validating webhook never refused another user's invalid vmi (last: %v)", webhookErr)
-	}
 	if !strings.Contains(webhookErr.Error(), `admission webhook "`+admission.VMIValidatorName+`"`) ||
 		!strings.Contains(webhookErr.Error(), `spec.domain.devices.disks[1].name: Duplicate value: "root"`) {
 		t.Fatalf("another user's refusal: %v", webhookErr)

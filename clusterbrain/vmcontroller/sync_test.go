@@ -8,7 +8,6 @@ import (
 	"time"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/util/retry"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
@@ -35,12 +34,10 @@ func TestSyncDirect(t *testing.T) {
 	}
 	cached := func(what string, ok func(*kubevirtv1.VirtualMachine) bool) {
 		t.Helper()
-		if err := wait.PollUntilContextTimeout(ctx, 20*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		testkit.Until(t, 10*time.Second, "the cache to show "+what, func() bool {
 			obj, found, _ := c.vms.GetStore().GetByKey(e.ns + "/direct")
-			return found && ok(obj.(*kubevirtv1.VirtualMachine)), nil
-		}); err != nil {
-			t.Fatalf("cache never showed %s", what)
-		}
+			return found && ok(obj.(*kubevirtv1.VirtualMachine))
+		})
 	}
 	key := e.ns + "/direct"
 

@@ -3,6 +3,7 @@ package vmcontroller
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"log/slog"
 	"os"
 	"strings"
@@ -13,7 +14,6 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	kubevirtv1 "kubevirt.io/api/core/v1"
@@ -95,25 +95,23 @@ func (e env) waitVM(name, what string, cond func(*kubevirtv1.VirtualMachine, *ku
 	var vm *kubevirtv1.VirtualMachine
 	var vmi *kubevirtv1.VirtualMachineInstance
 	var getErr error
-	err := wait.PollUntilContextTimeout(context.Background(), 50*time.Millisecond, 15*time.Second, true, func(ctx context.Context) (bool, error) {
+	testkit.Poll(e.t, 15*time.Second, fmt.Sprintf("vm %s: %s", name, what), func() (bool, error) {
+		ctx := context.Background()
 		var err error
 		if vm, err = e.virt.VMs.Get(ctx, e.ns, name); err != nil {
 			getErr = err
-			return false, nil
+			return false, fmt.Errorf("last get error %v", getErr)
 		}
 		vmi = nil
 		if v, err := e.virt.VMIs.Get(ctx, e.ns, name); err == nil {
 			vmi = v
 		}
-		return cond(vm, vmi), nil
-	})
-	if err != nil {
 		s := "<nil>"
 		if vmi != nil {
 			s = string(vmi.Status.Phase)
 		}
-		e.t.Fatalf("vm %s: %s never happened (printableStatus %q, vmi %s, conditions %+v, last get error %v)", name, what, vm.Status.PrintableStatus, s, vm.Status.Conditions, getErr)
-	}
+		return cond(vm, vmi), fmt.Errorf("printableStatus %q, vmi %s, conditions %+v, last get error %v", vm.Status.PrintableStatus, s, vm.Status.Conditions, getErr)
+	})
 	return vm, vmi
 }
 

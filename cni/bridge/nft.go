@@ -213,6 +213,23 @@ func delSpoofRules(port string) error {
 	return b.commit("remove macspoofchk rules of " + port)
 }
 
+// delSpoofRulesIfAny is delSpoofRules for a caller that does not know
+// whether the port ever had rules: with no spoof-check table on the host
+// there is nothing to remove, and none is made.
+func delSpoofRulesIfAny(port string) error {
+	c, err := nftables.New()
+	if err != nil {
+		return fmt.Errorf("nftables netlink: %w", err)
+	}
+	if _, err := c.ListTableOfFamily(spoofTable, nftables.TableFamilyBridge); err != nil {
+		if errors.Is(err, unix.ENOENT) {
+			return nil
+		}
+		return fmt.Errorf("nftables table %s: %w", spoofTable, err)
+	}
+	return delSpoofRules(port)
+}
+
 // checkSpoofRules verifies the port's chain exists, drops frames not from
 // mac, and is what the map sends the port's frames to.
 func checkSpoofRules(port string, mac net.HardwareAddr) error {

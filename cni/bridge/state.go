@@ -16,7 +16,7 @@ import (
 // Record is what one attachment made on the host, kept on disk so DEL and GC
 // can undo it without the container's network namespace.
 type Record struct {
-	Kind        string `json:"kind"` // "veth" or "tap"
+	Kind        string `json:"kind"` // "veth"; "tap" only in memory (DetachTap)
 	Network     string `json:"network,omitempty"`
 	ContainerID string `json:"containerID,omitempty"`
 	IfName      string `json:"ifname,omitempty"`
@@ -40,7 +40,6 @@ type Record struct {
 // store is the state directory layout:
 //
 //	<dir>/net/<network>/<containerID>_<ifname>.json   CNI attachments
-//	<dir>/tap/<tap>.json                                VM taps
 //	<dir>/lock/<bridge>.lock                            per-bridge flock
 type store struct{ dir string }
 
@@ -60,13 +59,6 @@ func (s store) attachmentPath(network, containerID, ifName string) (string, erro
 		}
 	}
 	return filepath.Join(s.dir, "net", network, containerID+"_"+ifName+".json"), nil
-}
-
-func (s store) tapPath(tap string) (string, error) {
-	if err := checkSafe("tap", tap); err != nil {
-		return "", err
-	}
-	return filepath.Join(s.dir, "tap", tap+".json"), nil
 }
 
 // write stores r atomically (temp file + rename).

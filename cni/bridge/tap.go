@@ -8,7 +8,6 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"strings"
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
@@ -41,10 +40,6 @@ func AttachTap(ctx context.Context, conf *NetConf, tap string, mac net.HardwareA
 		return nil, fmt.Errorf("attach %s: macspoofchk needs the NIC's MAC", tap)
 	}
 	st := store{conf.StateDir}
-	recPath, err := st.tapPath(tap)
-	if err != nil {
-		return nil, err
-	}
 	hh, err := netlink.NewHandle(unix.NETLINK_ROUTE)
 	if err != nil {
 		return nil, fmt.Errorf("netlink: %w", err)
@@ -122,19 +117,11 @@ func AttachTap(ctx context.Context, conf *NetConf, tap string, mac net.HardwareA
 	if err := hh.LinkSetUp(l); err != nil {
 		return nil, fmt.Errorf("set %s up: %w", tap, err)
 	}
-	rec := &Record{Kind: "tap", Bridge: conf.Bridge, Port: tap, VLAN: conf.VLAN, Trunk: conf.Trunk}
-	if mac != nil {
-		rec.MAC = mac.String()
-	}
 	if conf.MACSpoofCheck {
-		rec.SpoofChain = spoofChainName(tap)
 		if err := addSpoofRules(tap, mac, "tap/"+tap); err != nil {
 			return nil, fmt.Errorf("macspoofchk on %s: %w", tap, err)
 		}
 		undo.add(func() { _ = delSpoofRules(tap) })
-	}
-	if err := st.write(recPath, rec); err != nil {
-		return nil, err
 	}
 	return &Attachment{
 		Bridge: conf.Bridge, Port: tap, MAC: mac, MTU: mtu,
@@ -142,48 +129,31 @@ func AttachTap(ctx context.Context, conf *NetConf, tap string, mac net.HardwareA
 	}, nil
 }
 
-// DetachTap removes the tap, its spoof-check rules and its record. A tap
-// that is already gone is success.
+// DetachTap removes the tap and its spoof-check rules. It needs no record
+// of the attach: the rules are found by the tap's name (their chain and map
+// key derive from it), and removed whatever conf says of macspoofchk, so a
+// caller keeps one record of its taps (the node agent's per-VM record) and
+// nothing here can disagree with it. A tap that is already gone is success.
 func DetachTap(ctx context.Context, conf *NetConf, tap string) error {
-	st := store{conf.StateDir}
-	recPath, err := st.tapPath(tap)
-	if err != nil {
-		return err
+	if err := validIfName(tap); err != nil {
+		return fmt.Errorf("tap name %q: %w", tap, err)
 	}
-	rec, err := st.read(recPath)
-	if err != nil {
-		return err
-	}
-	if rec == nil {
-		rec = &Record{Kind: "tap", Bridge: conf.Bridge, Port: tap}
-		if conf.MACSpoofCheck {
-			rec.SpoofChain = spoofChainName(tap)
+	rec := &Record{Kind: "tap", Bridge: conf.Bridge, Port: tap}
+	rules := func() error {
+		if err := delSpoofRulesIfAny(tap); err != nil {
+			return fmt.Errorf("remove macspoofchk rules: %w", err)
 		}
+		return nil
 	}
-	if err := removeHostSide(ctx, rec, removeInLine, nil); err != nil {
+	if err := removeHostSide(ctx, rec, removeInLine, rules); err != nil {
 		return fmt.Errorf("detach %s: %w", tap, err)
 	}
-	return st.remove(recPath)
-}
-
-// Taps lists the taps AttachTap recorded in stateDir (empty: the default),
-// so an agent can find taps whose VM is gone.
-func Taps(stateDir string) ([]string, error) {
-	if stateDir == "" {
-		stateDir = DefaultStateDir
-	}
-	ents, err := os.ReadDir(filepath.Join(stateDir, "tap"))
-	if errors.Is(err, fs.ErrNotExist) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, fmt.Errorf("list taps: %w", err)
-	}
-	var out []string
-	for _, e := range ents {
-		if name, ok := strings.CutSuffix(e.Name(), ".json"); ok {
-			out = append(out, name)
+	// Earlier versions kept a record per tap here; one left behind goes.
+	if conf.StateDir != "" {
+		old := filepath.Join(conf.StateDir, "tap", tap+".json")
+		if err := os.Remove(old); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return fmt.Errorf("detach %s: remove old record: %w", tap, err)
 		}
 	}
-	return out, nil
+	return nil
 }

@@ -3,7 +3,10 @@ package bridge_test
 import (
 	"context"
 	"errors"
+	"io/fs"
 	"net"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -97,23 +100,42 @@ func TestAttachTap(t *testing.T) {
 	if rs := e.ruleset(); !strings.Contains(rs, "ether saddr != 02:54:00:00:00:01 drop") || !strings.Contains(rs, `"tapvm0" : jump`) {
 		t.Fatalf("spoof rules missing:\n%s", rs)
 	}
-	taps, err := bridge.Taps(e.stateDir)
-	if err != nil || len(taps) != 1 || taps[0] != "tapvm0" {
-		t.Fatalf("Taps = %v, %v", taps, err)
+	// The caller's record of the tap is the only one: nothing is kept
+	// here, and detaching with a config that no longer says macspoofchk
+	// (or an empty one, as a teardown has) still finds the rules.
+	if _, err := os.Stat(filepath.Join(e.stateDir, "tap")); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("AttachTap kept a record of its own: %v", err)
 	}
+	bare := &bridge.NetConf{StateDir: e.stateDir}
 	for range 2 {
-		if err := e.host.Do(func() error { return bridge.DetachTap(ctx, conf, "tapvm0") }); err != nil {
+		if err := e.host.Do(func() error { return bridge.DetachTap(ctx, bare, "tapvm0") }); err != nil {
 			t.Fatalf("DetachTap: %v", err)
 		}
 	}
 	if _, ok := e.hostLinks()["tapvm0"]; ok {
 		t.Fatal("tap left after DetachTap")
 	}
-	if rs := e.ruleset(); strings.Contains(rs, "spoof_") {
+	if rs := e.ruleset(); strings.Contains(rs, "spoof_") || strings.Contains(rs, "tapvm0") {
 		t.Fatalf("rules left:\n%s", rs)
 	}
-	if taps, _ := bridge.Taps(e.stateDir); len(taps) != 0 {
-		t.Fatalf("records left: %v", taps)
+
+	// Without macspoofchk no rule is made, and detaching makes no table.
+	if err := e.host.Do(func() error { return bridge.RemoveUnusedTables(ctx) }); err != nil {
+		t.Fatal(err)
+	}
+	plain := *conf
+	plain.MACSpoofCheck = false
+	err = e.host.Do(func() error {
+		if _, err := bridge.AttachTap(ctx, &plain, "tapvm2", mac, 0); err != nil {
+			return err
+		}
+		return bridge.DetachTap(ctx, &plain, "tapvm2")
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rs := e.ruleset(); strings.Contains(rs, "nodevirt_bridge") {
+		t.Fatalf("a detach without rules made a table:\n%s", rs)
 	}
 
 	// A VLAN the kernel cannot filter fails and leaves no tap behind.

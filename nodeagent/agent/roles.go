@@ -33,9 +33,20 @@ func newPluginRegistrationRole(d *Deps) (Role, error) {
 		Endpoint: d.Config.CSISocket, Log: d.Log.With("role", "kubelet-plugin-registration")})
 }
 
-// NetStateDir is where the agent's bridge attachments (taps, spoof-check
-// rules) are recorded, so they can be removed without the VMs.
+// NetStateDir is where the agent's bridge plugin keeps its state (the
+// bridge locks); the taps themselves are in the handler's per-VM records.
 func NetStateDir(stateDir string) string { return filepath.Join(stateDir, "cni") }
+
+// vmStateDir is the handler's state directory (Config.StateDir of package
+// handler, as newHandlerRole sets it) in the agent's.
+func vmStateDir(stateDir string) string { return filepath.Join(stateDir, "vms") }
+
+// TeardownTaps removes the bridge taps and spoof-check rules of the VMs the
+// agent with state directory stateDir recorded, telling each every tap
+// (handler.DetachRecordedTaps): for uninstalling after the agent stopped.
+func TeardownTaps(ctx context.Context, stateDir string, each func(tap string)) error {
+	return handler.DetachRecordedTaps(ctx, vmStateDir(stateDir), NetStateDir(stateDir), each)
+}
 
 // newHandlerRole is the virt-handler role: VMIs bound to this node become
 // libvirt domains.

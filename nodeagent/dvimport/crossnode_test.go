@@ -3,6 +3,7 @@ package dvimport_test
 import (
 	"context"
 	"crypto/tls"
+	"fmt"
 	"log/slog"
 	"net/http"
 	"os"
@@ -18,6 +19,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/uploadtls"
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport"
 	"github.com/nodevirt/nodevirt/nodeagent/dvimport/dvimporttest"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // TestCloneAcrossNodes: a clone whose volume is on another node than its
@@ -111,8 +113,7 @@ func TestCloneAcrossNodes(t *testing.T) {
 	hc := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{Certificates: []tls.Certificate{cert},
 		RootCAs: ca.Pool(), ServerName: identity.UploadServerName}}}
 	defer hc.CloseIdleConnections()
-	status := 0
-	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+	testkit.Poll(t, 20*time.Second, dst+" refused the source after its clone completed", func() (bool, error) {
 		req, _ := http.NewRequest(http.MethodGet, url, nil)
 		req.Header.Set("Range", "bytes=0-511")
 		resp, err := hc.Do(req)
@@ -120,11 +121,6 @@ func TestCloneAcrossNodes(t *testing.T) {
 			t.Fatal(err)
 		}
 		resp.Body.Close()
-		if status = resp.StatusCode; status == http.StatusForbidden {
-			break
-		}
-	}
-	if status != http.StatusForbidden {
-		t.Errorf("%s still reads the source after its clone completed: %d", dst, status)
-	}
+		return resp.StatusCode == http.StatusForbidden, fmt.Errorf("it still reads it: %d", resp.StatusCode)
+	})
 }

@@ -230,19 +230,18 @@ func TestHTTPImportFillsVolumeWithTheImage(t *testing.T) {
 
 func waitEvent(t *testing.T, e env, name, reason string) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for time.Now().Before(deadline) {
+	testkit.Poll(t, 10*time.Second, fmt.Sprintf("event %s for datavolume %s", reason, name), func() (bool, error) {
 		evs, err := e.kube.CoreV1().Events(e.ns).List(context.Background(), metav1.ListOptions{})
-		if err == nil {
-			for _, ev := range evs.Items {
-				if ev.InvolvedObject.Name == name && ev.InvolvedObject.Kind == "DataVolume" && ev.Reason == reason {
-					return
-				}
+		if err != nil {
+			return false, err
+		}
+		for _, ev := range evs.Items {
+			if ev.InvolvedObject.Name == name && ev.InvolvedObject.Kind == "DataVolume" && ev.Reason == reason {
+				return true, nil
 			}
 		}
-		time.Sleep(100 * time.Millisecond)
-	}
-	t.Errorf("no event %s for datavolume %s", reason, name)
+		return false, nil
+	})
 }
 
 func TestWaitForFirstConsumerUntilANodeIsSelected(t *testing.T) {

@@ -25,6 +25,7 @@ import (
 	"github.com/nodevirt/nodevirt/launcher"
 	"github.com/nodevirt/nodevirt/nodeagent/console"
 	"github.com/nodevirt/nodevirt/test/guest"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 const (
@@ -478,25 +479,13 @@ func TestOrphanCleanedAfterRestart(t *testing.T) {
 
 	n.handler(true)
 	deadline := time.Now().Add(60 * time.Second)
-	for {
+	testkit.Poll(t, 60*time.Second, "the orphan domain to go", func() (bool, error) {
 		_, err := n.lv.Lookup(ctx, n.ns+"_orphan")
-		if errors.Is(err, launcher.ErrNotFound) {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("orphan domain still there after 60s: %v", err)
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+		return errors.Is(err, launcher.ErrNotFound), err
+	})
 	// The state goes right after the domain (taps are detached first).
-	for {
+	testkit.Poll(t, time.Until(deadline), "the state of the orphan to go", func() (bool, error) {
 		_, err := os.Stat(h.vmDir(running.UID))
-		if os.IsNotExist(err) {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("state of the orphan still there: %v", err)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+		return os.IsNotExist(err), err
+	})
 }

@@ -306,9 +306,8 @@ func (n *node) schedule(ctx context.Context, vmi *v1.VirtualMachineInstance) *v1
 func (n *node) waitVMI(ctx context.Context, name string, timeout time.Duration, what string, ok func(*v1.VirtualMachineInstance) bool) *v1.VirtualMachineInstance {
 	t := n.t
 	t.Helper()
-	deadline := time.Now().Add(timeout)
-	var last *v1.VirtualMachineInstance
-	for {
+	var got *v1.VirtualMachineInstance
+	testkit.Poll(t, timeout, fmt.Sprintf("vmi %s to be %s", name, what), func() (bool, error) {
 		vmi, err := n.virt.VMIs.Get(ctx, n.ns, name)
 		if err != nil && !apierrors.IsNotFound(err) {
 			t.Fatal(err)
@@ -316,16 +315,18 @@ func (n *node) waitVMI(ctx context.Context, name string, timeout time.Duration, 
 		if err != nil {
 			vmi = nil
 		}
-		if ok(vmi) {
-			return vmi
-		}
-		last = vmi
-		if time.Now().After(deadline) {
-			b, _ := json.MarshalIndent(last, "", "  ")
-			t.Fatalf("vmi %s: not %s within %s; last:\n%s", name, what, timeout, b)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+		got = vmi
+		return ok(vmi), lastVMI{vmi}
+	})
+	return got
+}
+
+// lastVMI is the state a wait for a VMI saw last, shown when it times out.
+type lastVMI struct{ vmi *v1.VirtualMachineInstance }
+
+func (l lastVMI) Error() string {
+	b, _ := json.MarshalIndent(l.vmi, "", "  ")
+	return fmt.Sprintf("last:\n%s", b)
 }
 
 func condition(vmi *v1.VirtualMachineInstance, typ v1.VirtualMachineInstanceConditionType) *v1.VirtualMachineInstanceCondition {

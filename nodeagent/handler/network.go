@@ -188,6 +188,31 @@ func (h *Handler) detachTaps(ctx context.Context, r *record) error {
 	return errors.Join(errs...)
 }
 
+// DetachRecordedTaps removes the bridge taps (and their spoof-check rules)
+// of every VMI recorded under stateDir, the handler's record being the only
+// one kept of them; netStateDir is Config.NetStateDir. It is for
+// uninstalling after the agent stopped (`make lab-down`): guests lose their
+// secondary networks. Pod network taps are the pod network's teardown.
+// If each is not nil, it is told every tap before it goes.
+func DetachRecordedTaps(ctx context.Context, stateDir, netStateDir string, each func(tap string)) error {
+	h := &Handler{cfg: Config{StateDir: stateDir, NetStateDir: netStateDir}}
+	recs, err := h.records()
+	errs := []error{err}
+	for _, r := range recs {
+		bridged := &record{UID: r.UID, Namespace: r.Namespace, Name: r.Name}
+		for _, t := range r.Taps {
+			if !t.Pod {
+				bridged.Taps = append(bridged.Taps, t)
+				if each != nil {
+					each(t.Tap)
+				}
+			}
+		}
+		errs = append(errs, h.detachTaps(ctx, bridged))
+	}
+	return errors.Join(errs...)
+}
+
 // tapDuration times the bridge plugin's operations made in process for VM
 // NICs (the CNI binary's own runs are the container runtime's to time).
 var tapDuration = metrics.Default().Histogram("nodevirt_cni_operation_duration_seconds",

@@ -24,6 +24,7 @@ import (
 	"github.com/nodevirt/nodevirt/launcher"
 	"github.com/nodevirt/nodevirt/nodeagent/podnet"
 	"github.com/nodevirt/nodevirt/test/guest"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // dhcpUserData asks for an address with busybox udhcpc; its script
@@ -290,13 +291,10 @@ func TestPodNetwork(t *testing.T) {
 	if got := vmi.Status.Interfaces; len(got) != 1 || got[0].IP != ip.String() {
 		t.Errorf("status.interfaces after the restart %+v, want address %s", got, ip)
 	}
-	deadline := time.Now().Add(30 * time.Second)
-	for !strings.Contains(guardedTaps(t, hp.cfg.Bridge), tapDev) {
-		if time.Now().After(deadline) {
-			t.Fatalf("tap %s not re-adopted (guard map):\n%s", tapDev, guardedTaps(t, hp.cfg.Bridge))
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+	testkit.Poll(t, 30*time.Second, "tap "+tapDev+" re-adopted (guard map)", func() (bool, error) {
+		guarded := guardedTaps(t, hp.cfg.Bridge)
+		return strings.Contains(guarded, tapDev), errors.New(guarded)
+	})
 	cc = n.consoleClient(h)
 	conn2, err := cc.Console(ctx, n.ns, "podguest")
 	if err != nil {

@@ -2,6 +2,7 @@ package handler
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"strings"
 	"testing"
@@ -10,12 +11,12 @@ import (
 	k8sv1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/util/wait"
 	v1 "kubevirt.io/api/core/v1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/registry/registrytest"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // A containerDisk image the registry does not have fails the pull: the
@@ -63,10 +64,10 @@ func TestFailedPullEmitsEvent(t *testing.T) {
 		t.Fatal(err)
 	}
 	var got []string
-	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+	testkit.PollEvery(t, 200*time.Millisecond, 30*time.Second, "an ErrImagePull event naming "+image+" and the error on the vmi", func() (bool, error) {
 		evs, err := n.kube.CoreV1().Events(n.ns).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=nopull"})
 		if err != nil {
-			return false, nil
+			return false, err
 		}
 		got = got[:0]
 		for _, e := range evs.Items {
@@ -77,9 +78,6 @@ func TestFailedPullEmitsEvent(t *testing.T) {
 				return true, nil
 			}
 		}
-		return false, nil
+		return false, fmt.Errorf("events: %q", got)
 	})
-	if err != nil {
-		t.Fatalf("no ErrImagePull event naming %s and the error on the vmi; events: %q", image, got)
-	}
 }

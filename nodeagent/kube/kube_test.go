@@ -2,6 +2,7 @@ package kube
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -12,6 +13,7 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
@@ -88,18 +90,11 @@ func TestFactorySharesOneInformerPerKind(t *testing.T) {
 	if _, err := c.CoreV1().PersistentVolumeClaims(ns).Create(ctx, claim, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	testkit.Eventually(t, 10*time.Second, "the caches to see the claim and the class", func() error {
 		_, claimErr := f.Claims().Lister().PersistentVolumeClaims(ns).Get("claim")
 		_, classErr := f.StorageClasses().Lister().Get(class.Name)
-		if claimErr == nil && classErr == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("caches never saw the claim (%v) or the class (%v)", claimErr, classErr)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		return errors.Join(claimErr, classErr)
+	})
 	if pvs, err := f.Volumes().Lister().List(labels.Everything()); err != nil {
 		t.Errorf("volume lister: %v (%d)", err, len(pvs))
 	}

@@ -209,20 +209,16 @@ func TestNodeMetrics(t *testing.T) {
 	}()
 	id := map[string]string{"namespace": ns, "name": "stats", "node": node}
 	var got map[string][]sample
-	deadline := time.Now().Add(60 * time.Second)
-	for {
+	testkit.PollEvery(t, 250*time.Millisecond, 60*time.Second, fmt.Sprintf("cpu usage of %s/stats and phase counts of %s", ns, node), func() (bool, error) {
 		if addr := s.Addr(); addr != "" {
 			got = scrape(t, "http://"+addr+"/metrics")
 			if c := find(got, "kubevirt_vmi_cpu_usage_seconds_total", id); len(c) == 1 && c[0].value > 0 &&
 				len(find(got, "kubevirt_vmi_phase_count", map[string]string{"node": node})) == 2 {
-				break
+				return true, nil
 			}
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("no cpu usage of %s/stats and phase counts of %s within 60s; got families %v", ns, node, keys(got))
-		}
-		time.Sleep(250 * time.Millisecond)
-	}
+		return false, fmt.Errorf("got families %v", keys(got))
+	})
 
 	cpu := find(got, "kubevirt_vmi_cpu_usage_seconds_total", id)[0].value
 	t.Logf("scraped %d families; %s/stats: cpu %.3fs, domain memory %g bytes", len(got), ns, cpu,

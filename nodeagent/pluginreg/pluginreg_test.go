@@ -9,6 +9,8 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
+
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // Kubelet's side of the protocol over the real socket: GetInfo names the
@@ -23,16 +25,10 @@ func TestKubeletRegistersTheDriver(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- r.Run(ctx) }()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		if _, err := os.Stat(r.Socket()); err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("no registration socket")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	testkit.Eventually(t, 10*time.Second, "the registration socket", func() error {
+		_, err := os.Stat(r.Socket())
+		return err
+	})
 	conn, err := grpc.NewClient("unix://"+r.Socket(), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)

@@ -12,7 +12,7 @@ import (
 )
 
 // tapConf is the cni/bridge config for taps on the pod network bridge: no
-// VLANs, the bridge's MTU, tap records in the network's own state dir.
+// VLANs, the bridge's MTU, the bridge lock in the network's own state dir.
 func (n *Network) tapConf() *bridge.NetConf {
 	return &bridge.NetConf{
 		Bridge:              n.bridge,

@@ -209,11 +209,11 @@ func (n *Network) Teardown(ctx context.Context) error {
 	for _, e := range n.allocs.all() {
 		taps[e.Tap] = true
 	}
-	recorded, err := bridge.Taps(n.tapDir())
+	ports, err := n.bridgeTaps()
 	if err != nil {
 		errs = append(errs, err)
 	}
-	for _, t := range recorded {
+	for _, t := range ports {
 		taps[t] = true
 	}
 	for t := range taps {
@@ -249,4 +249,29 @@ func writeSysctl(key, value string) error {
 		return fmt.Errorf("sysctl %s=%s: %w", strings.ReplaceAll(key, "/", "."), value, err)
 	}
 	return nil
+}
+
+// bridgeTaps lists the taps that are ports of the network's bridge: with
+// the allocations, the taps Teardown removes (the kernel, not a second
+// record, knows a tap attached just before the agent stopped).
+func (n *Network) bridgeTaps() ([]string, error) {
+	br, err := netlink.LinkByName(n.bridge)
+	var notFound netlink.LinkNotFoundError
+	if errors.As(err, &notFound) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("look up bridge %s: %w", n.bridge, err)
+	}
+	links, err := netlink.LinkList()
+	if err != nil {
+		return nil, fmt.Errorf("list links: %w", err)
+	}
+	var out []string
+	for _, l := range links {
+		if _, tap := l.(*netlink.Tuntap); tap && l.Attrs().MasterIndex == br.Attrs().Index {
+			out = append(out, l.Attrs().Name)
+		}
+	}
+	return out, nil
 }

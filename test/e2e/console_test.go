@@ -13,6 +13,8 @@ import (
 
 	"github.com/gorilla/websocket"
 	"k8s.io/client-go/rest"
+
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // How the suite sees a guest's console.
@@ -249,27 +251,34 @@ func (s *serialLog) readAll() {
 func (s *serialLog) expect(pattern string, timeout time.Duration) []string {
 	s.n.t.Helper()
 	re := regexp.MustCompile(pattern)
-	deadline := time.Now().Add(timeout)
-	for {
+	var out []string
+	what := fmt.Sprintf("%q in serial log %s of %s/%s", pattern, s.path, s.n.name, s.vmi)
+	testkit.PollEvery(s.n.t, 200*time.Millisecond, timeout, what, func() (bool, error) {
 		s.poll()
 		rest := string(s.out[s.cursor:])
-		if m := re.FindStringSubmatchIndex(rest); m != nil {
-			s.cursor += m[1]
-			out := make([]string, len(m)/2)
-			for i := range out {
-				if m[2*i] >= 0 {
-					out[i] = rest[m[2*i]:m[2*i+1]]
-				}
+		m := re.FindStringSubmatchIndex(rest)
+		if m == nil {
+			return false, notSeen(func() string {
+				return fmt.Sprintf("domain state %q; log since last match:\n%s", domainState(s.n.name, s.vmi), lastBytes(rest, 800))
+			})
+		}
+		s.cursor += m[1]
+		out = make([]string, len(m)/2)
+		for i := range out {
+			if m[2*i] >= 0 {
+				out[i] = rest[m[2*i]:m[2*i+1]]
 			}
-			return out
 		}
-		if time.Now().After(deadline) {
-			s.n.t.Fatalf("serial log %s of %s/%s: %q not seen after %s (domain state %q); log since last match:\n%s",
-				s.path, s.n.name, s.vmi, pattern, timeout, domainState(s.n.name, s.vmi), lastBytes(rest, 800))
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+		return true, nil
+	})
+	return out
 }
+
+// notSeen explains a wait that timed out; it is only asked (a domain state
+// read with virsh) when the wait fails.
+type notSeen func() string
+
+func (e notSeen) Error() string { return e() }
 
 // contains tells whether the whole log read so far matches pattern.
 func (s *serialLog) contains(pattern string) bool {

@@ -18,6 +18,7 @@ import (
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/registry/registrytest"
 	"github.com/nodevirt/nodevirt/test/guest"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // TestContainerDisk: a VMI written as KubeVirt's documentation writes one,
@@ -170,17 +171,10 @@ func (e *env) allowInsecureRegistry(t *testing.T, host string) {
 	t.Cleanup(func() {
 		edit(func(l []string) []string { return slices.DeleteFunc(l, func(s string) bool { return s == host }) })
 	})
-	deadline := time.Now().Add(60 * time.Second)
-	for {
+	testkit.PollEvery(t, 250*time.Millisecond, 60*time.Second, "the CDI configuration to list "+host+" as the HyperConverged does (clusterbrain/hco)", func() (bool, error) {
 		cdis, err := e.virt.CDIs.List(ctx, "", metav1.ListOptions{})
-		if err == nil && len(cdis) > 0 && cdis[0].Spec.Config != nil && slices.Contains(cdis[0].Spec.Config.InsecureRegistries, host) {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the CDI configuration does not list %s 60 s after the HyperConverged did (clusterbrain/hco): %v", host, err)
-		}
-		time.Sleep(250 * time.Millisecond)
-	}
+		return err == nil && len(cdis) > 0 && cdis[0].Spec.Config != nil && slices.Contains(cdis[0].Spec.Config.InsecureRegistries, host), err
+	})
 }
 
 // serveContainerDisk serves, until the test ends, a containerDisk image

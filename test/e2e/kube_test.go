@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"regexp"
 	"slices"
@@ -16,6 +17,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // testNS is a namespace that belongs to one test, with the host bridges the
@@ -195,20 +198,14 @@ func (n *testNS) setRunStrategy(name string, rs kubevirtv1.VirtualMachineRunStra
 }
 
 // eventually polls cond until it holds or timeout passes; on timeout the
-// test fails with what, cond's last explanation and diag().
+// test fails with what and cond's last explanation. Conditions here ask
+// the cluster, often diagnose it: every 250 ms.
 func (n *testNS) eventually(timeout time.Duration, what string, cond func() (bool, string)) {
 	n.t.Helper()
-	deadline := time.Now().Add(timeout)
-	for {
+	testkit.PollEvery(n.t, 250*time.Millisecond, timeout, what, func() (bool, error) {
 		ok, why := cond()
-		if ok {
-			return
-		}
-		if time.Now().After(deadline) {
-			n.t.Fatalf("%s: not reached after %s: %s", what, timeout, why)
-		}
-		time.Sleep(250 * time.Millisecond)
-	}
+		return ok, errors.New(why)
+	})
 }
 
 // waitVMI waits until the VMI satisfies ok and returns it; on timeout the

@@ -26,6 +26,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
+	"github.com/nodevirt/nodevirt/test/testkit"
 	"github.com/nodevirt/nodevirt/test/upstreamvirtctl"
 )
 
@@ -485,21 +486,20 @@ var uploadProxyRE = regexp.MustCompile(`role=upload\b.*\bproxy=(\S+)`)
 // reaches it (the brain took a kernel-picked port and logs it).
 func (e *env) uploadProxyURL(t *testing.T) string {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for {
+	var port string
+	testkit.PollEvery(t, 500*time.Millisecond, 30*time.Second, "the brain's log to name the upload proxy address (role=upload ... proxy=)", func() (bool, error) {
 		data, _ := os.ReadFile(e.brain.logPath)
-		if m := uploadProxyRE.FindAllStringSubmatch(string(data), -1); m != nil {
-			_, port, err := net.SplitHostPort(strings.Trim(m[len(m)-1][1], `"`))
-			if err != nil {
-				t.Fatalf("upload proxy address %q in the brain's log: %v", m[len(m)-1][1], err)
-			}
-			return "https://127.0.0.1:" + port
+		m := uploadProxyRE.FindAllStringSubmatch(string(data), -1)
+		if m == nil {
+			return false, nil
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the brain's log names no upload proxy address (role=upload ... proxy=)")
+		var err error
+		if _, port, err = net.SplitHostPort(strings.Trim(m[len(m)-1][1], `"`)); err != nil {
+			t.Fatalf("upload proxy address %q in the brain's log: %v", m[len(m)-1][1], err)
 		}
-		time.Sleep(500 * time.Millisecond)
-	}
+		return true, nil
+	})
+	return "https://127.0.0.1:" + port
 }
 
 func (n *testNS) checkRunStrategy(vm string, want kubevirtv1.VirtualMachineRunStrategy) {

@@ -124,16 +124,8 @@ func removeBridges(cfg Config) error {
 // nftables tables, forwarding as it was).
 func removeNetwork(ctx context.Context, cfg Config) error {
 	agentDir := cfg.path("nodeagent")
-	netState := agent.NetStateDir(agentDir)
-	taps, err := bridge.Taps(netState)
-	if err != nil {
-		return err
-	}
 	var errs []error
-	for _, tap := range taps {
-		fmt.Fprintf(cfg.Out, "    tap %s\n", tap)
-		errs = append(errs, bridge.DetachTap(ctx, &bridge.NetConf{StateDir: netState}, tap))
-	}
+	errs = append(errs, agent.TeardownTaps(ctx, agentDir, func(tap string) { fmt.Fprintf(cfg.Out, "    tap %s\n", tap) }))
 	errs = append(errs, bridge.RemoveUnusedTables(ctx))
 	if _, err := os.Stat(agentDir); err == nil {
 		errs = append(errs, agent.TeardownPodNetwork(ctx, agent.Config{StateDir: agentDir, NodeName: cfg.NodeName}))

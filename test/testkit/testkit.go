@@ -1,8 +1,8 @@
 // Package testkit is what the tests of every package share on top of
 // test/controlplane: one way to wait for a condition (Eventually, Until,
-// Poll: the same loop for the three shapes a condition takes) and one way
-// to put nodevirt's CRDs on a control plane (InstallCRDs,
-// InstallSnapshotCRDs).
+// Poll: the same loop for the three shapes a condition takes; PollEvery
+// for a costly one) and one way to put nodevirt's CRDs on a control plane
+// (InstallCRDs, InstallSnapshotCRDs).
 package testkit
 
 import (
@@ -24,6 +24,13 @@ const Interval = 50 * time.Millisecond
 // after within, saying what it waited for and cond's last error.
 func Poll(t testing.TB, within time.Duration, what string, cond func() (bool, error)) {
 	t.Helper()
+	PollEvery(t, Interval, within, what, cond)
+}
+
+// PollEvery is Poll evaluating cond every interval: for a condition that
+// is costly to evaluate (a scrape, a command, a diagnosis of the cluster).
+func PollEvery(t testing.TB, interval, within time.Duration, what string, cond func() (bool, error)) {
+	t.Helper()
 	deadline := time.Now().Add(within)
 	for {
 		ok, err := cond()
@@ -36,7 +43,7 @@ func Poll(t testing.TB, within time.Duration, what string, cond func() (bool, er
 			}
 			t.Fatalf("timed out after %v waiting for %s", within, what)
 		}
-		time.Sleep(Interval)
+		time.Sleep(interval)
 	}
 }
 

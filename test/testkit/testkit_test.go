@@ -39,3 +39,12 @@ func TestPollShapes(t *testing.T) {
 		})
 	}
 }
+
+func TestPollEveryWaitsItsInterval(t *testing.T) {
+	calls := 0
+	start := time.Now()
+	PollEvery(t, 4*Interval, 5*time.Second, "third call", func() (bool, error) { calls++; return calls == 3, nil })
+	if took := time.Since(start); calls != 3 || took < 8*Interval {
+		t.Errorf("%d evaluations in %v, want 3 with two pauses of %v", calls, took, 4*Interval)
+	}
+}

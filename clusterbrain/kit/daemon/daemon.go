@@ -17,6 +17,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/httperr"
 )
 
 // SignalContext is cancelled on SIGTERM or SIGINT.
@@ -75,13 +77,13 @@ func (h *Health) Ready() error {
 func (h *Health) Handler() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { fmt.Fprintln(w, "ok") })
-	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
+	mux.Handle("/readyz", httperr.TextHandler(func(w http.ResponseWriter, _ *http.Request) error {
 		if err := h.Ready(); err != nil {
-			http.Error(w, err.Error(), http.StatusServiceUnavailable)
-			return
+			return httperr.With(http.StatusServiceUnavailable, err)
 		}
 		fmt.Fprintln(w, "ok")
-	})
+		return nil
+	}))
 	return mux
 }
 

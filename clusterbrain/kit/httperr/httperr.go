@@ -175,6 +175,8 @@ func reasonOf(code int) metav1.StatusReason {
 		return metav1.StatusReasonMethodNotAllowed
 	case http.StatusConflict:
 		return metav1.StatusReasonConflict
+	case http.StatusUnprocessableEntity:
+		return metav1.StatusReasonInvalid
 	case http.StatusServiceUnavailable:
 		return metav1.StatusReasonServiceUnavailable
 	case http.StatusInternalServerError:

@@ -56,6 +56,12 @@ func TestMapping(t *testing.T) {
 			text:   "vmi a is paused\n",
 		},
 		{
+			name: "typed unprocessable", err: New(http.StatusUnprocessableEntity, "spec.pvcName is required"), code: 422,
+			reason: metav1.StatusReasonInvalid,
+			status: `{"kind":"Status","apiVersion":"v1","metadata":{},"status":"Failure","message":"spec.pvcName is required","reason":"Invalid","code":422}`,
+			text:   "spec.pvcName is required\n",
+		},
+		{
 			name: "typed, wrapped with context", err: fmt.Errorf("upload: %w", Unavailable("node %s has no endpoint", "n1")), code: 503,
 			reason: metav1.StatusReasonServiceUnavailable,
 			status: `{"kind":"Status","apiVersion":"v1","metadata":{},"status":"Failure","message":"upload: node n1 has no endpoint","reason":"ServiceUnavailable","code":503}`,

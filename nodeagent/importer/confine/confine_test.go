@@ -10,6 +10,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func needRoot(t *testing.T) {
@@ -99,11 +101,7 @@ func TestCancelKillsTheGroup(t *testing.T) {
 		out, _ := exec.Command("pgrep", "-f", "^sleep 1000$").Output()
 		return strings.Fields(string(out))
 	}
-	for deadline := time.Now().Add(10 * time.Second); len(sleeping()) == 0; time.Sleep(50 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("confined sleep never started")
-		}
-	}
+	testkit.Until(t, 10*time.Second, "the confined sleep to start", func() bool { return len(sleeping()) > 0 })
 	cancel()
 	done := make(chan error, 1)
 	go func() { done <- wait() }()
