@@ -48,15 +48,6 @@ chmod 600 /root/.ssh/authorized_keys
 `
 }
 
-// withPodNetwork puts the guest's first NIC on the pod network with the
-// masquerade binding.
-func withPodNetwork() vmiOption {
-	return func(s *kubevirtv1.VirtualMachineInstanceSpec) {
-		s.Domain.Devices.Interfaces = append(s.Domain.Devices.Interfaces, kubevirtv1.Interface{Name: "default",
-			InterfaceBindingMethod: kubevirtv1.InterfaceBindingMethod{Masquerade: &kubevirtv1.InterfaceMasquerade{}}})
-		s.Networks = append(s.Networks, *kubevirtv1.DefaultPodNetwork())
-	}
-}
 
 // TestUpstreamVirtctlPortForwardSSH reaches a guest's sshd through the
 // portforward subresource with upstream virtctl: port-forward to a local
