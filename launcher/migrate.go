@@ -38,6 +38,10 @@ type MigrateOptions struct {
 	// ProgressTimeout aborts the migration when the data remaining has not
 	// shrunk for this long (KubeVirt's progressTimeout); 0: never.
 	ProgressTimeout time.Duration
+	// TLS encrypts the migration stream itself (memory and NBD disk
+	// copy) with QEMU's native TLS (VIR_MIGRATE_TLS): both nodes' qemu.conf
+	// name the certificates (migrate_tls_x509_cert_dir).
+	TLS bool
 	// MaxDowntime is the longest pause of the guest at switchover libvirt
 	// may choose (KubeVirt's maxDowntimeMs); 0 keeps QEMU's default
 	// (300 ms).
@@ -91,6 +95,9 @@ func (m *Manager) Migrate(ctx context.Context, name string, opts MigrateOptions)
 	}
 	if opts.AutoConverge {
 		flags |= libvirt.MIGRATE_AUTO_CONVERGE
+	}
+	if opts.TLS {
+		flags |= libvirt.MIGRATE_TLS
 	}
 	var stats MigrationStats
 	err := m.withDomain(name, func(d *libvirt.Domain) error {

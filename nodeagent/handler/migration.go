@@ -30,10 +30,12 @@ import (
 const (
 	// TransportTLS is libvirt's TLS transport (qemu+tls) with the nodes'
 	// certificates of the node CA, mutually checked (the client checks the
-	// target's certificate against its address): the production setting.
+	// target's certificate against its address), and QEMU's native TLS
+	// for the migration stream (memory, NBD disk copy) with the same
+	// certificates: the production setting.
 	TransportTLS = "tls"
-	// TransportTCP is plain TCP without authentication (qemu+tcp): for a
-	// lab on one machine only.
+	// TransportTCP is plain TCP without authentication (qemu+tcp), the
+	// stream in clear: for a lab on one machine only.
 	TransportTCP = "tcp"
 )
 
@@ -226,7 +228,10 @@ func (h *Handler) runLibvirtMigration(ctx context.Context, vmi *v1.VirtualMachin
 	if err != nil {
 		return launcher.MigrationStats{}, fmt.Errorf("the target's domain: %w", err)
 	}
-	opts := launcher.MigrateOptions{DestURI: uri, DestXML: destXML}
+	// Over TLS the stream itself is TLS too (QEMU's, with the node
+	// certificates in qemu.conf's migrate_tls_x509_cert_dir), not only
+	// libvirt's control connection.
+	opts := launcher.MigrateOptions{DestURI: uri, DestXML: destXML, TLS: h.cfg.MigrationTransport == TransportTLS}
 	// Every writable disk is copied (node-local volumes, cloud-init
 	// seeds, which the target made alike), except those on storage every
 	// node sees: shared hostDisks and ReadWriteMany claims, which libvirt
