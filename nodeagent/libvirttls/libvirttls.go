@@ -67,39 +67,42 @@ func QEMUSettings(qemuDir string) map[string]string {
 }
 
 // SetBlock makes kv (key = value lines, sorted) the block marked tag in a
-// libvirt configuration file, replacing that block wherever it is and
-// leaving the rest of the file as it was; it reports whether the file
-// changed.
+// libvirt configuration file, replacing that block where it is (appended
+// when missing) and leaving the rest of the file as it was; it reports
+// whether the file changed.
 func SetBlock(file, tag string, kv map[string]string) (bool, error) {
 	data, err := os.ReadFile(file)
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		return false, err
 	}
 	begin, end := "# --- BEGIN "+tag+" ---\n", "# --- END "+tag+" ---\n"
-	text := string(data)
-	if i := strings.Index(text, begin); i >= 0 {
-		rest := text[i+len(begin):]
-		if j := strings.Index(rest, end); j >= 0 {
-			text = text[:i] + rest[j+len(end):]
-		} else {
-			text = text[:i]
-		}
-	}
-	if text != "" && !strings.HasSuffix(text, "\n") {
-		text += "\n"
-	}
-	var b strings.Builder
-	b.WriteString(text)
-	b.WriteString(begin)
+	var block strings.Builder
+	block.WriteString(begin)
 	for _, k := range slices.Sorted(maps.Keys(kv)) {
-		b.WriteString(k + " = " + kv[k] + "\n")
+		block.WriteString(k + " = " + kv[k] + "\n")
 	}
-	b.WriteString(end)
-	if b.String() == string(data) {
+	block.WriteString(end)
+	old := string(data)
+	text := ""
+	if i := strings.Index(old, begin); i >= 0 {
+		// In place: the other blocks keep their order.
+		rest := old[i+len(begin):]
+		after := ""
+		if j := strings.Index(rest, end); j >= 0 {
+			after = rest[j+len(end):]
+		}
+		text = old[:i] + block.String() + after
+	} else {
+		if old != "" && !strings.HasSuffix(old, "\n") {
+			old += "\n"
+		}
+		text = old + block.String()
+	}
+	if text == string(data) {
 		return false, nil
 	}
 	tmp := file + ".tmp"
-	if err := os.WriteFile(tmp, []byte(b.String()), 0o644); err != nil {
+	if err := os.WriteFile(tmp, []byte(text), 0o644); err != nil {
 		return false, err
 	}
 	return true, os.Rename(tmp, file)
@@ -207,10 +210,14 @@ func (c *Configurer) Apply(ctx context.Context) error {
 	case changed:
 		c.log.Warn("libvirt's TLS configuration written; libvirtd serves it from its next start", "dir", c.cfg.ConfDir)
 	default:
+		// Not retried: a libvirtd without a TLS listener (configured by
+		// hand, not yet restarted) has nothing to update; the next
+		// renewal tries again.
 		if err := UpdateTLS(ctx, c.cfg.AdminURI, c.cfg.Server); err != nil {
-			return err
+			c.log.Warn("libvirtd did not load the node certificate", "err", err)
+			return nil
 		}
-		c.log.Info("libvirtd serves the renewed node certificate")
+		c.log.Info("libvirtd serves the current node certificate")
 	}
 	return nil
 }
