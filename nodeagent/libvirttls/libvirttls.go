@@ -37,9 +37,10 @@ const Tag = "nodevirt-nodeagent"
 
 // AllowedDN is the tls_allowed_dn_list pattern admitting a node certificate
 // of the node CA (subject CN=system:node:<name>, O=nodevirt:nodes), in the
-// form libvirt compares (GnuTLS's RFC 4514 string, last RDN first), and
+// form libvirt compares (GnuTLS's string of the subject in certificate
+// order, as virt-pki-query-dn prints it), and
 // nothing else the CA might sign.
-var AllowedDN = "CN=" + identity.NodeUser("*") + ",O=" + identity.NodesGroup
+var AllowedDN = "O=" + identity.NodesGroup + ",CN=" + identity.NodeUser("*")
 
 // LibvirtdSettings are the agent's keys of libvirtd.conf: the TLS
 // listener's files in pkiDir and the subjects it admits. Whether libvirtd

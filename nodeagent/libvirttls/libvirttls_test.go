@@ -42,7 +42,7 @@ func TestSetBlockReplacesOnlyItsBlock(t *testing.T) {
 
 func TestSettings(t *testing.T) {
 	l := libvirttls.LibvirtdSettings("/pki")
-	if l["tls_allowed_dn_list"] != `["CN=system:node:*,O=nodevirt:nodes"]` || l["cert_file"] != `"/pki/servercert.pem"` ||
+	if l["tls_allowed_dn_list"] != `["O=nodevirt:nodes,CN=system:node:*"]` || l["cert_file"] != `"/pki/servercert.pem"` ||
 		l["ca_file"] != `"/pki/cacert.pem"` || l["key_file"] != `"/pki/serverkey.pem"` {
 		t.Errorf("libvirtd settings %v", l)
 	}

@@ -63,10 +63,26 @@ func startCapture(nsPath, ifname string, marker []byte) (*capture, error) {
 	}
 	ch := make(chan opened, 1)
 	go func() {
-		// This thread enters the namespace and is never given back (the
-		// goroutine ends locked, so the runtime discards the thread).
+		// This thread enters the namespace and comes back before it is
+		// unlocked. It must never die in there: a thread's exit fires the
+		// parent-death signal of the processes it started (the suite's
+		// control plane), so it is not left locked to end either.
 		runtime.LockOSThread()
+		back, err := os.Open("/proc/thread-self/ns/net")
+		if err != nil {
+			runtime.UnlockOSThread()
+			ch <- opened{-1, err}
+			return
+		}
+		defer back.Close()
 		fd, err := openPacketSocket(nsPath, ifname)
+		if rerr := unix.Setns(int(back.Fd()), unix.CLONE_NEWNET); rerr != nil {
+			// Stuck in the node's namespace: park the thread forever
+			// rather than let it exit.
+			ch <- opened{-1, fmt.Errorf("back to the test's network namespace: %w", rerr)}
+			select {}
+		}
+		runtime.UnlockOSThread()
 		ch <- opened{fd, err}
 	}()
 	o := <-ch
