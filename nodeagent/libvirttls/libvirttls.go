@@ -2,7 +2,8 @@
 // with the node's own certificate (package nodecert writes the files): a
 // block the agent owns in libvirtd.conf (the TLS listener's key_file,
 // cert_file and ca_file, and tls_allowed_dn_list admitting only node
-// certificates) and one in qemu.conf (QEMU's native TLS for the migration
+// certificates; the files in libvirt's default layout under /etc/pki, the
+// only place server-update-tls reloads from) and one in qemu.conf (QEMU's native TLS for the migration
 // stream, memory and NBD disk copy: migrate_tls_x509_cert_dir, verified and
 // forced). libvirtd reads those files at start: when a block changes the
 // configured restart command runs; when only the certificate was renewed a
@@ -42,18 +43,66 @@ const Tag = "nodevirt-nodeagent"
 // nothing else the CA might sign.
 var AllowedDN = "O=" + identity.NodesGroup + ",CN=" + identity.NodeUser("*")
 
+// ServerRoot is where libvirtd looks for its TLS server files by default
+// (SYSCONFDIR/pki): virt-admin server-update-tls reloads them from there
+// only, whatever key_file, cert_file and ca_file say, so the agent puts
+// them there (ServerFiles) and names the same paths.
+const ServerRoot = "/etc/pki"
+
+// ServerFiles are the CA, certificate and key files of libvirtd's TLS
+// listener under root (libvirt's default layout).
+func ServerFiles(root string) (ca, cert, key string) {
+	return filepath.Join(root, "CA", "cacert.pem"), filepath.Join(root, "libvirt", "servercert.pem"),
+		filepath.Join(root, "libvirt", "private", "serverkey.pem")
+}
+
 // LibvirtdSettings are the agent's keys of libvirtd.conf: the TLS
-// listener's files in pkiDir and the subjects it admits. Whether libvirtd
-// listens at all is how it is started (--listen with listen_tls, or
-// systemd's libvirtd-tls.socket).
-func LibvirtdSettings(pkiDir string) map[string]string {
+// listener's files under root (ServerRoot but in tests) and the subjects
+// it admits. Whether libvirtd listens at all is how it is started
+// (--listen with listen_tls, or systemd's libvirtd-tls.socket).
+func LibvirtdSettings(root string) map[string]string {
+	ca, cert, key := ServerFiles(root)
 	return map[string]string{
-		"key_file":            strconv.Quote(filepath.Join(pkiDir, nodecert.LibvirtServerKeyFile)),
-		"cert_file":           strconv.Quote(filepath.Join(pkiDir, nodecert.LibvirtServerCertFile)),
-		"ca_file":             strconv.Quote(filepath.Join(pkiDir, nodecert.LibvirtCAFile)),
+		"key_file":            strconv.Quote(key),
+		"cert_file":           strconv.Quote(cert),
+		"ca_file":             strconv.Quote(ca),
 		"auth_tls":            strconv.Quote("none"),
 		"tls_allowed_dn_list": "[" + strconv.Quote(AllowedDN) + "]",
 	}
+}
+
+// CopyServerFiles copies the node certificate's server files from pkiDir
+// (nodecert's libvirt layout) to libvirt's default layout under root: the
+// CA and certificate 0644, the key 0600 in a 0700 directory.
+func CopyServerFiles(pkiDir, root string) error {
+	ca, cert, key := ServerFiles(root)
+	for _, f := range []struct {
+		from, to string
+		mode     os.FileMode
+	}{
+		{nodecert.LibvirtCAFile, ca, 0o644}, {nodecert.LibvirtServerCertFile, cert, 0o644},
+		{nodecert.LibvirtServerKeyFile, key, 0o600},
+	} {
+		data, err := os.ReadFile(filepath.Join(pkiDir, f.from))
+		if err != nil {
+			return err
+		}
+		dirMode := os.FileMode(0o755)
+		if f.mode == 0o600 {
+			dirMode = 0o700
+		}
+		if err := os.MkdirAll(filepath.Dir(f.to), dirMode); err != nil {
+			return err
+		}
+		tmp := f.to + ".tmp"
+		if err := os.WriteFile(tmp, data, f.mode); err != nil {
+			return err
+		}
+		if err := os.Rename(tmp, f.to); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // QEMUSettings are the agent's keys of qemu.conf: QEMU's native TLS with
@@ -115,8 +164,10 @@ type Config struct {
 	// qemu.conf); empty: the files are not managed, only reloads run.
 	ConfDir string
 	// PKIDir holds the node certificate in libvirt's layout; QEMUDir in
-	// QEMU's (both written by nodecert).
-	PKIDir, QEMUDir string
+	// QEMU's (both written by nodecert). With ConfDir the server's files
+	// are copied to libvirt's default layout under ServerRoot (default
+	// the package's ServerRoot, what libvirtd reloads).
+	PKIDir, QEMUDir, ServerRoot string
 	// AdminURI is libvirtd's admin endpoint for server-update-tls
 	// (default libvirtd:///system); Server the server to update (default
 	// libvirtd).
@@ -143,6 +194,9 @@ func New(cfg Config) *Configurer {
 	}
 	if cfg.Server == "" {
 		cfg.Server = "libvirtd"
+	}
+	if cfg.ServerRoot == "" {
+		cfg.ServerRoot = ServerRoot
 	}
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
@@ -191,8 +245,11 @@ func (c *Configurer) Run(ctx context.Context) error {
 func (c *Configurer) Apply(ctx context.Context) error {
 	changed := false
 	if c.cfg.ConfDir != "" {
+		if err := CopyServerFiles(c.cfg.PKIDir, c.cfg.ServerRoot); err != nil {
+			return fmt.Errorf("libvirt tls: %w", err)
+		}
 		for file, kv := range map[string]map[string]string{
-			"libvirtd.conf": LibvirtdSettings(c.cfg.PKIDir),
+			"libvirtd.conf": LibvirtdSettings(c.cfg.ServerRoot),
 			"qemu.conf":     QEMUSettings(c.cfg.QEMUDir),
 		} {
 			ch, err := SetBlock(filepath.Join(c.cfg.ConfDir, file), Tag, kv)

@@ -41,9 +41,9 @@ func TestSetBlockReplacesOnlyItsBlock(t *testing.T) {
 }
 
 func TestSettings(t *testing.T) {
-	l := libvirttls.LibvirtdSettings("/pki")
-	if l["tls_allowed_dn_list"] != `["O=nodevirt:nodes,CN=system:node:*"]` || l["cert_file"] != `"/pki/servercert.pem"` ||
-		l["ca_file"] != `"/pki/cacert.pem"` || l["key_file"] != `"/pki/serverkey.pem"` {
+	l := libvirttls.LibvirtdSettings("/etc/pki")
+	if l["tls_allowed_dn_list"] != `["O=nodevirt:nodes,CN=system:node:*"]` || l["cert_file"] != `"/etc/pki/libvirt/servercert.pem"` ||
+		l["ca_file"] != `"/etc/pki/CA/cacert.pem"` || l["key_file"] != `"/etc/pki/libvirt/private/serverkey.pem"` {
 		t.Errorf("libvirtd settings %v", l)
 	}
 	q := libvirttls.QEMUSettings("/qemu")
@@ -63,7 +63,17 @@ func TestApplyRestartsOnlyOnChange(t *testing.T) {
 		}
 	}
 	marks := filepath.Join(dir, "restarts")
-	c := libvirttls.New(libvirttls.Config{ConfDir: dir, PKIDir: "/pki", QEMUDir: "/qemu", Restart: "echo restarted >> " + marks,
+	pki := filepath.Join(dir, "pki")
+	if err := os.MkdirAll(pki, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range []string{"cacert.pem", "servercert.pem", "serverkey.pem"} {
+		if err := os.WriteFile(filepath.Join(pki, f), []byte(f), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	root := filepath.Join(dir, "etc-pki")
+	c := libvirttls.New(libvirttls.Config{ConfDir: dir, PKIDir: pki, QEMUDir: "/qemu", ServerRoot: root, Restart: "echo restarted >> " + marks,
 		AdminURI: "libvirtd:///system?socket=" + filepath.Join(dir, "no-such-socket")})
 	ctx := context.Background()
 	for i := 0; i < 2; i++ {
@@ -79,7 +89,16 @@ func TestApplyRestartsOnlyOnChange(t *testing.T) {
 	if !strings.HasPrefix(string(q), "# shipped\n") || !strings.Contains(string(q), `migrate_tls_x509_cert_dir = "/qemu"`) {
 		t.Errorf("qemu.conf:\n%s", q)
 	}
-	if err := (libvirttls.New(libvirttls.Config{ConfDir: dir, Restart: "exit 3"})).Apply(ctx); err == nil {
+	ca, cert, key := libvirttls.ServerFiles(root)
+	for file, want := range map[string]string{ca: "cacert.pem", cert: "servercert.pem", key: "serverkey.pem"} {
+		if data, err := os.ReadFile(file); err != nil || string(data) != want {
+			t.Errorf("%s: %q %v, want a copy of %s", file, data, err, want)
+		}
+	}
+	if st, err := os.Stat(key); err != nil || st.Mode().Perm() != 0o600 {
+		t.Errorf("server key %v %v, want mode 0600", st.Mode(), err)
+	}
+	if err := (libvirttls.New(libvirttls.Config{ConfDir: dir, PKIDir: pki, ServerRoot: root, QEMUDir: "/other", Restart: "exit 3"})).Apply(ctx); err == nil {
 		t.Error("a failing restart command: no error")
 	}
 }

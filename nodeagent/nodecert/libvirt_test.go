@@ -80,7 +80,7 @@ func TestLibvirtTLSWithNodeCertificates(t *testing.T) {
 		}
 	}
 	port := freePort(t)
-	adminSock := startTLSLibvirtd(t, pki, addr, port)
+	agent := startTLSLibvirtd(t, pki, addr, port)
 	uri := func(dir string) string {
 		return fmt.Sprintf("qemu+tls://%s:%d/system?pkipath=%s", addr, port, dir)
 	}
@@ -186,7 +186,9 @@ func TestLibvirtTLSWithNodeCertificates(t *testing.T) {
 	if got := servedSerial(t, src, addr, port); got != old {
 		t.Fatalf("libvirtd serves %s before the update, want still %s", got, old)
 	}
-	if err := libvirttls.UpdateTLS(ctx, "libvirtd:///system?socket="+adminSock, "libvirtd"); err != nil {
+	// What the agent does after each certificate: its blocks unchanged,
+	// the server files copied and server-update-tls.
+	if err := agent.Apply(ctx); err != nil {
 		t.Fatal(err)
 	}
 	if got := servedSerial(t, src, addr, port); got != renewed {
@@ -238,14 +240,22 @@ func freePort(t *testing.T) int {
 
 // startTLSLibvirtd runs a libvirtd of its own, in a mount namespace where
 // libvirt's directories are empty ones of the test, listening with TLS on
-// addr:port with the server files in pki and the node agent's settings
-// (package libvirttls); it is killed at cleanup. It returns the path of its
-// admin socket.
-func startTLSLibvirtd(t *testing.T, pki, addr string, port int) string {
+// addr:port, configured as the node agent configures its node's (package
+// libvirttls: the blocks in libvirtd.conf and qemu.conf, the server files
+// of pki copied to /etc/pki, here a directory of the test bound there); it
+// is killed at cleanup. It returns the agent's configurer for this
+// libvirtd.
+func startTLSLibvirtd(t *testing.T, pki, addr string, port int) *libvirttls.Configurer {
 	t.Helper()
 	d := t.TempDir()
-	for _, sub := range []string{"etc", "run", "lib", "cache", "log"} {
+	for _, sub := range []string{"etc", "run", "lib", "cache", "log", "qemu-tls", "pki/CA", "pki/libvirt"} {
 		if err := os.MkdirAll(filepath.Join(d, sub), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Mount points only; the host's own files there are never touched.
+	for _, dir := range []string{"/etc/pki/CA", "/etc/pki/libvirt"} {
+		if err := os.MkdirAll(dir, 0o755); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -253,12 +263,24 @@ func startTLSLibvirtd(t *testing.T, pki, addr string, port int) string {
 	if err := os.WriteFile(conf, []byte(fmt.Sprintf("listen_tls = 1\nlisten_tcp = 0\nlisten_addr = %q\ntls_port = \"%d\"\n", addr, port)), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := libvirttls.SetBlock(conf, libvirttls.Tag, libvirttls.LibvirtdSettings(pki)); err != nil {
+	if err := os.WriteFile(filepath.Join(d, "etc", "qemu.conf"), nil, 0o644); err != nil {
 		t.Fatal(err)
+	}
+	agent := libvirttls.New(libvirttls.Config{ConfDir: filepath.Join(d, "etc"), PKIDir: pki, QEMUDir: filepath.Join(d, "qemu-tls"),
+		ServerRoot: filepath.Join(d, "pki"), AdminURI: "libvirtd:///system?socket=" + filepath.Join(d, "run", "libvirt-admin-sock")})
+	if err := agent.Apply(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	// The block names the copies under the server root, which this
+	// libvirtd also sees at /etc/pki, where it reloads them from.
+	_, cert, _ := libvirttls.ServerFiles(filepath.Join(d, "pki"))
+	data, err := os.ReadFile(conf)
+	if err != nil || !strings.Contains(string(data), `cert_file = "`+cert+`"`) {
+		t.Fatalf("libvirtd.conf %v:\n%s", err, data)
 	}
 	script := "set -e\n"
 	for _, b := range [][2]string{{"etc", "/etc/libvirt"}, {"run", "/run/libvirt"}, {"lib", "/var/lib/libvirt"},
-		{"cache", "/var/cache/libvirt"}, {"log", "/var/log/libvirt"}} {
+		{"cache", "/var/cache/libvirt"}, {"log", "/var/log/libvirt"}, {"pki/CA", "/etc/pki/CA"}, {"pki/libvirt", "/etc/pki/libvirt"}} {
 		script += fmt.Sprintf("mount --bind %s %s\n", filepath.Join(d, b[0]), b[1])
 	}
 	script += "exec libvirtd --listen -f /etc/libvirt/libvirtd.conf -p " + filepath.Join(d, "libvirtd.pid") + "\n"
@@ -279,5 +301,5 @@ func startTLSLibvirtd(t *testing.T, pki, addr string, port int) string {
 			t.Logf("libvirtd log:\n%s", b)
 		}
 	})
-	return filepath.Join(d, "run", "libvirt-admin-sock")
+	return agent
 }

@@ -409,8 +409,16 @@ func removeNodeCgroups(hs []cgroupHierarchy, n Node) error {
 // writeNodeFiles writes node n's private libvirt configuration, /etc/hosts
 // and its holder and enter scripts.
 func writeNodeFiles(nodes []Node, n Node, hs []cgroupHierarchy) error {
-	for _, d := range []string{"run/lock", "lib-libvirt", "log-libvirt/qemu", "cache-libvirt", "pools/default", "nodeagent"} {
+	for _, d := range []string{"run/lock", "lib-libvirt", "log-libvirt/qemu", "cache-libvirt", "pools/default", "nodeagent", "pki-CA", "pki-libvirt"} {
 		if err := os.MkdirAll(n.path(d), 0o755); err != nil {
+			return err
+		}
+	}
+	// Mount points of the node's own libvirt server files (its agent
+	// writes them where libvirtd reloads them from, libvirttls.ServerRoot);
+	// the host's files there, if any, are never touched.
+	for _, d := range []string{"CA", "libvirt"} {
+		if err := os.MkdirAll(filepath.Join(libvirttls.ServerRoot, d), 0o755); err != nil {
 			return err
 		}
 	}
@@ -462,6 +470,7 @@ func writeNodeFiles(nodes []Node, n Node, hs []cgroupHierarchy) error {
 		{n.path("run"), "/run"}, {etc, "/etc/libvirt"}, {n.path("lib-libvirt"), "/var/lib/libvirt"},
 		{n.path("log-libvirt"), "/var/log/libvirt"}, {n.path("cache-libvirt"), "/var/cache/libvirt"},
 		{n.path("hosts"), "/etc/hosts"},
+		{n.path("pki-CA"), filepath.Join(libvirttls.ServerRoot, "CA")}, {n.path("pki-libvirt"), filepath.Join(libvirttls.ServerRoot, "libvirt")},
 	}
 	for _, b := range binds {
 		fmt.Fprintf(&mounts, "mount --bind %s %s\n", b[0], b[1])
@@ -583,6 +592,13 @@ func (n Node) libvirtPKI(name string) string {
 	return filepath.Join(n.AgentDir(), "libvirt-pki", name)
 }
 
+// serverCertCopied reports whether node n's agent copied its server
+// certificate where the node's libvirtd reads it.
+func (n Node) serverCertCopied() bool {
+	_, err := os.Stat(filepath.Join(n.path("pki-libvirt"), "servercert.pem"))
+	return err == nil
+}
+
 // libvirtdConf is the lab's part of node n's libvirtd.conf: plain TCP
 // without authentication and, with tls, libvirt's TLS listener, whose files
 // and admitted subjects are the node agent's block (its
@@ -621,7 +637,7 @@ func ServeLibvirtTLS(n Node, wait time.Duration) (bool, error) {
 	if err := waitFor(n.libvirtPKI(libvirtServerCert), wait); err != nil {
 		return false, fmt.Errorf("node %s: agent's libvirt certificate: %w", n.Name, err)
 	}
-	for deadline := time.Now().Add(wait); !agentConfigured(n); time.Sleep(100 * time.Millisecond) {
+	for deadline := time.Now().Add(wait); !agentConfigured(n) || !n.serverCertCopied(); time.Sleep(100 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			return false, fmt.Errorf("node %s: the agent wrote no TLS configuration into %s within %s", n.Name, n.path("etc-libvirt"), wait)
 		}
