@@ -28,6 +28,7 @@ import (
 
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
 	"github.com/nodevirt/nodevirt/test/lab"
+	"github.com/nodevirt/nodevirt/test/netcapture"
 )
 
 // Live migration runs between two nodes in namespaces of their own (the
@@ -397,7 +398,7 @@ func TestLiveMigration(t *testing.T) {
 	// The underlay of the source node is captured meanwhile: the stream
 	// (memory, and the data disk over NBD) must be TLS, the marker in the
 	// guest's RAM and on its disk nowhere in clear.
-	capture, err := startCapture("/run/netns/"+nodes[first].Netns(), "eth0", []byte(mark))
+	capture, err := netcapture.Start("/run/netns/"+nodes[first].Netns(), "eth0", []byte(mark))
 	if err != nil {
 		t.Fatalf("capture on %s: %v", first, err)
 	}
@@ -419,7 +420,7 @@ func TestLiveMigration(t *testing.T) {
 	}
 	mig = n.waitMigration(mig.Name, 2*time.Minute)
 	t.Logf("migration %s -> %s: %s wall (VMIM created to Succeeded)", first, other, time.Since(start).Round(100*time.Millisecond))
-	capture.stopCapture().checkEncrypted(t, nodes[first].IP, nodes[other].IP, 16<<20)
+	capture.Stop().CheckEncrypted(t, nodes[first].IP, nodes[other].IP, 16<<20)
 	vmi = n.checkSucceeded(mig, first, other)
 	if vmi.Status.Interfaces[0].MAC != mac {
 		t.Errorf("MAC %s after the migration, was %s", vmi.Status.Interfaces[0].MAC, mac)

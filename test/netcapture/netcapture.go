@@ -1,4 +1,10 @@
-package e2e
+// Package netcapture records what crosses a network interface of a network
+// namespace as a host on that network would see it (an AF_PACKET socket
+// opened inside the namespace), keeping no packets: per TCP connection
+// direction, the payload bytes, whether a marker appeared in clear, and how
+// much of the payload is framed as TLS records. Tests use it to show that a
+// stream between nodes (a live migration) is encrypted.
+package netcapture
 
 import (
 	"bytes"
@@ -15,13 +21,13 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// A capture of the TCP traffic between nodes on a node's underlay
+// Capture is a capture of the TCP traffic between nodes on a node's underlay
 // interface (an AF_PACKET socket opened inside the node's network
 // namespace): what a host on the "physical" network sees of a live
 // migration. It keeps no packets, only per connection the payload bytes,
 // whether a marker appeared in clear, and how much of the payload is framed
 // as TLS records.
-type capture struct {
+type Capture struct {
 	fd     int
 	marker []byte
 	stop   chan struct{}
@@ -54,9 +60,9 @@ type capturedFlow struct {
 	found         bool
 }
 
-// startCapture captures on interface ifname of the network namespace at
+// Start captures on interface ifname of the network namespace at
 // nsPath the TCP payloads between the addresses among, looking for marker.
-func startCapture(nsPath, ifname string, marker []byte) (*capture, error) {
+func Start(nsPath, ifname string, marker []byte) (*Capture, error) {
 	type opened struct {
 		fd  int
 		err error
@@ -89,7 +95,7 @@ func startCapture(nsPath, ifname string, marker []byte) (*capture, error) {
 	if o.err != nil {
 		return nil, o.err
 	}
-	c := &capture{fd: o.fd, marker: marker, stop: make(chan struct{}), done: make(chan struct{}), flows: map[string]*capturedFlow{}}
+	c := &Capture{fd: o.fd, marker: marker, stop: make(chan struct{}), done: make(chan struct{}), flows: map[string]*capturedFlow{}}
 	go c.loop()
 	return c, nil
 }
@@ -124,7 +130,7 @@ func openPacketSocket(nsPath, ifname string) (int, error) {
 
 func htons(v uint16) uint16 { return v<<8 | v>>8 }
 
-func (c *capture) loop() {
+func (c *Capture) loop() {
 	defer close(c.done)
 	buf := make([]byte, 256<<10)
 	for {
@@ -148,7 +154,7 @@ func (c *capture) loop() {
 }
 
 // packet takes one Ethernet frame (IPv4/TCP only).
-func (c *capture) packet(f []byte) {
+func (c *Capture) packet(f []byte) {
 	if len(f) < 14+20 || binary.BigEndian.Uint16(f[12:14]) != 0x0800 {
 		return
 	}
@@ -256,13 +262,13 @@ func (fl *capturedFlow) frame(p []byte) {
 	}
 }
 
-// captureReport is what a capture saw, per connection direction.
-type captureReport struct {
-	Flows []flowReport
+// Report is what a capture saw, per connection direction.
+type Report struct {
+	Flows []Flow
 	Err   error
 }
 
-type flowReport struct {
+type Flow struct {
 	Key       string
 	Payload   uint64
 	Marker    bool
@@ -273,23 +279,27 @@ type flowReport struct {
 	Gap       bool
 }
 
-// stopCapture ends the capture and reports, largest flow first.
-func (c *capture) stopCapture() captureReport {
+// Stop ends the capture and reports, largest flow first.
+func (c *Capture) Stop() Report {
 	close(c.stop)
 	<-c.done
 	unix.Close(c.fd)
+	return c.report()
+}
+
+func (c *Capture) report() Report {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	r := captureReport{Err: c.err}
+	r := Report{Err: c.err}
 	for k, f := range c.flows {
-		r.Flows = append(r.Flows, flowReport{Key: k, Payload: f.payload, Marker: f.marker, TLSStart: f.start,
+		r.Flows = append(r.Flows, Flow{Key: k, Payload: f.payload, Marker: f.marker, TLSStart: f.start,
 			TLSFramed: f.framed, Found: f.found, Broken: f.broken, Gap: f.gap})
 	}
 	sort.Slice(r.Flows, func(i, j int) bool { return r.Flows[i].Payload > r.Flows[j].Payload })
 	return r
 }
 
-func (r captureReport) String() string {
+func (r Report) String() string {
 	var b strings.Builder
 	for _, f := range r.Flows {
 		fmt.Fprintf(&b, "%s: %d bytes, marker in clear %t, tls from %d (%t) framed %d, broken at %d, gap %t\n",
@@ -298,17 +308,17 @@ func (r captureReport) String() string {
 	return b.String()
 }
 
-// checkEncrypted fails t unless the capture saw the migration between the
+// CheckEncrypted fails t unless the capture saw the migration between the
 // nodes at addresses a and b as TLS: at least minBytes between them, the
 // marker nowhere in clear, and the largest connection framed as TLS
 // records to its end.
-func (r captureReport) checkEncrypted(t testing.TB, a, b string, minBytes uint64) {
+func (r Report) CheckEncrypted(t testing.TB, a, b string, minBytes uint64) {
 	t.Helper()
 	if r.Err != nil {
 		t.Errorf("capture: %v", r.Err)
 	}
 	var total uint64
-	var largest *flowReport
+	var largest *Flow
 	for i, f := range r.Flows {
 		if !strings.Contains(f.Key, a+":") || !strings.Contains(f.Key, b+":") {
 			continue
