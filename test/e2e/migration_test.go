@@ -420,7 +420,7 @@ func TestLiveMigration(t *testing.T) {
 	}
 	mig = n.waitMigration(mig.Name, 2*time.Minute)
 	t.Logf("migration %s -> %s: %s wall (VMIM created to Succeeded)", first, other, time.Since(start).Round(100*time.Millisecond))
-	capture.Stop().CheckEncrypted(t, nodes[first].IP, nodes[other].IP, 16<<20)
+	capture.Stop().CheckEncrypted(t, nodes[first].IP, nodes[other].IP, 8<<20)
 	vmi = n.checkSucceeded(mig, first, other)
 	if vmi.Status.Interfaces[0].MAC != mac {
 		t.Errorf("MAC %s after the migration, was %s", vmi.Status.Interfaces[0].MAC, mac)
