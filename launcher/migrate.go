@@ -42,6 +42,13 @@ type MigrateOptions struct {
 	// copy) with QEMU's native TLS (VIR_MIGRATE_TLS): both nodes' qemu.conf
 	// name the certificates (migrate_tls_x509_cert_dir).
 	TLS bool
+	// PostCopyAfter lets the migration switch to post-copy
+	// (VIR_MIGRATE_POSTCOPY: the guest runs on the target and pulls the
+	// pages still missing) once it has run that long without completing,
+	// KubeVirt's allowPostCopy; 0: pre-copy only. A migration in post-copy
+	// can no longer be aborted. OnPostCopy is called after the switch.
+	PostCopyAfter time.Duration
+	OnPostCopy    func()
 	// MaxDowntime is the longest pause of the guest at switchover libvirt
 	// may choose (KubeVirt's maxDowntimeMs); 0 keeps QEMU's default
 	// (300 ms).
@@ -99,6 +106,9 @@ func (m *Manager) Migrate(ctx context.Context, name string, opts MigrateOptions)
 	if opts.TLS {
 		flags |= libvirt.MIGRATE_TLS
 	}
+	if opts.PostCopyAfter > 0 {
+		flags |= libvirt.MIGRATE_POSTCOPY
+	}
 	var stats MigrationStats
 	err := m.withDomain(name, func(d *libvirt.Domain) error {
 		done := make(chan struct{})
@@ -128,14 +138,17 @@ func (m *Manager) Migrate(ctx context.Context, name string, opts MigrateOptions)
 
 // watchJob follows a running migration job of d until done: it aborts the
 // job when ctx ends or when the data remaining has not shrunk for
-// opts.ProgressTimeout (closing stalled first), and sets opts.MaxDowntime
-// once the job runs.
+// opts.ProgressTimeout (closing stalled first), sets opts.MaxDowntime
+// once the job runs, and switches to post-copy after opts.PostCopyAfter
+// (after which nothing aborts it).
 func watchJob(ctx context.Context, d *libvirt.Domain, opts MigrateOptions, done <-chan struct{}, stalled chan<- struct{}) {
 	tick := time.NewTicker(500 * time.Millisecond)
 	defer tick.Stop()
 	var least uint64
-	lastProgress := time.Now()
+	start := time.Now()
+	lastProgress := start
 	downtimeSet := opts.MaxDowntime <= 0
+	postCopy := false
 	for {
 		select {
 		case <-ctx.Done():
@@ -153,7 +166,12 @@ func watchJob(ctx context.Context, d *libvirt.Domain, opts MigrateOptions, done 
 		if !downtimeSet {
 			downtimeSet = d.MigrateSetMaxDowntime(uint64(opts.MaxDowntime/time.Millisecond), 0) == nil
 		}
-		if opts.ProgressTimeout <= 0 || !info.DataRemainingSet {
+		if opts.PostCopyAfter > 0 && !postCopy && time.Since(start) >= opts.PostCopyAfter {
+			if postCopy = d.MigrateStartPostCopy(0) == nil; postCopy && opts.OnPostCopy != nil {
+				opts.OnPostCopy()
+			}
+		}
+		if postCopy || opts.ProgressTimeout <= 0 || !info.DataRemainingSet {
 			continue
 		}
 		if least == 0 || info.DataRemaining < least {
