@@ -192,7 +192,7 @@ func (h *Handler) migrate(jobCtx, runCtx context.Context, mig *v1.VirtualMachine
 	stats, err := h.runLibvirtMigration(timed, vmi, addr, conf, postCopyAfter, onPostCopy)
 	aborted := errors.Is(err, launcher.ErrMigrationAborted) && jobCtx.Err() != nil
 	if err != nil && jobCtx.Err() == nil && timed.Err() != nil {
-		err = fmt.Errorf("the migration did not complete within %s (completionTimeoutPerGiB): %w", limit, err)
+		err = fmt.Errorf("the migration did not complete within %s (completionTimeoutPerGiB): %w", deadline, err)
 	}
 	if err == nil {
 		h.mu.Lock()
