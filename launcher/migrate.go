@@ -90,24 +90,9 @@ func (m *Manager) Migrate(ctx context.Context, name string, opts MigrateOptions)
 	if opts.BandwidthMiBs > 0 {
 		params.BandwidthSet, params.Bandwidth = true, opts.BandwidthMiBs
 	}
-	flags := libvirt.MIGRATE_LIVE | libvirt.MIGRATE_PEER2PEER | libvirt.MIGRATE_PERSIST_DEST
-	if opts.CopyStorage {
-		flags |= libvirt.MIGRATE_NON_SHARED_DISK
-		if len(opts.CopyDisks) > 0 {
-			params.MigrateDisksSet, params.MigrateDisks = true, opts.CopyDisks
-		}
-	}
-	if opts.SharedUnsafe {
-		flags |= libvirt.MIGRATE_UNSAFE
-	}
-	if opts.AutoConverge {
-		flags |= libvirt.MIGRATE_AUTO_CONVERGE
-	}
-	if opts.TLS {
-		flags |= libvirt.MIGRATE_TLS
-	}
-	if opts.PostCopyAfter > 0 {
-		flags |= libvirt.MIGRATE_POSTCOPY
+	flags := migrateFlags(opts)
+	if opts.CopyStorage && len(opts.CopyDisks) > 0 {
+		params.MigrateDisksSet, params.MigrateDisks = true, opts.CopyDisks
 	}
 	var stats MigrationStats
 	err := m.withDomain(name, func(d *libvirt.Domain) error {
@@ -134,6 +119,25 @@ func (m *Manager) Migrate(ctx context.Context, name string, opts MigrateOptions)
 		return nil
 	})
 	return stats, err
+}
+
+// migrateFlags are libvirt's flags for opts: always live, peer to peer and
+// persistent on the target.
+func migrateFlags(opts MigrateOptions) libvirt.DomainMigrateFlags {
+	flags := libvirt.MIGRATE_LIVE | libvirt.MIGRATE_PEER2PEER | libvirt.MIGRATE_PERSIST_DEST
+	for _, f := range []struct {
+		on   bool
+		flag libvirt.DomainMigrateFlags
+	}{
+		{opts.CopyStorage, libvirt.MIGRATE_NON_SHARED_DISK}, {opts.SharedUnsafe, libvirt.MIGRATE_UNSAFE},
+		{opts.AutoConverge, libvirt.MIGRATE_AUTO_CONVERGE}, {opts.TLS, libvirt.MIGRATE_TLS},
+		{opts.PostCopyAfter > 0, libvirt.MIGRATE_POSTCOPY},
+	} {
+		if f.on {
+			flags |= f.flag
+		}
+	}
+	return flags
 }
 
 // watchJob follows a running migration job of d until done: it aborts the
