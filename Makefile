@@ -216,7 +216,7 @@ IMAGE_TAG ?= $(subst +,-,$(VERSION))
 # changes meanwhile (VERSION asks git each time it is expanded).
 IMAGE_TAG := $(IMAGE_TAG)
 VIRTCTL_PLATFORMS ?= linux/amd64
-NODEAGENT_IMAGE_TOOLS := nft qemu-img xz mkfs.ext4 e2fsck resize2fs genisoimage unshare mount umount sh mkdir touch readlink dirname ln
+NODEAGENT_IMAGE_TOOLS := nft qemu-img xz mkfs.ext4 e2fsck resize2fs genisoimage unshare mount umount sh mkdir touch readlink dirname ln virt-admin nsenter
 NODEVIRT_IMAGE = $(GO) run ./clusterbrain/cmd/nodevirt-image -created $(BUILD_TIME) \
 	-label org.opencontainers.image.version=$(IMAGE_TAG) -label org.opencontainers.image.revision=$(BUILD_REVISION)
 KUSTOMIZE ?= kubectl kustomize

@@ -38,6 +38,17 @@ type MigrateOptions struct {
 	// ProgressTimeout aborts the migration when the data remaining has not
 	// shrunk for this long (KubeVirt's progressTimeout); 0: never.
 	ProgressTimeout time.Duration
+	// TLS encrypts the migration stream itself (memory and NBD disk
+	// copy) with QEMU's native TLS (VIR_MIGRATE_TLS): both nodes' qemu.conf
+	// name the certificates (migrate_tls_x509_cert_dir).
+	TLS bool
+	// PostCopyAfter lets the migration switch to post-copy
+	// (VIR_MIGRATE_POSTCOPY: the guest runs on the target and pulls the
+	// pages still missing) once it has run that long without completing,
+	// KubeVirt's allowPostCopy; 0: pre-copy only. A migration in post-copy
+	// can no longer be aborted. OnPostCopy is called after the switch.
+	PostCopyAfter time.Duration
+	OnPostCopy    func()
 	// MaxDowntime is the longest pause of the guest at switchover libvirt
 	// may choose (KubeVirt's maxDowntimeMs); 0 keeps QEMU's default
 	// (300 ms).
@@ -79,18 +90,9 @@ func (m *Manager) Migrate(ctx context.Context, name string, opts MigrateOptions)
 	if opts.BandwidthMiBs > 0 {
 		params.BandwidthSet, params.Bandwidth = true, opts.BandwidthMiBs
 	}
-	flags := libvirt.MIGRATE_LIVE | libvirt.MIGRATE_PEER2PEER | libvirt.MIGRATE_PERSIST_DEST
-	if opts.CopyStorage {
-		flags |= libvirt.MIGRATE_NON_SHARED_DISK
-		if len(opts.CopyDisks) > 0 {
-			params.MigrateDisksSet, params.MigrateDisks = true, opts.CopyDisks
-		}
-	}
-	if opts.SharedUnsafe {
-		flags |= libvirt.MIGRATE_UNSAFE
-	}
-	if opts.AutoConverge {
-		flags |= libvirt.MIGRATE_AUTO_CONVERGE
+	flags := migrateFlags(opts)
+	if opts.CopyStorage && len(opts.CopyDisks) > 0 {
+		params.MigrateDisksSet, params.MigrateDisks = true, opts.CopyDisks
 	}
 	var stats MigrationStats
 	err := m.withDomain(name, func(d *libvirt.Domain) error {
@@ -119,16 +121,38 @@ func (m *Manager) Migrate(ctx context.Context, name string, opts MigrateOptions)
 	return stats, err
 }
 
+// migrateFlags are libvirt's flags for opts: always live, peer to peer and
+// persistent on the target.
+func migrateFlags(opts MigrateOptions) libvirt.DomainMigrateFlags {
+	flags := libvirt.MIGRATE_LIVE | libvirt.MIGRATE_PEER2PEER | libvirt.MIGRATE_PERSIST_DEST
+	for _, f := range []struct {
+		on   bool
+		flag libvirt.DomainMigrateFlags
+	}{
+		{opts.CopyStorage, libvirt.MIGRATE_NON_SHARED_DISK}, {opts.SharedUnsafe, libvirt.MIGRATE_UNSAFE},
+		{opts.AutoConverge, libvirt.MIGRATE_AUTO_CONVERGE}, {opts.TLS, libvirt.MIGRATE_TLS},
+		{opts.PostCopyAfter > 0, libvirt.MIGRATE_POSTCOPY},
+	} {
+		if f.on {
+			flags |= f.flag
+		}
+	}
+	return flags
+}
+
 // watchJob follows a running migration job of d until done: it aborts the
 // job when ctx ends or when the data remaining has not shrunk for
-// opts.ProgressTimeout (closing stalled first), and sets opts.MaxDowntime
-// once the job runs.
+// opts.ProgressTimeout (closing stalled first), sets opts.MaxDowntime
+// once the job runs, and switches to post-copy after opts.PostCopyAfter
+// (after which nothing aborts it).
 func watchJob(ctx context.Context, d *libvirt.Domain, opts MigrateOptions, done <-chan struct{}, stalled chan<- struct{}) {
 	tick := time.NewTicker(500 * time.Millisecond)
 	defer tick.Stop()
 	var least uint64
-	lastProgress := time.Now()
+	start := time.Now()
+	lastProgress := start
 	downtimeSet := opts.MaxDowntime <= 0
+	postCopy := false
 	for {
 		select {
 		case <-ctx.Done():
@@ -146,7 +170,12 @@ func watchJob(ctx context.Context, d *libvirt.Domain, opts MigrateOptions, done 
 		if !downtimeSet {
 			downtimeSet = d.MigrateSetMaxDowntime(uint64(opts.MaxDowntime/time.Millisecond), 0) == nil
 		}
-		if opts.ProgressTimeout <= 0 || !info.DataRemainingSet {
+		if opts.PostCopyAfter > 0 && !postCopy && time.Since(start) >= opts.PostCopyAfter {
+			if postCopy = d.MigrateStartPostCopy(0) == nil; postCopy && opts.OnPostCopy != nil {
+				opts.OnPostCopy()
+			}
+		}
+		if postCopy || opts.ProgressTimeout <= 0 || !info.DataRemainingSet {
 			continue
 		}
 		if least == 0 || info.DataRemaining < least {

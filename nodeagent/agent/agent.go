@@ -92,6 +92,21 @@ type Config struct {
 	// client (pkipath= of the migration URI); this node's libvirtd must be
 	// configured to serve it (libvirtd.conf key_file, cert_file, ca_file).
 	LibvirtPKIDir string
+	// QEMUTLSDir gets them in QEMU's x509 layout for QEMU's native TLS of
+	// the migration stream (default <StateDir>/qemu-tls), readable by
+	// QEMUGroup (a name or a gid; default libvirt-qemu), the group QEMU
+	// runs as (qemu.conf group).
+	QEMUTLSDir string
+	QEMUGroup  string
+	// LibvirtConfDir, when set, is libvirt's configuration directory where
+	// the agent keeps its TLS blocks in libvirtd.conf and qemu.conf
+	// (package libvirttls); LibvirtRestart is the shell command that
+	// restarts libvirtd after they changed; LibvirtAdminURI reaches
+	// libvirtd's admin socket for server-update-tls after a renewal
+	// (default libvirtd:///system).
+	LibvirtConfDir  string
+	LibvirtRestart  string
+	LibvirtAdminURI string
 	// CertDuration is the node certificate lifetime asked for (default 24h);
 	// it is renewed at two thirds of it.
 	CertDuration time.Duration
@@ -174,6 +189,12 @@ func (c *Config) defaults() {
 	}
 	if c.LibvirtPKIDir == "" {
 		c.LibvirtPKIDir = filepath.Join(c.StateDir, "libvirt-pki")
+	}
+	if c.QEMUTLSDir == "" {
+		c.QEMUTLSDir = filepath.Join(c.StateDir, "qemu-tls")
+	}
+	if c.QEMUGroup == "" {
+		c.QEMUGroup = "libvirt-qemu"
 	}
 	if c.BrainNamespace == "" {
 		c.BrainNamespace = "kubevirt-hyperconverged"
@@ -290,7 +311,7 @@ func New(cfg Config) (*Agent, error) {
 		return nil, err
 	}
 	cfg.NodeIP = nodeIP.String()
-	cert, err := nodeCertificate(&cfg, kc)
+	cert, libvirtTLS, err := nodeCertificate(&cfg, kc)
 	if err != nil {
 		return nil, err
 	}
@@ -328,6 +349,9 @@ func New(cfg Config) (*Agent, error) {
 	a := &Agent{cfg: cfg, deps: d, reg: reg}
 	if cert != nil {
 		a.roles = append(a.roles, cert)
+	}
+	if libvirtTLS != nil {
+		a.roles = append(a.roles, libvirtTLS)
 	}
 	for _, f := range nodeRoles {
 		r, err := f(d)

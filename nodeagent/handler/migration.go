@@ -30,10 +30,12 @@ import (
 const (
 	// TransportTLS is libvirt's TLS transport (qemu+tls) with the nodes'
 	// certificates of the node CA, mutually checked (the client checks the
-	// target's certificate against its address): the production setting.
+	// target's certificate against its address), and QEMU's native TLS
+	// for the migration stream (memory, NBD disk copy) with the same
+	// certificates: the production setting.
 	TransportTLS = "tls"
-	// TransportTCP is plain TCP without authentication (qemu+tcp): for a
-	// lab on one machine only.
+	// TransportTCP is plain TCP without authentication (qemu+tcp), the
+	// stream in clear: for a lab on one machine only.
 	TransportTCP = "tcp"
 )
 
@@ -175,12 +177,22 @@ func (h *Handler) migrate(jobCtx, runCtx context.Context, mig *v1.VirtualMachine
 		}
 	}
 	limit := completionTimeout(vmi, conf, diskBytes)
-	timed, cancel := context.WithTimeout(jobCtx, limit)
+	postCopyAfter, deadline := migrationDeadlines(conf, limit)
+	timed, cancel := context.WithTimeout(jobCtx, deadline)
 	defer cancel()
-	stats, err := h.runLibvirtMigration(timed, vmi, addr, conf)
+	onPostCopy := func() {
+		log.Info("switched to post-copy", "after", postCopyAfter)
+		if err := migstate.UpdateState(runCtx, h.cfg.Virt, mig.Namespace, mig.Name, func(_ *v1.VirtualMachineInstanceMigration, s *v1.VirtualMachineInstanceMigrationState) bool {
+			s.Mode = v1.MigrationPostCopy
+			return true
+		}); err != nil {
+			log.Warn("reporting post-copy", "err", err)
+		}
+	}
+	stats, err := h.runLibvirtMigration(timed, vmi, addr, conf, postCopyAfter, onPostCopy)
 	aborted := errors.Is(err, launcher.ErrMigrationAborted) && jobCtx.Err() != nil
 	if err != nil && jobCtx.Err() == nil && timed.Err() != nil {
-		err = fmt.Errorf("the migration did not complete within %s (completionTimeoutPerGiB): %w", limit, err)
+		err = fmt.Errorf("the migration did not complete within %s (completionTimeoutPerGiB): %w", deadline, err)
 	}
 	if err == nil {
 		h.mu.Lock()
@@ -215,7 +227,8 @@ func (h *Handler) migrate(jobCtx, runCtx context.Context, mig *v1.VirtualMachine
 
 // runLibvirtMigration migrates vmi's domain: the target's own definition
 // (its paths) as the destination XML, node-local disks copied.
-func (h *Handler) runLibvirtMigration(ctx context.Context, vmi *v1.VirtualMachineInstance, addr string, conf *v1.VMIMConfigurationOptions) (launcher.MigrationStats, error) {
+func (h *Handler) runLibvirtMigration(ctx context.Context, vmi *v1.VirtualMachineInstance, addr string, conf *v1.VMIMConfigurationOptions,
+	postCopyAfter time.Duration, onPostCopy func()) (launcher.MigrationStats, error) {
 	lv, err := h.manager()
 	if err != nil {
 		return launcher.MigrationStats{}, err
@@ -226,7 +239,11 @@ func (h *Handler) runLibvirtMigration(ctx context.Context, vmi *v1.VirtualMachin
 	if err != nil {
 		return launcher.MigrationStats{}, fmt.Errorf("the target's domain: %w", err)
 	}
-	opts := launcher.MigrateOptions{DestURI: uri, DestXML: destXML}
+	// Over TLS the stream itself is TLS too (QEMU's, with the node
+	// certificates in qemu.conf's migrate_tls_x509_cert_dir), not only
+	// libvirt's control connection.
+	opts := launcher.MigrateOptions{DestURI: uri, DestXML: destXML, TLS: h.cfg.MigrationTransport == TransportTLS,
+		PostCopyAfter: postCopyAfter, OnPostCopy: onPostCopy}
 	// Every writable disk is copied (node-local volumes, cloud-init
 	// seeds, which the target made alike), except those on storage every
 	// node sees: shared hostDisks and ReadWriteMany claims, which libvirt
@@ -300,6 +317,17 @@ func completionTimeout(vmi *v1.VirtualMachineInstance, conf *v1.VMIMConfiguratio
 	}
 	gib := max(float64(bytes+diskBytes)/(1<<30), 1.0/16)
 	return time.Duration(float64(perGiB)*gib*float64(time.Second)) + 10*time.Second
+}
+
+// migrationDeadlines are when a migration switches to post-copy (0:
+// never) and when it is given up: KubeVirt's allowPostCopy switches at the
+// completion timeout instead of aborting, and a migration in post-copy
+// cannot be aborted, so its context gets twice that as a backstop.
+func migrationDeadlines(conf *v1.VMIMConfigurationOptions, limit time.Duration) (postCopyAfter, deadline time.Duration) {
+	if conf != nil && conf.AllowPostCopy != nil && *conf.AllowPostCopy {
+		return limit, 2 * limit
+	}
+	return 0, limit
 }
 
 // settleOrphan ends a migration this agent started before a restart: the

@@ -121,3 +121,23 @@ func TestMigrationURI(t *testing.T) {
 		}
 	}
 }
+
+// TestPostCopyOnlyWhenAllowed: allowPostCopy switches at the completion
+// timeout instead of aborting there; without it nothing switches.
+func TestPostCopyOnlyWhenAllowed(t *testing.T) {
+	yes, no := true, false
+	const limit = 40 * time.Second
+	for _, c := range []struct {
+		conf               *v1.VMIMConfigurationOptions
+		postCopy, deadline time.Duration
+	}{
+		{nil, 0, limit},
+		{&v1.VMIMConfigurationOptions{}, 0, limit},
+		{&v1.VMIMConfigurationOptions{AllowPostCopy: &no}, 0, limit},
+		{&v1.VMIMConfigurationOptions{AllowPostCopy: &yes}, limit, 2 * limit},
+	} {
+		if p, d := migrationDeadlines(c.conf, limit); p != c.postCopy || d != c.deadline {
+			t.Errorf("%+v: post-copy after %s, deadline %s; want %s, %s", c.conf, p, d, c.postCopy, c.deadline)
+		}
+	}
+}

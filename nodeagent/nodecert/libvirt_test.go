@@ -2,12 +2,14 @@ package nodecert_test
 
 import (
 	"context"
+	"crypto/tls"
 	"crypto/x509"
 	"fmt"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -17,6 +19,8 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/certs"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/uploadtls"
+	"github.com/nodevirt/nodevirt/nodeagent/libvirttls"
 	"github.com/nodevirt/nodevirt/nodeagent/nodecert"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
@@ -26,8 +30,10 @@ import (
 // (in a mount namespace, beside any other) listening with TLS on those
 // files, and connects to it as a migrating source's libvirtd does
 // (qemu+tls://<address>/system?pkipath=DIR): admitted with the node's own
-// certificate, refused with a certificate of another CA, and the server
-// refused by a client trusting another CA.
+// certificate, refused with a certificate of another CA and with one of the
+// node CA that is not a node's (libvirttls's tls_allowed_dn_list), and the
+// server refused by a client trusting another CA. A renewed certificate is
+// served after virt-admin server-update-tls, without a restart.
 func TestLibvirtTLSWithNodeCertificates(t *testing.T) {
 	if os.Getuid() != 0 {
 		t.Skip("a privileged libvirtd needs root")
@@ -74,7 +80,7 @@ func TestLibvirtTLSWithNodeCertificates(t *testing.T) {
 		}
 	}
 	port := freePort(t)
-	startTLSLibvirtd(t, pki, addr, port)
+	agent := startTLSLibvirtd(t, pki, addr, port)
 	uri := func(dir string) string {
 		return fmt.Sprintf("qemu+tls://%s:%d/system?pkipath=%s", addr, port, dir)
 	}
@@ -115,6 +121,23 @@ func TestLibvirtTLSWithNodeCertificates(t *testing.T) {
 		t.Errorf("a client certificate of another CA: %v: %s, want it refused by the server", err, out)
 	}
 
+	// A certificate of the node CA, but not a node's (the brain's
+	// identity): refused by libvirtd's tls_allowed_dn_list.
+	nodeCA, err := uploadtls.LoadCA(ctx, admin, brain(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	notNode, err := nodeCA.Authority().Issue(certs.Leaf{CommonName: "nodevirt:clusterbrain", Organization: []string{"nodevirt:clusterbrains"},
+		DNSNames: []string{node}, IPs: []net.IP{net.ParseIP(addr)}, Server: true, Client: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	other2 := filepath.Join(t.TempDir(), "not-a-node")
+	writePKI(t, other2, caPEM, notNode.CertPEM, notNode.KeyPEM)
+	if out, err := exec.Command("virsh", "-c", uri(other2), "uri").CombinedOutput(); err == nil || strings.Contains(string(out), "Our own certificate") {
+		t.Errorf("a node CA certificate that is not a node's: %v: %s, want it refused by the server", err, out)
+	}
+
 	// A node of another CA (its certificate and trust both of that CA)
 	// refuses the node CA's server.
 	distrust := filepath.Join(t.TempDir(), "distrust")
@@ -149,6 +172,48 @@ func TestLibvirtTLSWithNodeCertificates(t *testing.T) {
 	if _, err := src.Leaf().Verify(x509.VerifyOptions{Roots: roots, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}}); err != nil {
 		t.Errorf("leaf against the written ca: %v", err)
 	}
+
+	// Renewed: the running libvirtd serves the new certificate once told
+	// (server-update-tls through its admin socket), the old one before.
+	old := src.Leaf().SerialNumber.String()
+	if got := servedSerial(t, src, addr, port); got != old {
+		t.Fatalf("libvirtd serves certificate %s, the node's is %s", got, old)
+	}
+	if err := src.Request(ctx); err != nil {
+		t.Fatal(err)
+	}
+	renewed := src.Leaf().SerialNumber.String()
+	if got := servedSerial(t, src, addr, port); got != old {
+		t.Fatalf("libvirtd serves %s before the update, want still %s", got, old)
+	}
+	// What the agent does after each certificate: its blocks unchanged,
+	// the server files copied and server-update-tls.
+	if err := agent.Apply(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := servedSerial(t, src, addr, port); got != renewed {
+		t.Errorf("libvirtd serves %s after server-update-tls, want the renewed %s (was %s)", got, renewed, old)
+	}
+	if out, err := exec.Command("virsh", "-c", uri(pki), "uri").CombinedOutput(); err != nil {
+		t.Errorf("connect with the renewed certificate: %v: %s", err, out)
+	}
+}
+
+// servedSerial is the serial of the certificate the TLS listener at addr
+// presents to the node's own client certificate.
+func servedSerial(t *testing.T, src *nodecert.Source, addr string, port int) string {
+	t.Helper()
+	cfg, err := src.PeerTLS(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ServerName = addr
+	conn, err := tls.DialWithDialer(&net.Dialer{Timeout: 30 * time.Second}, "tcp", net.JoinHostPort(addr, strconv.Itoa(port)), cfg)
+	if err != nil {
+		t.Fatalf("tls to libvirtd: %v", err)
+	}
+	defer conn.Close()
+	return conn.ConnectionState().PeerCertificates[0].SerialNumber.String()
 }
 
 func writePKI(t *testing.T, dir string, ca, cert, key []byte) {
@@ -175,25 +240,47 @@ func freePort(t *testing.T) int {
 
 // startTLSLibvirtd runs a libvirtd of its own, in a mount namespace where
 // libvirt's directories are empty ones of the test, listening with TLS on
-// addr:port with the server files in pki; it is killed at cleanup.
-func startTLSLibvirtd(t *testing.T, pki, addr string, port int) {
+// addr:port, configured as the node agent configures its node's (package
+// libvirttls: the blocks in libvirtd.conf and qemu.conf, the server files
+// of pki copied to /etc/pki, here a directory of the test bound there); it
+// is killed at cleanup. It returns the agent's configurer for this
+// libvirtd.
+func startTLSLibvirtd(t *testing.T, pki, addr string, port int) *libvirttls.Configurer {
 	t.Helper()
 	d := t.TempDir()
-	for _, sub := range []string{"etc", "run", "lib", "cache", "log"} {
+	for _, sub := range []string{"etc", "run", "lib", "cache", "log", "qemu-tls", "pki/CA", "pki/libvirt"} {
 		if err := os.MkdirAll(filepath.Join(d, sub), 0o755); err != nil {
 			t.Fatal(err)
 		}
 	}
-	conf := fmt.Sprintf("listen_tls = 1\nlisten_tcp = 0\nlisten_addr = %q\ntls_port = \"%d\"\nauth_tls = \"none\"\n"+
-		"key_file = %q\ncert_file = %q\nca_file = %q\n", addr, port,
-		filepath.Join(pki, nodecert.LibvirtServerKeyFile), filepath.Join(pki, nodecert.LibvirtServerCertFile),
-		filepath.Join(pki, nodecert.LibvirtCAFile))
-	if err := os.WriteFile(filepath.Join(d, "etc", "libvirtd.conf"), []byte(conf), 0o644); err != nil {
+	// Mount points only; the host's own files there are never touched.
+	for _, dir := range []string{"/etc/pki/CA", "/etc/pki/libvirt"} {
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	conf := filepath.Join(d, "etc", "libvirtd.conf")
+	if err := os.WriteFile(conf, []byte(fmt.Sprintf("listen_tls = 1\nlisten_tcp = 0\nlisten_addr = %q\ntls_port = \"%d\"\n", addr, port)), 0o644); err != nil {
 		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(d, "etc", "qemu.conf"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	agent := libvirttls.New(libvirttls.Config{ConfDir: filepath.Join(d, "etc"), PKIDir: pki, QEMUDir: filepath.Join(d, "qemu-tls"),
+		ServerRoot: filepath.Join(d, "pki"), AdminURI: "libvirtd:///system?socket=" + filepath.Join(d, "run", "libvirt-admin-sock")})
+	if err := agent.Apply(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	// The block names the copies under the server root, which this
+	// libvirtd also sees at /etc/pki, where it reloads them from.
+	_, cert, _ := libvirttls.ServerFiles(filepath.Join(d, "pki"))
+	data, err := os.ReadFile(conf)
+	if err != nil || !strings.Contains(string(data), `cert_file = "`+cert+`"`) {
+		t.Fatalf("libvirtd.conf %v:\n%s", err, data)
 	}
 	script := "set -e\n"
 	for _, b := range [][2]string{{"etc", "/etc/libvirt"}, {"run", "/run/libvirt"}, {"lib", "/var/lib/libvirt"},
-		{"cache", "/var/cache/libvirt"}, {"log", "/var/log/libvirt"}} {
+		{"cache", "/var/cache/libvirt"}, {"log", "/var/log/libvirt"}, {"pki/CA", "/etc/pki/CA"}, {"pki/libvirt", "/etc/pki/libvirt"}} {
 		script += fmt.Sprintf("mount --bind %s %s\n", filepath.Join(d, b[0]), b[1])
 	}
 	script += "exec libvirtd --listen -f /etc/libvirt/libvirtd.conf -p " + filepath.Join(d, "libvirtd.pid") + "\n"
@@ -214,4 +301,5 @@ func startTLSLibvirtd(t *testing.T, pki, addr string, port int) {
 			t.Logf("libvirtd log:\n%s", b)
 		}
 	})
+	return agent
 }

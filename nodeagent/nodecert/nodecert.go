@@ -59,7 +59,15 @@ type Config struct {
 	// CA in libvirt's TLS layout (see WriteLibvirtPKI), so libvirt daemons
 	// authenticate each other with the node's certificate.
 	LibvirtDir string
-	Log        *slog.Logger
+	// QEMUDir, when set with LibvirtDir, also gets them in QEMU's x509
+	// layout (QEMU's native TLS for the migration stream), readable by
+	// group QEMUGid, the group QEMU runs as.
+	QEMUDir string
+	QEMUGid int
+	// OnWritten is called after each write of the libvirt files (the
+	// stored certificate loaded, a new one issued); it must not block.
+	OnWritten func()
+	Log       *slog.Logger
 }
 
 func (c *Config) defaults() error {
@@ -373,7 +381,64 @@ func (s *Source) writeLibvirt(is *issued, keyPEM []byte) error {
 	if s.cfg.LibvirtDir == "" {
 		return nil
 	}
-	return writeLibvirtPKI(s.cfg.LibvirtDir, is, keyPEM)
+	if err := writeLibvirtPKI(s.cfg.LibvirtDir, is, keyPEM); err != nil {
+		return err
+	}
+	if s.cfg.QEMUDir != "" {
+		if err := writeQEMUPKI(s.cfg.QEMUDir, s.cfg.QEMUGid, is, keyPEM); err != nil {
+			return err
+		}
+	}
+	if s.cfg.OnWritten != nil {
+		s.cfg.OnWritten()
+	}
+	return nil
+}
+
+// Files of QEMU's x509 directory (qemu.conf migrate_tls_x509_cert_dir).
+const (
+	QEMUCAFile         = "ca-cert.pem"
+	QEMUServerCertFile = "server-cert.pem"
+	QEMUServerKeyFile  = "server-key.pem"
+	QEMUClientCertFile = "client-cert.pem"
+	QEMUClientKeyFile  = "client-key.pem"
+)
+
+// writeQEMUPKI writes the certificate in QEMU's x509 layout into dir: the
+// node CA, and the one certificate and key as server and client
+// credentials; dir and files belong to group gid (QEMU's), which may read
+// them and nothing else.
+func writeQEMUPKI(dir string, gid int, is *issued, keyPEM []byte) error {
+	if err := os.MkdirAll(dir, 0o750); err != nil {
+		return fmt.Errorf("qemu pki: %w", err)
+	}
+	if err := os.Chown(dir, 0, gid); err != nil {
+		return fmt.Errorf("qemu pki: %w", err)
+	}
+	if err := os.Chmod(dir, 0o750); err != nil {
+		return fmt.Errorf("qemu pki: %w", err)
+	}
+	leaf := certs.EncodeCertificate(is.leaf.Raw)
+	for name, data := range map[string][]byte{
+		QEMUCAFile: certs.EncodeCertificate(is.caCert.Raw), QEMUServerCertFile: leaf, QEMUClientCertFile: leaf,
+		QEMUServerKeyFile: keyPEM, QEMUClientKeyFile: keyPEM,
+	} {
+		path := filepath.Join(dir, name)
+		tmp := path + ".tmp"
+		if err := os.WriteFile(tmp, data, 0o640); err != nil {
+			return fmt.Errorf("qemu pki: %w", err)
+		}
+		if err := os.Chown(tmp, 0, gid); err != nil {
+			return fmt.Errorf("qemu pki: %w", err)
+		}
+		if err := os.Chmod(tmp, 0o640); err != nil {
+			return fmt.Errorf("qemu pki: %w", err)
+		}
+		if err := os.Rename(tmp, path); err != nil {
+			return fmt.Errorf("qemu pki: %w", err)
+		}
+	}
+	return nil
 }
 
 func writeLibvirtPKI(dir string, is *issued, keyPEM []byte) error {

@@ -28,6 +28,7 @@ import (
 
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
 	"github.com/nodevirt/nodevirt/test/lab"
+	"github.com/nodevirt/nodevirt/test/netcapture"
 )
 
 // Live migration runs between two nodes in namespaces of their own (the
@@ -391,9 +392,16 @@ func TestLiveMigration(t *testing.T) {
 	}
 
 	pings := n.serial("pinger")
-	pings.expect(`E2E-PONG`, bootTimeout)
+	pings.expect(`E2E-PONG \S+ \d+ bytes from`, bootTimeout)
 
 	// 1. Upstream virtctl migrate: the migrate subresource makes the VMIM.
+	// The underlay of the source node is captured meanwhile: the stream
+	// (memory, and the data disk over NBD) must be TLS, the marker in the
+	// guest's RAM and on its disk nowhere in clear.
+	capture, err := netcapture.Start("/run/netns/"+nodes[first].Netns(), "eth0", []byte(mark))
+	if err != nil {
+		t.Fatalf("capture on %s: %v", first, err)
+	}
 	pings.poll()
 	pings.cursor = len(pings.out)
 	start := time.Now()
@@ -412,16 +420,17 @@ func TestLiveMigration(t *testing.T) {
 	}
 	mig = n.waitMigration(mig.Name, 2*time.Minute)
 	t.Logf("migration %s -> %s: %s wall (VMIM created to Succeeded)", first, other, time.Since(start).Round(100*time.Millisecond))
+	capture.Stop().CheckEncrypted(t, nodes[first].IP, nodes[other].IP, 8<<20)
 	vmi = n.checkSucceeded(mig, first, other)
 	if vmi.Status.Interfaces[0].MAC != mac {
 		t.Errorf("MAC %s after the migration, was %s", vmi.Status.Interfaces[0].MAC, mac)
 	}
 	secondPV := n.checkClaimOn(mig, "mover-data", other, firstPV)
 	time.Sleep(2 * time.Second)
-	gap, replies := pingGap(pings)
-	t.Logf("ping gap seen by a peer on the bridge during the migration: %s (%d replies)", gap, replies)
-	if replies < 5 || gap > 5*time.Second {
-		t.Errorf("the peer on the bridge saw a gap of %s (%d replies)", gap, replies)
+	gap, replies, lost := pingGap(pings)
+	t.Logf("ping gap seen by a peer on the bridge during the migration: %s (%d replies, %d probes lost)", gap, replies, lost)
+	if replies < 20 || gap > time.Second {
+		t.Errorf("the peer on the bridge saw a gap of %s (%d replies, %d lost), want at most 1 s", gap, replies, lost)
 	}
 	n.eventually(60*time.Second, "source domain removed from "+first, func() (bool, string) {
 		st := n.domainOn(nodes[first], "mover")
@@ -438,6 +447,8 @@ func TestLiveMigration(t *testing.T) {
 	}
 
 	// 2. Back to the first node, by a VMIM made directly.
+	pings.poll()
+	pings.cursor = len(pings.out)
 	back, err := e.virt.Migrations.Create(ctx, &kubevirtv1.VirtualMachineInstanceMigration{
 		ObjectMeta: metav1.ObjectMeta{Name: "back", Namespace: n.name},
 		Spec:       kubevirtv1.VirtualMachineInstanceMigrationSpec{VMIName: "mover"},
@@ -449,6 +460,12 @@ func TestLiveMigration(t *testing.T) {
 	back = n.waitMigration(back.Name, 2*time.Minute)
 	t.Logf("migration back %s -> %s: %s wall", other, first, time.Since(start).Round(100*time.Millisecond))
 	vmi = n.checkSucceeded(back, other, first)
+	time.Sleep(2 * time.Second)
+	gap, replies, lost = pingGap(pings)
+	t.Logf("ping gap seen by a peer on the bridge during the migration back: %s (%d replies, %d probes lost)", gap, replies, lost)
+	if replies < 20 || gap > time.Second {
+		t.Errorf("the peer on the bridge saw a gap of %s (%d replies, %d lost) during the migration back, want at most 1 s", gap, replies, lost)
+	}
 	if vmi.Status.Interfaces[0].MAC != mac {
 		t.Errorf("MAC %s after migrating back, was %s", vmi.Status.Interfaces[0].MAC, mac)
 	}
@@ -587,28 +604,33 @@ const (
 	pingerIP = "10.233.0.1"
 )
 
-// pongUserData makes a guest at self ping peer every 0.2 s and print
-// E2E-PONG <uptime> for each reply.
+// pongUserData makes a guest at self ping peer every 0.1 s without waiting
+// for replies (a lost probe costs 0.1 s of resolution, not a timeout) and
+// print E2E-PONG <uptime> <ping's line> as each reply arrives (the shell's
+// read builtin: no process per reply).
 func pongUserData(self, peer string) string {
-	return fmt.Sprintf("#!/bin/sh\n# nodevirt.ip=%s/24\n(while true; do if ping -c 1 -W 1 %s >/dev/null 2>&1; then "+
-		"echo E2E-PONG $(cut -d' ' -f1 /proc/uptime); fi; sleep 0.2; done) &\n", self, peer)
+	return fmt.Sprintf("#!/bin/sh\n# nodevirt.ip=%s/24\n(ping -i 0.1 %s | while read l; do read up x < /proc/uptime; "+
+		"echo \"E2E-PONG $up $l\"; done) &\n", self, peer)
 }
 
 // pingGap is the longest time between two replies in the serial log after
-// its cursor, and the number of replies.
-func pingGap(s *serialLog) (time.Duration, int) {
+// its cursor (the pinger's clock at their arrival), the number of replies
+// and of probes lost between the first and the last.
+func pingGap(s *serialLog) (gap time.Duration, replies, lost int) {
 	s.poll()
-	var gap time.Duration
 	var last float64
-	ms := regexp.MustCompile(`E2E-PONG (\d+\.\d+)`).FindAllStringSubmatch(string(s.out[s.cursor:]), -1)
-	for i, m := range ms {
+	lastSeq := -1
+	ms := regexp.MustCompile(`E2E-PONG (\d+\.\d+) \d+ bytes from [0-9.]+: seq=(\d+) `).FindAllStringSubmatch(string(s.out[s.cursor:]), -1)
+	for _, m := range ms {
 		up, _ := strconv.ParseFloat(m[1], 64)
-		if i > 0 {
+		seq, _ := strconv.Atoi(m[2])
+		if lastSeq >= 0 {
 			gap = max(gap, time.Duration((up-last)*float64(time.Second)))
+			lost += max(seq-lastSeq-1, 0)
 		}
-		last = up
+		last, lastSeq = up, seq
 	}
-	return gap, len(ms)
+	return gap, len(ms), lost
 }
 
 // taint adds (on) or removes a taint of node.

@@ -121,8 +121,9 @@ func (e *env) extraAgentCommand(n lab.Node, kc string) []string {
 		// Live migrations between the suite's namespaced nodes
 		// (migration_test.go) over libvirt's TLS with the nodes' own
 		// certificates, which the node's libvirtd serves once the agent
-		// wrote them (lab.ServeLibvirtTLS).
-		"--migration-transport=tls")
+		// wrote them (lab.ServeLibvirtTLS); the agent writes libvirt's and
+		// QEMU's TLS settings into the node's own /etc/libvirt.
+		"--migration-transport=tls", "--libvirt-conf-dir=/etc/libvirt")
 }
 
 // serveLibvirtTLS starts agent, the agent of extra node n, and once it has

@@ -5,16 +5,15 @@ import (
 	"crypto/sha256"
 	"errors"
 	"fmt"
-	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
+	"github.com/nodevirt/nodevirt/nodeagent/libvirttls"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
 
@@ -410,8 +409,16 @@ func removeNodeCgroups(hs []cgroupHierarchy, n Node) error {
 // writeNodeFiles writes node n's private libvirt configuration, /etc/hosts
 // and its holder and enter scripts.
 func writeNodeFiles(nodes []Node, n Node, hs []cgroupHierarchy) error {
-	for _, d := range []string{"run/lock", "lib-libvirt", "log-libvirt/qemu", "cache-libvirt", "pools/default", "nodeagent"} {
+	for _, d := range []string{"run/lock", "lib-libvirt", "log-libvirt/qemu", "cache-libvirt", "pools/default", "nodeagent", "pki-CA", "pki-libvirt"} {
 		if err := os.MkdirAll(n.path(d), 0o755); err != nil {
+			return err
+		}
+	}
+	// Mount points of the node's own libvirt server files (its agent
+	// writes them where libvirtd reloads them from, libvirttls.ServerRoot);
+	// the host's files there, if any, are never touched.
+	for _, d := range []string{"CA", "libvirt"} {
+		if err := os.MkdirAll(filepath.Join(libvirttls.ServerRoot, d), 0o755); err != nil {
 			return err
 		}
 	}
@@ -463,6 +470,7 @@ func writeNodeFiles(nodes []Node, n Node, hs []cgroupHierarchy) error {
 		{n.path("run"), "/run"}, {etc, "/etc/libvirt"}, {n.path("lib-libvirt"), "/var/lib/libvirt"},
 		{n.path("log-libvirt"), "/var/log/libvirt"}, {n.path("cache-libvirt"), "/var/cache/libvirt"},
 		{n.path("hosts"), "/etc/hosts"},
+		{n.path("pki-CA"), filepath.Join(libvirttls.ServerRoot, "CA")}, {n.path("pki-libvirt"), filepath.Join(libvirttls.ServerRoot, "libvirt")},
 	}
 	for _, b := range binds {
 		fmt.Fprintf(&mounts, "mount --bind %s %s\n", b[0], b[1])
@@ -489,20 +497,11 @@ func writeNodeFiles(nodes []Node, n Node, hs []cgroupHierarchy) error {
 
 func quote(s string) string { return strconv.Quote(s) }
 
-// appendConf sets keys in a libvirt configuration file: a block marked with
-// tag at its end, rewritten on every call.
+// appendConf sets keys in a libvirt configuration file: the block marked
+// tag (libvirttls.SetBlock), beside the node agent's own.
 func appendConf(file, tag string, kv map[string]string) error {
-	data, err := os.ReadFile(file)
-	if err != nil {
-		return err
-	}
-	marker := "# --- " + tag + " ---\n"
-	text, _, _ := strings.Cut(string(data), marker)
-	text += marker
-	for _, k := range slices.Sorted(maps.Keys(kv)) {
-		text += k + " = " + kv[k] + "\n"
-	}
-	return os.WriteFile(file, []byte(text), 0o644)
+	_, err := libvirttls.SetBlock(file, tag, kv)
+	return err
 }
 
 // startHolder starts node n's holder unless it runs, and waits until its
@@ -586,42 +585,62 @@ func startNodeLibvirt(n Node) error {
 
 // Files of the node agent's certificate in libvirt's layout (nodeagent
 // --libvirt-pki-dir, default <state-dir>/libvirt-pki).
-const (
-	libvirtServerCert = "servercert.pem"
-	libvirtServerKey  = "serverkey.pem"
-	libvirtCA         = "cacert.pem"
-)
+const libvirtServerCert = "servercert.pem"
 
 // libvirtPKI is a file of the node agent's libvirt TLS directory.
 func (n Node) libvirtPKI(name string) string {
 	return filepath.Join(n.AgentDir(), "libvirt-pki", name)
 }
 
+// serverCertCopied reports whether node n's agent copied its server
+// certificate where the node's libvirtd reads it.
+func (n Node) serverCertCopied() bool {
+	_, err := os.Stat(filepath.Join(n.path("pki-libvirt"), "servercert.pem"))
+	return err == nil
+}
+
 // libvirtdConf is the lab's part of node n's libvirtd.conf: plain TCP
-// without authentication and, with tls, libvirt's TLS listener on the node
-// agent's own certificate (clients must present one of the node CA).
+// without authentication and, with tls, libvirt's TLS listener, whose files
+// and admitted subjects are the node agent's block (its
+// --libvirt-conf-dir, package libvirttls).
 func libvirtdConf(n Node, tls bool) map[string]string {
 	kv := map[string]string{
 		"host_uuid": quote(n.HostUUID()), "listen_tls": "0", "listen_tcp": "1", "listen_addr": quote(n.IP),
 		"auth_tcp": quote("none"),
 	}
 	if tls {
-		kv["listen_tls"], kv["auth_tls"] = "1", quote("none")
-		kv["key_file"] = quote(n.libvirtPKI(libvirtServerKey))
-		kv["cert_file"] = quote(n.libvirtPKI(libvirtServerCert))
-		kv["ca_file"] = quote(n.libvirtPKI(libvirtCA))
+		kv["listen_tls"] = "1"
 	}
 	return kv
 }
 
+// agentConfigured reports whether node n's agent wrote its TLS blocks
+// into the node's libvirtd.conf and qemu.conf.
+func agentConfigured(n Node) bool {
+	for _, f := range []string{"libvirtd.conf", "qemu.conf"} {
+		data, err := os.ReadFile(filepath.Join(n.path("etc-libvirt"), f))
+		if err != nil || !strings.Contains(string(data), "# --- END "+libvirttls.Tag+" ---") {
+			return false
+		}
+	}
+	return true
+}
+
 // ServeLibvirtTLS makes node n's libvirtd listen with TLS on the
-// certificate its agent (started with --migration-transport=tls) wrote:
-// it waits up to wait for the files, then restarts libvirtd with them
-// unless it already serves them, and says whether it did. Guests keep
-// running across the restart.
+// certificate its agent (started with --migration-transport=tls and
+// --libvirt-conf-dir=/etc/libvirt) wrote, and QEMU's migration streams
+// use it: it waits up to wait for the files and the agent's blocks in
+// libvirtd.conf and qemu.conf, then restarts libvirtd with them unless it
+// already serves them, and says whether it did. Guests keep running across
+// the restart.
 func ServeLibvirtTLS(n Node, wait time.Duration) (bool, error) {
 	if err := waitFor(n.libvirtPKI(libvirtServerCert), wait); err != nil {
 		return false, fmt.Errorf("node %s: agent's libvirt certificate: %w", n.Name, err)
+	}
+	for deadline := time.Now().Add(wait); !agentConfigured(n) || !n.serverCertCopied(); time.Sleep(100 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			return false, fmt.Errorf("node %s: the agent wrote no TLS configuration into %s within %s", n.Name, n.path("etc-libvirt"), wait)
+		}
 	}
 	conf := filepath.Join(n.path("etc-libvirt"), "libvirtd.conf")
 	before, err := os.ReadFile(conf)

@@ -128,6 +128,7 @@ func startNodeAgents(cfg Config, cp *controlplane.ControlPlane) error {
 	if err != nil {
 		return err
 	}
+	var argvs [][]string
 	for _, n := range cfg.Nodes() {
 		kc := n.path("nodeagent.kubeconfig")
 		if err := cp.WriteKubeconfig(kc, identity.NodeUser(n.Name), identity.NodesGroup); err != nil {
@@ -141,11 +142,33 @@ func startNodeAgents(cfg Config, cp *controlplane.ControlPlane) error {
 			"--node-ip="+n.IP, "--pod-cidr="+n.PodCIDR, "--state-dir="+dir, "--emulation="+cfg.Emulation,
 			"--health-addr=127.0.0.1:8481", "--csi-socket="+filepath.Join(dir, "csi", "csi.sock"),
 			"--pools=default="+n.path("pools", "default"),
-			// Live migrations between the lab's libvirt daemons go over
-			// plain TCP (lab only; production uses libvirt's TLS).
-			"--migration-transport=tcp")
+			// Live migrations as in production: libvirt's TLS and QEMU's
+			// native TLS for the stream, with the node's certificate; the
+			// agent keeps its blocks in the node's own /etc/libvirt.
+			"--migration-transport=tls", "--libvirt-conf-dir=/etc/libvirt")
 		fmt.Fprintf(cfg.Out, "    %s\n", n.Name)
 		if err := startProcess(cfg, n.path("nodeagent"), argv); err != nil {
+			return err
+		}
+		argvs = append(argvs, argv)
+	}
+	// Once an agent has its certificate, its node's libvirtd serves it
+	// (restarted; the agent then starts again on the new libvirtd).
+	for i, n := range cfg.Nodes() {
+		restarted, err := ServeLibvirtTLS(n, 3*time.Minute)
+		if err != nil {
+			return err
+		}
+		if !restarted {
+			continue
+		}
+		fmt.Fprintf(cfg.Out, "    %s: libvirtd serves TLS with the node certificate\n", n.Name)
+		if pid, ok := controlplane.AlivePid(n.path("nodeagent.pid")); ok {
+			if err := controlplane.TerminatePid(pid, 30*time.Second); err != nil {
+				return err
+			}
+		}
+		if err := startProcess(cfg, n.path("nodeagent"), argvs[i]); err != nil {
 			return err
 		}
 	}
