@@ -48,7 +48,6 @@ chmod 600 /root/.ssh/authorized_keys
 `
 }
 
-
 // TestUpstreamVirtctlPortForwardSSH reaches a guest's sshd through the
 // portforward subresource with upstream virtctl: port-forward to a local
 // port, ssh with a command, scp to the guest and back, a closed port
