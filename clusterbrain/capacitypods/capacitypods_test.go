@@ -8,7 +8,6 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -16,7 +15,6 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
-	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 	"github.com/nodevirt/nodevirt/test/testkit"
@@ -30,9 +28,7 @@ func TestPodHoldsBoundVMIsCapacity(t *testing.T) {
 	cp := controlplane.Shared(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	if err := crds.Install(ctx, apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.Catalog()); err != nil {
-		t.Fatal(err)
-	}
+	testkit.InstallCRDs(t, cp)
 	kube := cp.Clientset(t)
 	virt, err := client.NewSet(cp.RestConfig)
 	if err != nil {

@@ -15,7 +15,6 @@ import (
 	"time"
 
 	rbacv1 "k8s.io/api/rbac/v1"
-	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -30,11 +29,11 @@ import (
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
 	sspv1beta2 "github.com/nodevirt/nodevirt/clusterbrain/api/ssp/v1beta2"
 	"github.com/nodevirt/nodevirt/clusterbrain/client/virtctl"
-	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/ssp/templateapi"
 	"github.com/nodevirt/nodevirt/clusterbrain/ssp/templates"
 	"github.com/nodevirt/nodevirt/clusterbrain/tekton"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // The controller manager folds the template roles into admin, edit and view.
@@ -77,9 +76,7 @@ func start(t *testing.T) *env {
 	t.Helper()
 	cp := controlplane.Shared(t)
 	ctx, cancel := context.WithCancel(context.Background())
-	if err := crds.Install(ctx, apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.Catalog()); err != nil {
-		t.Fatal(err)
-	}
+	testkit.InstallCRDs(t, cp)
 	e := &env{kube: cp.Clientset(t), dyn: dynamic.NewForConfigOrDie(cp.RestConfig), ns: cp.Namespace(t)}
 	var err error
 	if e.virt, err = client.NewSet(cp.RestConfig); err != nil {

@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/rest"
@@ -17,9 +16,9 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
-	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/ssp/templates"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestMain(m *testing.M) { controlplane.Main(m, controlplane.Config{}) }
@@ -122,9 +121,7 @@ func TestCommonTemplateRules(t *testing.T) {
 func TestWebhookRefusesAndWarns(t *testing.T) {
 	cp := controlplane.Shared(t)
 	ctx := context.Background()
-	if err := crds.Install(ctx, apiextensionsclient.NewForConfigOrDie(cp.RestConfig), crds.Catalog()); err != nil {
-		t.Fatal(err)
-	}
+	testkit.InstallCRDs(t, cp)
 	kube := cp.Clientset(t)
 	ns := cp.Namespace(t)
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
