@@ -138,13 +138,18 @@ func (h *Handler) prepareTarget(ctx context.Context, mig *v1.VirtualMachineInsta
 	if err != nil {
 		return err
 	}
+	configMaps, err := h.resolveConfigMaps(ctx, vmi)
+	if err != nil {
+		return err
+	}
 	// The spec is checked against the plan before anything is made here;
 	// the node-local disks' volumes are made below, where planned.
 	planned := maps.Clone(disks)
 	for _, l := range locals {
 		planned[l.volume] = domain.DiskSource{Path: filepath.Join(h.vmDir(vmi.UID), "planned", l.volume), Format: VolumeFormat}
 	}
-	env := domain.Env{Emulation: h.emulation(), StateDir: h.vmDir(vmi.UID), Disks: planned, Taps: plannedDomainTaps(taps), Secrets: secrets}
+	env := domain.Env{Emulation: h.emulation(), StateDir: h.vmDir(vmi.UID), Disks: planned, Taps: plannedDomainTaps(taps), Secrets: secrets,
+		ConfigMaps: configMaps}
 	if _, err := domain.Convert(vmi, env); err != nil {
 		return err
 	}

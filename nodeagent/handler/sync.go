@@ -130,12 +130,17 @@ func (h *Handler) start(ctx context.Context, lv *launcher.Manager, vmi *v1.Virtu
 	if err != nil {
 		return nil, err
 	}
+	configMaps, err := h.resolveConfigMaps(ctx, vmi)
+	if err != nil {
+		return nil, err
+	}
 	env := domain.Env{
-		Emulation: h.emulation(),
-		StateDir:  h.vmDir(vmi.UID),
-		Disks:     disks,
-		Taps:      plannedDomainTaps(taps),
-		Secrets:   secrets,
+		Emulation:  h.emulation(),
+		StateDir:   h.vmDir(vmi.UID),
+		Disks:      disks,
+		Taps:       plannedDomainTaps(taps),
+		Secrets:    secrets,
+		ConfigMaps: configMaps,
 	}
 	// The spec is checked against the plan before anything is made on the
 	// host; the domain itself is built from what the attaches made.

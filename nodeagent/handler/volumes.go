@@ -141,7 +141,8 @@ func vmiRef(vmi *v1.VirtualMachineInstance) nodereads.Ref {
 	return nodereads.Ref{Resource: nodereads.VMIs, Namespace: vmi.Namespace, Name: vmi.Name}
 }
 
-// resolveSecrets reads the Secrets the cloud-init volumes refer to.
+// resolveSecrets reads the Secrets the cloud-init and secret volumes refer
+// to. A missing optional Secret is left out: its disk is made empty.
 func (h *Handler) resolveSecrets(ctx context.Context, vmi *v1.VirtualMachineInstance) (map[string]map[string][]byte, error) {
 	out := map[string]map[string][]byte{}
 	for _, vol := range vmi.Spec.Volumes {
@@ -152,11 +153,19 @@ func (h *Handler) resolveSecrets(ctx context.Context, vmi *v1.VirtualMachineInst
 		if s := vol.CloudInitConfigDrive; s != nil {
 			refs = append(refs, s.UserDataSecretRef, s.NetworkDataSecretRef)
 		}
+		optional := false
+		if s := vol.Secret; s != nil {
+			refs = append(refs, &k8sv1.LocalObjectReference{Name: s.SecretName})
+			optional = s.Optional != nil && *s.Optional
+		}
 		for _, ref := range refs {
 			if ref == nil || out[ref.Name] != nil {
 				continue
 			}
 			sec, err := h.cfg.Reads.Secret(ctx, vmiRef(vmi), ref.Name)
+			if apierrors.IsNotFound(err) && optional {
+				continue
+			}
 			if apierrors.IsNotFound(err) {
 				return nil, fmt.Errorf("%w: volume %s: secret %s/%s does not exist", errWaiting, vol.Name, vmi.Namespace, ref.Name)
 			}
@@ -165,6 +174,37 @@ func (h *Handler) resolveSecrets(ctx context.Context, vmi *v1.VirtualMachineInst
 			}
 			out[ref.Name] = sec.Data
 		}
+	}
+	return out, nil
+}
+
+// resolveConfigMaps reads the ConfigMaps the configMap volumes refer to,
+// text and binary keys alike. A missing optional ConfigMap is left out.
+func (h *Handler) resolveConfigMaps(ctx context.Context, vmi *v1.VirtualMachineInstance) (map[string]map[string][]byte, error) {
+	out := map[string]map[string][]byte{}
+	for _, vol := range vmi.Spec.Volumes {
+		src := vol.ConfigMap
+		if src == nil || out[src.Name] != nil {
+			continue
+		}
+		cm, err := h.cfg.Reads.ConfigMap(ctx, vmiRef(vmi), src.Name)
+		if apierrors.IsNotFound(err) && src.Optional != nil && *src.Optional {
+			continue
+		}
+		if apierrors.IsNotFound(err) {
+			return nil, fmt.Errorf("%w: volume %s: configMap %s/%s does not exist", errWaiting, vol.Name, vmi.Namespace, src.Name)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("volume %s: configMap %s/%s: %w", vol.Name, vmi.Namespace, src.Name, err)
+		}
+		data := make(map[string][]byte, len(cm.Data)+len(cm.BinaryData))
+		for k, v := range cm.Data {
+			data[k] = []byte(v)
+		}
+		for k, v := range cm.BinaryData {
+			data[k] = v
+		}
+		out[src.Name] = data
 	}
 	return out, nil
 }
