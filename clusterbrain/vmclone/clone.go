@@ -137,7 +137,20 @@ func (c *Controller) sync(ctx context.Context, key string) (time.Duration, error
 	if err != nil || !ok {
 		return 0, err
 	}
-	vc := o.(*clonev1beta1.VirtualMachineClone).DeepCopy()
+	vc := o.(*clonev1beta1.VirtualMachineClone)
+	if vc.DeletionTimestamp != nil || vc.Status.Phase == clonev1beta1.Succeeded || vc.Status.Phase == clonev1beta1.Failed {
+		return 0, nil
+	}
+	// A snapshot's or restore's event can come before this controller's
+	// last status write reaches the cache: work from the stored clone, so
+	// a step is never redone on a stale phase (nor fails on a conflict).
+	vc, err = c.cfg.Virt.VMClones.Get(ctx, vc.Namespace, vc.Name)
+	if apierrors.IsNotFound(err) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, err
+	}
 	if vc.DeletionTimestamp != nil || vc.Status.Phase == clonev1beta1.Succeeded || vc.Status.Phase == clonev1beta1.Failed {
 		return 0, nil
 	}

@@ -78,7 +78,7 @@ func TestCloneFromVirtctlManifest(t *testing.T) {
 	e.Kubectl("apply", "-f", manifest)
 
 	var vc *clonev1beta1.VirtualMachineClone
-	testkit.Poll(t, 3*time.Minute, "clone succeeded", func() (bool, error) {
+	testkit.Poll(t, 6*time.Minute, "clone succeeded", func() (bool, error) {
 		var err error
 		vc, err = e.Virt.VMClones.Get(e.Ctx, e.NS, "c1")
 		return err == nil && (vc.Status.Phase == clonev1beta1.Succeeded || vc.Status.Phase == clonev1beta1.Failed), err
