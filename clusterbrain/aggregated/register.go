@@ -5,7 +5,10 @@ import (
 	"encoding/base64"
 	"fmt"
 	"net"
+	"net/http"
+	"slices"
 	"strconv"
+	"strings"
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
@@ -40,6 +43,18 @@ type Registration struct {
 // against.
 func (r Registration) ServerName() string {
 	return r.Service + "." + r.Namespace + ".svc"
+}
+
+// Discovery reports whether req asks for the registration's discovery or
+// health: what kube-apiserver reads without a user (the APIService's
+// availability check, discovery, OpenAPI).
+func (r Registration) Discovery(req *http.Request) bool {
+	switch p := strings.TrimSuffix(req.URL.Path, "/"); p {
+	case "", "/apis", "/apis/" + r.Group, "/healthz", "/openapi/v2", "/openapi/v3":
+		return true
+	default:
+		return slices.Contains(r.Versions, strings.TrimPrefix(p, "/apis/"+r.Group+"/"))
+	}
 }
 
 const portName = "https"

@@ -34,8 +34,9 @@ type Config struct {
 	// Handler serves requests; authenticated ones carry their User (see
 	// UserFrom).
 	Handler http.Handler
-	// Public tells which requests need no authenticated user (discovery,
-	// health). Nil: every request must come through the aggregator.
+	// Public tells which requests besides the registration's discovery
+	// and health (Registration.Discovery) need no authenticated user. Nil:
+	// every other request must come through the aggregator.
 	Public func(r *http.Request) bool
 	// CASecret names the brain CA Secret shared with the other servers
 	// (default certs' nodevirt-brain-ca); the serving certificate is kept in
@@ -184,7 +185,7 @@ func (s *Server) authenticate(next http.Handler) http.Handler {
 			next.ServeHTTP(w, r.WithContext(WithUser(r.Context(), u)))
 			return
 		}
-		if s.cfg.Public != nil && s.cfg.Public(r) {
+		if s.cfg.Registration.Discovery(r) || s.cfg.Public != nil && s.cfg.Public(r) {
 			next.ServeHTTP(w, r)
 			return
 		}

@@ -70,7 +70,7 @@ func New(cfg Config) (*Server, error) {
 	cfg.Log = cfg.Log.With("role", "node-reads")
 	s := &Server{cfg: cfg}
 	agg, err := aggregated.NewServer(aggregated.Config{Kube: cfg.Kube, Dynamic: cfg.Dynamic, Addr: cfg.Addr, Handler: s,
-		Public: public, Log: cfg.Log,
+		Log: cfg.Log,
 		Registration: aggregated.Registration{Group: api.Group, Versions: []string{api.Version},
 			Namespace: cfg.Namespace, Service: ServiceName, GroupPriorityMinimum: 1000, VersionPriority: 15}})
 	if err != nil {
@@ -90,14 +90,6 @@ func (s *Server) Ready() <-chan struct{} { return s.agg.Ready() }
 func (s *Server) Run(ctx context.Context) error { return s.agg.Run(ctx) }
 
 var gv = api.Group + "/" + api.Version
-
-func public(r *http.Request) bool {
-	switch strings.TrimSuffix(r.URL.Path, "/") {
-	case "", "/apis", "/apis/" + api.Group, "/apis/" + gv, "/healthz", "/openapi/v2", "/openapi/v3":
-		return true
-	}
-	return false
-}
 
 // request is a parsed path:
 // /apis/{group}/{version}/namespaces/{ns}/{referrer}/{name}/{what}/{object}.

@@ -107,17 +107,13 @@ func (s *Server) Ready() <-chan struct{} { return s.agg.Ready() }
 // Endpoint is the host:port kube-apiserver dials (valid after Ready).
 func (s *Server) Endpoint() string { return s.agg.Registration().Endpoint() }
 
-// public paths are served without a user, like virt-api's.
+// public paths are served without a user besides discovery, like virt-api's.
 func public(r *http.Request) bool {
 	p := strings.TrimSuffix(r.URL.Path, "/")
-	switch p {
-	case "", "/apis", "/healthz", "/openapi/v2", "/openapi/v3":
-		return true
-	}
 	for _, v := range Versions {
 		base := "/apis/" + Group + "/" + v
 		switch p {
-		case base, base + "/version", base + "/healthz", base + "/guestfs", "/openapi/v3/apis/" + Group + "/" + v:
+		case base + "/version", base + "/healthz", base + "/guestfs", "/openapi/v3/apis/" + Group + "/" + v:
 			return true
 		}
 	}

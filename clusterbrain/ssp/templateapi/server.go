@@ -69,7 +69,7 @@ func New(cfg Config) (*Server, error) {
 	}
 	s := &Server{cfg: cfg}
 	agg, err := aggregated.NewServer(aggregated.Config{Kube: cfg.Kube, Dynamic: cfg.Dynamic, Addr: cfg.Addr, Handler: s,
-		Public: public, Log: cfg.Log.With("role", "template-api"),
+		Log: cfg.Log.With("role", "template-api"),
 		Registration: aggregated.Registration{Group: templates.Group, Versions: []string{templates.APIVersion},
 			Namespace: cfg.Namespace, Service: ServiceName, GroupPriorityMinimum: 1000, VersionPriority: 15}})
 	if err != nil {
@@ -88,14 +88,6 @@ func (s *Server) Ready() <-chan struct{} { return s.agg.Ready() }
 // Run serves until ctx ends.
 func (s *Server) Run(ctx context.Context) error {
 	return s.agg.Run(ctx)
-}
-
-func public(r *http.Request) bool {
-	switch strings.TrimSuffix(r.URL.Path, "/") {
-	case "", "/apis", "/apis/" + templates.Group, "/apis/" + gv, "/healthz", "/openapi/v2", "/openapi/v3":
-		return true
-	}
-	return false
 }
 
 // request is a parsed resource path.
