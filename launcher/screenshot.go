@@ -73,7 +73,8 @@ func (m *Manager) Screenshot(ctx context.Context, name string) ([]byte, error) {
 }
 
 // DecodePPM decodes a binary PPM (P6) image with 8-bit samples, the format
-// QEMU's screendump writes.
+// QEMU's screendump writes. A header claiming more pixels than a screenshot
+// may hold is refused before anything is allocated for them.
 func DecodePPM(r io.Reader) (image.Image, error) {
 	br := bufio.NewReader(r)
 	var fields [4]string
@@ -90,7 +91,7 @@ func DecodePPM(r io.Reader) (image.Image, error) {
 	w, errW := strconv.Atoi(fields[1])
 	h, errH := strconv.Atoi(fields[2])
 	maxval, errM := strconv.Atoi(fields[3])
-	if errW != nil || errH != nil || errM != nil || w <= 0 || h <= 0 || w > 16384 || h > 16384 || maxval <= 0 || maxval > 255 {
+	if errW != nil || errH != nil || errM != nil || w <= 0 || h <= 0 || w > 16384 || h > 16384 || 3*w*h > maxScreenshot || maxval <= 0 || maxval > 255 {
 		return nil, fmt.Errorf("ppm: bad header %q", fields)
 	}
 	img := image.NewRGBA(image.Rect(0, 0, w, h))

@@ -24,7 +24,7 @@ func TestDecodePPM(t *testing.T) {
 		t.Errorf("pixel 1 %v", got)
 	}
 	for _, bad := range []string{"P5\n1 1\n255\n\x00", "P6\n0 1\n255\n", "P6\n1 1\n65535\n\x00\x00\x00\x00\x00\x00",
-		"P6\n99999 1\n255\n", "P6\n2 2\n255\n\x00\x00\x00", "P6\n" + strings.Repeat("9", 40)} {
+		"P6\n99999 1\n255\n", "P6\n16384 16384\n255\n", "P6\n2 2\n255\n\x00\x00\x00", "P6\n" + strings.Repeat("9", 40)} {
 		if _, err := DecodePPM(strings.NewReader(bad)); err == nil {
 			t.Errorf("decoded %q", bad)
 		}
