@@ -17,12 +17,14 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"os"
 	"path/filepath"
 	"sort"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
@@ -131,7 +133,18 @@ func (p *Pools) Run(ctx context.Context) error {
 	if _, err := hpps.AddEventHandler(handler); err != nil {
 		return err
 	}
-	if _, err := nodes.AddEventHandler(handler); err != nil {
+	// The Node changes at every heartbeat; only its labels and taints
+	// decide which pools it serves (the resync restores the report).
+	if _, err := nodes.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc: func(any) { p.trigger() },
+		UpdateFunc: func(old, cur any) {
+			o, ok1 := old.(*corev1.Node)
+			n, ok2 := cur.(*corev1.Node)
+			if !ok1 || !ok2 || !maps.Equal(o.Labels, n.Labels) || !equality.Semantic.DeepEqual(o.Spec.Taints, n.Spec.Taints) {
+				p.trigger()
+			}
+		},
+	}); err != nil {
 		return err
 	}
 	go hpps.RunWithContext(ctx)
