@@ -25,10 +25,7 @@ import (
 func TestCrossNodeGuest(t *testing.T) {
 	t.Parallel()
 	e := require(t)
-	if e.node2Err != nil {
-		t.Fatalf("second node: %v", e.node2Err)
-	}
-	node2 := e.node2()
+	node2 := e.secondNode(t)
 	n := e.namespace(t)
 	egress := serveEgress(t, e.fabric().Gateway())
 

@@ -14,7 +14,6 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	kubevirtv1 "kubevirt.io/api/core/v1"
@@ -41,10 +40,7 @@ import (
 // upload, which no other test may see.
 func TestCrossNodePlacement(t *testing.T) {
 	e := require(t)
-	if e.node2Err != nil {
-		t.Fatalf("second node: %v", e.node2Err)
-	}
-	node2 := e.node2()
+	node2 := e.secondNode(t)
 	n := e.namespace(t)
 	ctx := context.Background()
 	n.eventually(2*time.Minute, "node "+node2.Name+" Ready", func() (bool, string) {
@@ -230,24 +226,6 @@ func (n *testNS) checkVolumeOn(node lab.Node, claim string, image []byte) {
 // cloneVM is a VM whose root disk is a dataVolumeTemplate "<name>-root"
 // cloned from claim source of the test's namespace.
 func (n *testNS) cloneVM(name, source string, opts ...vmiOption) *kubevirtv1.VirtualMachine {
-	class := "hostpath-csi"
-	rs := kubevirtv1.RunStrategyAlways
-	spec := vmiSpec("unused", opts...)
-	spec.Volumes[0].VolumeSource = kubevirtv1.VolumeSource{DataVolume: &kubevirtv1.DataVolumeSource{Name: name + "-root"}}
-	return &kubevirtv1.VirtualMachine{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: n.name},
-		Spec: kubevirtv1.VirtualMachineSpec{
-			RunStrategy: &rs,
-			DataVolumeTemplates: []kubevirtv1.DataVolumeTemplateSpec{{
-				ObjectMeta: metav1.ObjectMeta{Name: name + "-root"},
-				Spec: cdiv1.DataVolumeSpec{
-					Source: &cdiv1.DataVolumeSource{PVC: &cdiv1.DataVolumeSourcePVC{Namespace: n.name, Name: source}},
-					Storage: &cdiv1.StorageSpec{StorageClassName: &class,
-						Resources: corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{
-							corev1.ResourceStorage: resource.MustParse("64Mi")}}},
-				},
-			}},
-			Template: &kubevirtv1.VirtualMachineInstanceTemplateSpec{Spec: spec},
-		},
-	}
+	return n.dvTemplateVM(name, &cdiv1.DataVolumeSource{PVC: &cdiv1.DataVolumeSourcePVC{Namespace: n.name, Name: source}},
+		"64Mi", kubevirtv1.RunStrategyAlways, opts...)
 }

@@ -56,6 +56,12 @@ func (n *testNS) guestImageURL() string {
 // imported from url onto the hostpath-csi class, as KubeVirt's
 // documentation writes it.
 func (n *testNS) dataVolumeVM(name, url string, rs kubevirtv1.VirtualMachineRunStrategy, opts ...vmiOption) *kubevirtv1.VirtualMachine {
+	return n.dvTemplateVM(name, &cdiv1.DataVolumeSource{HTTP: &cdiv1.DataVolumeSourceHTTP{URL: url}}, "128Mi", rs, opts...)
+}
+
+// dvTemplateVM is a VM whose root disk is a dataVolumeTemplate "<name>-root"
+// of size on the hostpath-csi class, filled from src.
+func (n *testNS) dvTemplateVM(name string, src *cdiv1.DataVolumeSource, size string, rs kubevirtv1.VirtualMachineRunStrategy, opts ...vmiOption) *kubevirtv1.VirtualMachine {
 	class := "hostpath-csi"
 	spec := vmiSpec("unused", opts...)
 	spec.Volumes[0].VolumeSource = kubevirtv1.VolumeSource{DataVolume: &kubevirtv1.DataVolumeSource{Name: name + "-root"}}
@@ -66,10 +72,10 @@ func (n *testNS) dataVolumeVM(name, url string, rs kubevirtv1.VirtualMachineRunS
 			DataVolumeTemplates: []kubevirtv1.DataVolumeTemplateSpec{{
 				ObjectMeta: metav1.ObjectMeta{Name: name + "-root"},
 				Spec: cdiv1.DataVolumeSpec{
-					Source: &cdiv1.DataVolumeSource{HTTP: &cdiv1.DataVolumeSourceHTTP{URL: url}},
+					Source: src,
 					Storage: &cdiv1.StorageSpec{StorageClassName: &class,
 						Resources: corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{
-							corev1.ResourceStorage: resource.MustParse("128Mi")}}},
+							corev1.ResourceStorage: resource.MustParse(size)}}},
 				},
 			}},
 			Template: &kubevirtv1.VirtualMachineInstanceTemplateSpec{Spec: spec},

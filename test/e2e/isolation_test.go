@@ -80,13 +80,14 @@ func immediateDV(ns, name string, src *cdiv1.DataVolumeSource) *cdiv1.DataVolume
 // (cdi.kubevirt.io) there, checked by a SubjectAccessReview when the
 // DataVolume (or a VM's dataVolumeTemplate) is admitted. Refused without
 // it, with CDI's message; cloned with it.
-func TestCrossNamespaceCloneFollowsCDIsRule(t *testing.T) {
-	e := require(t)
-	dst := e.namespace(t)
+// goldenNamespace makes namespace <n>suffix holding DataVolume "golden",
+// 4 MiB of random bytes imported on the suite's own node (the image is
+// served on this host's loopback); it returns the namespace and the bytes.
+func (n *testNS) goldenNamespace(suffix string) (*testNS, []byte) {
+	t, e := n.t, n.e
+	t.Helper()
 	ctx := context.Background()
-
-	// The source namespace and its volume, imported by the administrator.
-	src := &testNS{e: e, t: t, name: dst.name + "-src"}
+	src := &testNS{e: e, t: t, name: n.name + suffix}
 	srcObj := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: src.name, Labels: map[string]string{"nodevirt.io/e2e": e.run}}}
 	if _, err := e.kube.CoreV1().Namespaces().Create(ctx, srcObj, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
@@ -99,12 +100,21 @@ func TestCrossNamespaceCloneFollowsCDIsRule(t *testing.T) {
 		t.Fatal(err)
 	}
 	golden := immediateDV(src.name, "golden", &cdiv1.DataVolumeSource{HTTP: &cdiv1.DataVolumeSourceHTTP{URL: serveFile(t, image)}})
-	// On the suite's own node: the image is served on this host's loopback.
 	golden.Annotations["volume.kubernetes.io/selected-node"] = e.nodeName
 	if _, err := e.virt.DataVolumes.Create(ctx, golden); err != nil {
 		t.Fatal(err)
 	}
 	src.waitImported("", "golden")
+	return src, data
+}
+
+func TestCrossNamespaceCloneFollowsCDIsRule(t *testing.T) {
+	e := require(t)
+	dst := e.namespace(t)
+	ctx := context.Background()
+
+	// The source namespace and its volume, imported by the administrator.
+	src, _ := dst.goldenNamespace("-src")
 
 	user := "clone-user-" + e.run
 	dst.grant(dst.name, user, "dv-author",

@@ -62,6 +62,16 @@ func (e *env) node2() lab.Node {
 	return lab.NewNode(e.fabric(), e.nodeName+"-2", 2, e.path("node2"), fmt.Sprintf("10.79.%d.0/24", h.Sum32()%250))
 }
 
+// secondNode is the second node for a test that needs one; the test fails
+// when it did not come up.
+func (e *env) secondNode(t *testing.T) lab.Node {
+	t.Helper()
+	if e.node2Err != nil {
+		t.Fatalf("second node: %v", e.node2Err)
+	}
+	return e.node2()
+}
+
 // startSecondNode brings the second node up with its agent.
 func (e *env) startSecondNode() error {
 	f, n := e.fabric(), e.node2()
@@ -217,10 +227,7 @@ func onSecondNodeToo() vmiOption {
 func TestCrossNode(t *testing.T) {
 	t.Parallel()
 	e := require(t)
-	if e.node2Err != nil {
-		t.Fatalf("second node: %v", e.node2Err)
-	}
-	node2 := e.node2()
+	node2 := e.secondNode(t)
 	n := e.namespace(t)
 	n.eventually(90*time.Second, "node "+node2.Name+" Ready", func() (bool, string) {
 		node, err := e.kube.CoreV1().Nodes().Get(context.Background(), node2.Name, metav1.GetOptions{})
@@ -285,10 +292,7 @@ func TestCrossNode(t *testing.T) {
 // parallel: it takes the second node away.
 func TestNodePowerLoss(t *testing.T) {
 	e := require(t)
-	if e.node2Err != nil {
-		t.Fatalf("second node: %v", e.node2Err)
-	}
-	node2 := e.node2()
+	node2 := e.secondNode(t)
 	n := e.namespace(t)
 	ctx := context.Background()
 	first := n.startOnSecondNode("mover")
@@ -358,10 +362,7 @@ func TestNodePowerLoss(t *testing.T) {
 // second node away.
 func TestNodePartition(t *testing.T) {
 	e := require(t)
-	if e.node2Err != nil {
-		t.Fatalf("second node: %v", e.node2Err)
-	}
-	node2 := e.node2()
+	node2 := e.secondNode(t)
 	n := e.namespace(t)
 	n.startOnSecondNode("cut")
 

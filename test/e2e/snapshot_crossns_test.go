@@ -3,15 +3,12 @@ package e2e
 import (
 	"bytes"
 	"context"
-	"crypto/rand"
 	"fmt"
 	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
-	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/dynamic"
@@ -30,24 +27,7 @@ func TestCrossNamespaceSnapshotRestoreFollowsCDIsRule(t *testing.T) {
 	dst := e.namespace(t)
 	ctx := context.Background()
 
-	src := &testNS{e: e, t: t, name: dst.name + "-snap"}
-	srcObj := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: src.name, Labels: map[string]string{"nodevirt.io/e2e": e.run}}}
-	if _, err := e.kube.CoreV1().Namespaces().Create(ctx, srcObj, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(src.cleanup)
-	image := filepath.Join(t.TempDir(), "golden.raw")
-	data := make([]byte, 4<<20)
-	_, _ = rand.Read(data)
-	if err := os.WriteFile(image, data, 0o644); err != nil {
-		t.Fatal(err)
-	}
-	golden := immediateDV(src.name, "golden", &cdiv1.DataVolumeSource{HTTP: &cdiv1.DataVolumeSourceHTTP{URL: serveFile(t, image)}})
-	golden.Annotations["volume.kubernetes.io/selected-node"] = e.nodeName
-	if _, err := e.virt.DataVolumes.Create(ctx, golden); err != nil {
-		t.Fatal(err)
-	}
-	src.waitImported("", "golden")
+	src, data := dst.goldenNamespace("-snap")
 	snaps := snapshotv1.NewClient(dynamic.NewForConfigOrDie(e.rest))
 	claim, class := "golden", "hostpath-csi-snapclass"
 	if _, err := snaps.Snapshots.Create(ctx, &snapshotv1.VolumeSnapshot{ObjectMeta: metav1.ObjectMeta{Namespace: src.name, Name: "golden-snap"},
