@@ -1,12 +1,16 @@
 // Package testkit is what the tests of every package share on top of
 // test/controlplane: one way to wait for a condition (Eventually, Until,
 // Poll: the same loop for the three shapes a condition takes; PollEvery
-// for a costly one) and one way to put nodevirt's CRDs on a control plane
+// for a costly one; Wait, the loop itself, for code that judges the
+// outcome or cannot fail a test: setup returning an error, a non-fatal
+// check, cleanup before failing; Stop for a condition that knows the wait
+// is lost) and one way to put nodevirt's CRDs on a control plane
 // (InstallCRDs, InstallSnapshotCRDs).
 package testkit
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"testing"
 	"time"
@@ -21,7 +25,8 @@ import (
 const Interval = 50 * time.Millisecond
 
 // Poll evaluates cond every Interval until it reports true, and fails t
-// after within, saying what it waited for and cond's last error.
+// after within, saying what it waited for and cond's last error (at once
+// when cond's error is wrapped by Stop).
 func Poll(t testing.TB, within time.Duration, what string, cond func() (bool, error)) {
 	t.Helper()
 	PollEvery(t, Interval, within, what, cond)
@@ -31,21 +36,55 @@ func Poll(t testing.TB, within time.Duration, what string, cond func() (bool, er
 // is costly to evaluate (a scrape, a command, a diagnosis of the cluster).
 func PollEvery(t testing.TB, interval, within time.Duration, what string, cond func() (bool, error)) {
 	t.Helper()
+	if err := Wait(interval, within, what, cond); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Wait is the loop under Poll, returning what Poll would fail with: it
+// evaluates cond every interval until cond reports true (nil), and after
+// within returns an error saying what it waited for and cond's last
+// error. An error cond returns is only remembered, unless it is wrapped by
+// Stop: then the wait ends at once with it. Wait is for code that cannot
+// or should not fail the test itself: setup returning an error before any
+// test runs, a wait whose caller reports with t.Errorf and goes on, or one
+// that cleans up before failing.
+func Wait(interval, within time.Duration, what string, cond func() (bool, error)) error {
 	deadline := time.Now().Add(within)
 	for {
 		ok, err := cond()
+		var stop stopped
+		if errors.As(err, &stop) {
+			return fmt.Errorf("waiting for %s: %w", what, stop.err)
+		}
 		if ok {
-			return
+			return nil
 		}
 		if time.Now().After(deadline) {
 			if err != nil {
-				t.Fatalf("timed out after %v waiting for %s: %v", within, what, err)
+				return fmt.Errorf("timed out after %v waiting for %s: %w", within, what, err)
 			}
-			t.Fatalf("timed out after %v waiting for %s", within, what)
+			return fmt.Errorf("timed out after %v waiting for %s", within, what)
 		}
 		time.Sleep(interval)
 	}
 }
+
+// Stop marks err as ending the wait (Poll, Wait and the others) at once
+// instead of being retried until the timeout: for a condition that sees
+// the awaited state can no longer come. Stop(nil) is nil, so a condition
+// may return Stop(err) unchecked.
+func Stop(err error) error {
+	if err == nil {
+		return nil
+	}
+	return stopped{err}
+}
+
+type stopped struct{ err error }
+
+func (s stopped) Error() string { return s.err.Error() }
+func (s stopped) Unwrap() error { return s.err }
 
 // Eventually waits until cond returns nil (Poll).
 func Eventually(t testing.TB, within time.Duration, what string, cond func() error) {

@@ -48,3 +48,35 @@ func TestPollEveryWaitsItsInterval(t *testing.T) {
 		t.Errorf("%d evaluations in %v, want 3 with two pauses of %v", calls, took, 4*Interval)
 	}
 }
+
+func TestWaitReportsInsteadOfFailing(t *testing.T) {
+	calls := 0
+	err := Wait(Interval, 3*Interval, "a condition never met", func() (bool, error) {
+		calls++
+		return false, errors.New("still no")
+	})
+	if err == nil || err.Error() != "timed out after 150ms waiting for a condition never met: still no" || calls < 2 {
+		t.Errorf("after %d evaluations: %v; want the timeout with the last error", calls, err)
+	}
+	if err := Wait(Interval, time.Second, "a met condition", func() (bool, error) { return true, nil }); err != nil {
+		t.Errorf("met condition: %v", err)
+	}
+}
+
+func TestStopEndsTheWaitAtOnce(t *testing.T) {
+	lost := errors.New("gone for good")
+	calls := 0
+	start := time.Now()
+	err := Wait(Interval, time.Minute, "a lost cause", func() (bool, error) {
+		if calls++; calls < 3 {
+			return false, errors.New("not yet")
+		}
+		return false, Stop(lost)
+	})
+	if !errors.Is(err, lost) || calls != 3 || time.Since(start) > 30*time.Second {
+		t.Errorf("%d evaluations in %v, error %v; want the stopping error at the third", calls, time.Since(start), err)
+	}
+	if Stop(nil) != nil {
+		t.Error("Stop(nil) is not nil")
+	}
+}
