@@ -12,7 +12,6 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/rest"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
@@ -23,6 +22,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/certs"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func vmiWith(ns, name string, mem string, edit func(*kubevirtv1.VirtualMachineInstance)) *kubevirtv1.VirtualMachineInstance {
@@ -97,13 +97,10 @@ func TestHostDiskNeedsTheFeatureGate(t *testing.T) {
 	if _, err := e.virt.KubeVirts.Update(ctx, kv); err != nil {
 		t.Fatal(err)
 	}
-	err = wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 15*time.Second, true, func(ctx context.Context) (bool, error) {
+	testkit.PollEvery(t, 100*time.Millisecond, 15*time.Second, "hostDisk admitted with the gate on", func() (bool, error) {
 		_, err := e.virt.VMIs.Create(ctx, vmiWith(e.ns, "shadow", "64Mi", hostDiskVMI))
-		return err == nil, nil
+		return err == nil, err
 	})
-	if err != nil {
-		t.Fatalf("hostDisk never admitted with the gate on: %v", err)
-	}
 }
 
 // Users cannot change a VMI's spec or its reserved labels, nor create one
@@ -194,7 +191,8 @@ func quotaOf(ns, name string, hard corev1.ResourceList) *corev1.ResourceQuota {
 func waitRefused(t *testing.T, e env, vmi *kubevirtv1.VirtualMachineInstance, want string) error {
 	t.Helper()
 	var last error
-	err := wait.PollUntilContextTimeout(context.Background(), 100*time.Millisecond, 15*time.Second, true, func(ctx context.Context) (bool, error) {
+	ctx := context.Background()
+	err := testkit.Wait(100*time.Millisecond, 15*time.Second, "a refusal", func() (bool, error) {
 		_, last = e.virt.VMIs.Create(ctx, vmi.DeepCopy())
 		if last == nil {
 			_ = e.virt.VMIs.Delete(ctx, vmi.Namespace, vmi.Name, metav1.DeleteOptions{})
@@ -305,14 +303,11 @@ func TestLimitRangeDefaultsAndLimitQuotas(t *testing.T) {
 		t.Fatal(err)
 	}
 	var got *kubevirtv1.VirtualMachineInstance
-	err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 15*time.Second, true, func(ctx context.Context) (bool, error) {
+	testkit.PollEvery(t, 100*time.Millisecond, 15*time.Second, "the vmi admitted with the LimitRange's default limit", func() (bool, error) {
 		var err error
 		got, err = e.virt.VMIs.Create(ctx, vmiWith(e.ns, "defaulted", "64Mi", nil))
-		return err == nil, nil
+		return err == nil, err
 	})
-	if err != nil {
-		t.Fatal("vmi never admitted with the LimitRange's default limit")
-	}
 	if l := got.Spec.Domain.Resources.Limits; l.Memory().String() != "512Mi" || l.Cpu().String() != "1" {
 		t.Errorf("limits %v, want the LimitRange's defaults", l)
 	}
@@ -320,7 +315,7 @@ func TestLimitRangeDefaultsAndLimitQuotas(t *testing.T) {
 	if _, err := e.virt.VMIs.Create(ctx, vmiWith(e.ns, "second", "64Mi", nil)); err != nil {
 		t.Fatalf("second vmi: %v", err)
 	}
-	_, err = e.virt.VMIs.Create(ctx, vmiWith(e.ns, "third", "64Mi", nil))
+	_, err := e.virt.VMIs.Create(ctx, vmiWith(e.ns, "third", "64Mi", nil))
 	if err == nil || !strings.Contains(err.Error(), "exceeded quota: limits, requested: limits.memory=512Mi, used: limits.memory=1Gi, limited: limits.memory=1Gi") {
 		t.Fatalf("third vmi: %v", err)
 	}
@@ -384,7 +379,7 @@ func TestDataVolumeValidation(t *testing.T) {
 	}
 	var err error
 	for _, c := range cases {
-		err = wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 15*time.Second, true, func(ctx context.Context) (bool, error) {
+		err = testkit.Wait(100*time.Millisecond, 15*time.Second, c.dv.Name+" refused", func() (bool, error) {
 			_, err := e.virt.DataVolumes.Create(ctx, c.dv)
 			if err == nil {
 				_ = e.virt.DataVolumes.Delete(ctx, e.ns, c.dv.Name, metav1.DeleteOptions{})

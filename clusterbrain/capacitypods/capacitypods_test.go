@@ -11,7 +11,6 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/util/wait"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
@@ -75,7 +74,7 @@ func TestPodHoldsBoundVMIsCapacity(t *testing.T) {
 	if _, err := virt.VMIs.UpdateStatus(ctx, vmi); err != nil {
 		t.Fatal(err)
 	}
-	if err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 20*time.Second, true, func(ctx context.Context) (bool, error) {
+	if err := testkit.Wait(100*time.Millisecond, 20*time.Second, "the capacity pod to go", func() (bool, error) {
 		_, err := kube.CoreV1().Pods(ns).Get(ctx, PodName("vm"), metav1.GetOptions{})
 		return apierrors.IsNotFound(err), nil
 	}); err != nil {

@@ -15,7 +15,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/util/retry"
@@ -144,10 +143,10 @@ func (e *env) migrate(vmi string, added map[string]string) *kubevirtv1.VirtualMa
 func (e *env) waitPhase(name string, phase kubevirtv1.VirtualMachineInstanceMigrationPhase) *kubevirtv1.VirtualMachineInstanceMigration {
 	e.t.Helper()
 	var got *kubevirtv1.VirtualMachineInstanceMigration
-	if err := wait.PollUntilContextTimeout(e.ctx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
-		m, err := e.virt.Migrations.Get(ctx, e.ns, name)
+	if err := testkit.Wait(100*time.Millisecond, 30*time.Second, "migration "+name+" "+string(phase), func() (bool, error) {
+		m, err := e.virt.Migrations.Get(e.ctx, e.ns, name)
 		if err != nil {
-			return false, err
+			return false, testkit.Stop(err)
 		}
 		got = m
 		return m.Status.Phase == phase, nil
@@ -274,9 +273,9 @@ func TestMigrationPhases(t *testing.T) {
 	if err := e.virt.Migrations.Delete(e.ctx, e.ns, back.Name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if err := wait.PollUntilContextTimeout(e.ctx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
-		m, err := e.virt.Migrations.Get(ctx, e.ns, back.Name)
-		return err == nil && m.Status.MigrationState.AbortRequested, err
+	if err := testkit.Wait(100*time.Millisecond, 30*time.Second, "abortRequested", func() (bool, error) {
+		m, err := e.virt.Migrations.Get(e.ctx, e.ns, back.Name)
+		return err == nil && m.Status.MigrationState.AbortRequested, testkit.Stop(err)
 	}); err != nil {
 		t.Fatalf("abort not requested: %v", err)
 	}
@@ -285,8 +284,8 @@ func TestMigrationPhases(t *testing.T) {
 		s.EndTimestamp, s.Completed, s.Failed = &now, true, true
 		s.AbortStatus, s.FailureReason = kubevirtv1.MigrationAbortSucceeded, "migration aborted"
 	})
-	if err := wait.PollUntilContextTimeout(e.ctx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
-		_, err := e.virt.Migrations.Get(ctx, e.ns, back.Name)
+	if err := testkit.Wait(100*time.Millisecond, 30*time.Second, "the cancelled migration to go", func() (bool, error) {
+		_, err := e.virt.Migrations.Get(e.ctx, e.ns, back.Name)
 		return apierrors.IsNotFound(err), nil
 	}); err != nil {
 		t.Fatalf("cancelled migration not removed: %v", err)
@@ -350,10 +349,10 @@ func TestEvacuation(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	if err := wait.PollUntilContextTimeout(e.ctx, 200*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
-		migs, err := e.virt.Migrations.List(ctx, e.ns, metav1.ListOptions{})
+	if err := testkit.Wait(200*time.Millisecond, 30*time.Second, "an evacuation migration of live", func() (bool, error) {
+		migs, err := e.virt.Migrations.List(e.ctx, e.ns, metav1.ListOptions{})
 		if err != nil {
-			return false, err
+			return false, testkit.Stop(err)
 		}
 		for _, m := range migs {
 			if m.Spec.VMIName != "live" || m.Annotations[kubevirtv1.EvacuationMigrationAnnotation] != "evac-a" {
@@ -364,9 +363,9 @@ func TestEvacuation(t *testing.T) {
 	}); err != nil {
 		t.Fatalf("no evacuation migration of live: %v", err)
 	}
-	if err := wait.PollUntilContextTimeout(e.ctx, 200*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+	if err := testkit.Wait(200*time.Millisecond, 30*time.Second, "evacuationNodeName on each vmi", func() (bool, error) {
 		for name, want := range map[string]string{"live": "evac-a", "external": "evac-a", "none": "", "stuck": "evac-a"} {
-			v, err := e.virt.VMIs.Get(ctx, e.ns, name)
+			v, err := e.virt.VMIs.Get(e.ctx, e.ns, name)
 			if err != nil || v.Status.EvacuationNodeName != want {
 				return false, nil
 			}
@@ -375,8 +374,8 @@ func TestEvacuation(t *testing.T) {
 	}); err != nil {
 		t.Errorf("evacuationNodeName not as KubeVirt sets it: %v", err)
 	}
-	if err := wait.PollUntilContextTimeout(e.ctx, 500*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
-		events, err := e.kube.CoreV1().Events(e.ns).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=stuck,reason=" + ReasonFailedEvacuation})
+	if err := testkit.Wait(500*time.Millisecond, 30*time.Second, "a "+ReasonFailedEvacuation+" event", func() (bool, error) {
+		events, err := e.kube.CoreV1().Events(e.ns).List(e.ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=stuck,reason=" + ReasonFailedEvacuation})
 		return err == nil && len(events.Items) > 0, nil
 	}); err != nil {
 		t.Errorf("no %s event on the VMI that cannot migrate: %v", ReasonFailedEvacuation, err)

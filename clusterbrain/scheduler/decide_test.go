@@ -10,7 +10,6 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
@@ -45,7 +44,7 @@ func TestDecideSpreadsAndAssumes(t *testing.T) {
 	if !s.startInformers(ctx) {
 		t.Fatal("caches never synced")
 	}
-	_ = wait.PollUntilContextTimeout(ctx, 20*time.Millisecond, 5*time.Second, true, func(context.Context) (bool, error) {
+	_ = testkit.Wait(20*time.Millisecond, 5*time.Second, "the snapshot's three nodes", func() (bool, error) {
 		return len(s.snapshot()) >= 3, nil
 	})
 	used := map[string]int{}

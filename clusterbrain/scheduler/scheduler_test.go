@@ -15,7 +15,6 @@ import (
 	storagev1 "k8s.io/api/storage/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
@@ -136,14 +135,14 @@ func (e env) vmi(name, mem string, edit func(*kubevirtv1.VirtualMachineInstance)
 // returns the node or the message.
 func (e env) outcome(name string) (node, msg string) {
 	e.t.Helper()
-	err := wait.PollUntilContextTimeout(context.Background(), 50*time.Millisecond, 20*time.Second, true, func(ctx context.Context) (bool, error) {
-		v, err := e.virt.VMIs.Get(ctx, e.ns, name)
+	err := testkit.Wait(testkit.Interval, 20*time.Second, "vmi "+name+" bound or unschedulable", func() (bool, error) {
+		v, err := e.virt.VMIs.Get(context.Background(), e.ns, name)
 		if err != nil {
 			return false, nil
 		}
 		if v.Status.NodeName != "" {
 			if v.Status.Phase != kubevirtv1.Scheduled {
-				return false, fmt.Errorf("bound with phase %s", v.Status.Phase)
+				return false, testkit.Stop(fmt.Errorf("bound with phase %s", v.Status.Phase))
 			}
 			node = v.Status.NodeName
 			return v.Labels[kubevirtv1.NodeNameLabel] == node, nil
@@ -157,7 +156,7 @@ func (e env) outcome(name string) (node, msg string) {
 		return false, nil
 	})
 	if err != nil {
-		e.t.Fatalf("vmi %s: no outcome: %v", name, err)
+		e.t.Fatal(err)
 	}
 	return node, msg
 }
@@ -166,7 +165,7 @@ func (e env) outcome(name string) (node, msg string) {
 func (e env) waitBound(name string) string {
 	e.t.Helper()
 	var node, msg string
-	_ = wait.PollUntilContextTimeout(context.Background(), 50*time.Millisecond, 20*time.Second, true, func(ctx context.Context) (bool, error) {
+	_ = testkit.Wait(testkit.Interval, 20*time.Second, "vmi "+name+" bound", func() (bool, error) {
 		node, msg = e.outcome(name)
 		return node != "", nil
 	})

@@ -15,7 +15,6 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/tools/clientcmd"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
@@ -148,7 +147,7 @@ func TestBrainAdmitsItsOwnVMIs(t *testing.T) {
 	}
 	wantEvent := "Error creating VMI: " + webhookErr.Error()
 	var seen []string
-	err = wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 15*time.Second, true, func(ctx context.Context) (bool, error) {
+	err = testkit.Wait(100*time.Millisecond, 15*time.Second, "a FailedCreate event", func() (bool, error) {
 		evs, err := e.kube.CoreV1().Events(e.ns).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=refused"})
 		if err != nil {
 			return false, nil

@@ -11,12 +11,12 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/apimachinery/pkg/watch"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // TestPlacedBeforeCreation runs the controller with the real scheduler as
@@ -68,12 +68,12 @@ func TestPlacedBeforeCreation(t *testing.T) {
 	// nodes; until then a VMI is created without a node.
 	probe := &kubevirtv1.VirtualMachineInstance{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "probe"},
 		Spec: kubevirtv1.VirtualMachineInstanceSpec{NodeSelector: map[string]string{"pool": "placer"}}}
-	err = wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, 15*time.Second, true, func(context.Context) (bool, error) {
+	err = testkit.Wait(testkit.Interval, 15*time.Second, "the scheduler to place a probe", func() (bool, error) {
 		return sch.Reserve(probe) != "", nil
 	})
 	sch.Unreserve(e.ns, probe.Name)
 	if err != nil {
-		t.Fatal("the scheduler never placed a probe")
+		t.Fatal(err)
 	}
 	// Resource version "0": the watch starts from the API server's cache as
 	// it is, rather than waiting (at most 3s) for it to catch up with etcd,
