@@ -39,21 +39,6 @@ func (c *clock) add(d time.Duration) {
 	c.mu.Unlock()
 }
 
-func eventually(t *testing.T, f func() error) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		err := f()
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatal(err)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-}
-
 // TestCronImportsEachNewDigest polls a real OCI registry on a (test) clock:
 // the first digest is imported and the DataSource points at it once the
 // import succeeds; a new image pushed to the tag is imported on the next
@@ -113,7 +98,7 @@ func TestCronImportsEachNewDigest(t *testing.T) {
 
 	succeed := func(name string) {
 		t.Helper()
-		eventually(t, func() error {
+		testkit.EventuallyEvery(t, 100*time.Millisecond, 30*time.Second, "import "+name+" marked Succeeded", func() error {
 			dv, err := virt.DataVolumes.Get(ctx, ns, name)
 			if err != nil {
 				return err
@@ -126,7 +111,7 @@ func TestCronImportsEachNewDigest(t *testing.T) {
 	importedAs := func(digest string) string {
 		t.Helper()
 		name := DataVolumeName("fedora", digest)
-		eventually(t, func() error {
+		testkit.EventuallyEvery(t, 100*time.Millisecond, 30*time.Second, "the import of "+digest, func() error {
 			dv, err := virt.DataVolumes.Get(ctx, ns, name)
 			if err != nil {
 				return err
@@ -143,7 +128,7 @@ func TestCronImportsEachNewDigest(t *testing.T) {
 	}
 	pointsAt := func(dvName, digest string) {
 		t.Helper()
-		eventually(t, func() error {
+		testkit.EventuallyEvery(t, 100*time.Millisecond, 30*time.Second, "the DataSource pointing at "+dvName, func() error {
 			ds, err := virt.DataSources.Get(ctx, ns, "fedora")
 			if err != nil {
 				return err
@@ -170,7 +155,7 @@ func TestCronImportsEachNewDigest(t *testing.T) {
 	}
 
 	first := importedAs(d1)
-	eventually(t, func() error {
+	testkit.EventuallyEvery(t, 100*time.Millisecond, 30*time.Second, "the empty DataSource not Ready", func() error {
 		ds, err := virt.DataSources.Get(ctx, ns, "fedora")
 		if err != nil {
 			return err
@@ -205,7 +190,7 @@ func TestCronImportsEachNewDigest(t *testing.T) {
 	second := importedAs(d2)
 	succeed(second)
 	pointsAt(second, d2)
-	eventually(t, func() error {
+	testkit.EventuallyEvery(t, 100*time.Millisecond, 30*time.Second, "the old import "+first+" collected", func() error {
 		if _, err := virt.DataVolumes.Get(ctx, ns, first); !apierrors.IsNotFound(err) {
 			return fmt.Errorf("old import %s not collected: %v", first, err)
 		}
@@ -216,7 +201,7 @@ func TestCronImportsEachNewDigest(t *testing.T) {
 	stop()
 	clk.add(12 * time.Hour)
 	touch()
-	eventually(t, func() error {
+	testkit.EventuallyEvery(t, 100*time.Millisecond, 30*time.Second, "UpToDate reporting the unreachable registry", func() error {
 		c, err := virt.DataImportCrons.Get(ctx, ns, "fedora-image-cron")
 		if err != nil {
 			return err

@@ -48,21 +48,6 @@ func testLog() *slog.Logger {
 	return slog.New(slog.NewTextHandler(io.Discard, nil))
 }
 
-func eventually(t *testing.T, timeout time.Duration, f func() error) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for {
-		err := f()
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("after %v: %v", timeout, err)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-}
-
 type env struct {
 	kube kubernetes.Interface
 	dyn  dynamic.Interface
@@ -118,7 +103,7 @@ func TestCommonTemplatesServedReconciledProcessedAndRemoved(t *testing.T) {
 	e.createSSP(t, tns)
 	want := len(templates.Render(tns))
 	api := e.dyn.Resource(served).Namespace(tns)
-	eventually(t, 90*time.Second, func() error {
+	testkit.EventuallyEvery(t, 100*time.Millisecond, 90*time.Second, "the common templates served", func() error {
 		if err := e.role.Health(); err != nil {
 			return err
 		}
@@ -157,7 +142,7 @@ func TestCommonTemplatesServedReconciledProcessedAndRemoved(t *testing.T) {
 	if _, err := api.Patch(ctx, "rhel9-server-small", types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
 		t.Fatalf("patch through template.openshift.io: %v", err)
 	}
-	eventually(t, 30*time.Second, func() error {
+	testkit.EventuallyEvery(t, 100*time.Millisecond, 30*time.Second, "the patched template reverted", func() error {
 		got, err := api.Get(ctx, "rhel9-server-small", metav1.GetOptions{})
 		if err != nil {
 			return err
@@ -288,7 +273,7 @@ func TestCommonTemplatesServedReconciledProcessedAndRemoved(t *testing.T) {
 	if _, err := e.kube.RbacV1().RoleBindings(e.ns).Create(ctx, rb, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 30*time.Second, func() error { // the aggregation controller folds the template roles into edit
+	testkit.EventuallyEvery(t, 100*time.Millisecond, 30*time.Second, "alice creating a vm from a template", func() error { // the aggregation controller folds the template roles into edit
 		out.Reset()
 		errOut.Reset()
 		if code := virtctl.Run(ctx, []string{"--kubeconfig", aliceKC, "-n", e.ns, "create", "vm", "--template", tns + "/fedora-server-small"},
@@ -328,7 +313,7 @@ func TestCommonTemplatesServedReconciledProcessedAndRemoved(t *testing.T) {
 	if _, err := e.virt.SSPs.Update(ctx, withCron); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 30*time.Second, func() error {
+	testkit.EventuallyEvery(t, 100*time.Millisecond, 30*time.Second, "the DataImportCron of the boot source", func() error {
 		dic, err := e.virt.DataImportCrons.Get(ctx, tns, "os-image-cron")
 		if err != nil {
 			return err
@@ -344,7 +329,7 @@ func TestCommonTemplatesServedReconciledProcessedAndRemoved(t *testing.T) {
 	if _, err := e.virt.DataImportCrons.Patch(ctx, tns, "os-image-cron", types.MergePatchType, []byte(`{"spec":{"schedule":"* * * * *"}}`), metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 30*time.Second, func() error {
+	testkit.EventuallyEvery(t, 100*time.Millisecond, 30*time.Second, "the edited DataImportCron reverted", func() error {
 		dic, err := e.virt.DataImportCrons.Get(ctx, tns, "os-image-cron")
 		if err != nil || dic.Spec.Schedule != "0 */12 * * *" {
 			return fmt.Errorf("edit not reverted: %v %v", dic, err)
@@ -359,7 +344,7 @@ func TestCommonTemplatesServedReconciledProcessedAndRemoved(t *testing.T) {
 	if _, err := e.virt.SSPs.Update(ctx, withCron); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 30*time.Second, func() error {
+	testkit.EventuallyEvery(t, 100*time.Millisecond, 30*time.Second, "the dropped boot source's DataImportCron to go", func() error {
 		if _, err := e.virt.DataImportCrons.Get(ctx, tns, "os-image-cron"); !apierrors.IsNotFound(err) {
 			return fmt.Errorf("dropped boot source still there: %v", err)
 		}
@@ -370,7 +355,7 @@ func TestCommonTemplatesServedReconciledProcessedAndRemoved(t *testing.T) {
 	if err := e.virt.SSPs.Delete(ctx, e.ns, "ssp", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 60*time.Second, func() error {
+	testkit.EventuallyEvery(t, 100*time.Millisecond, 60*time.Second, "the templates to go with the SSP", func() error {
 		all, err := api.List(ctx, metav1.ListOptions{})
 		if err != nil {
 			return err
@@ -385,7 +370,7 @@ func TestCommonTemplatesServedReconciledProcessedAndRemoved(t *testing.T) {
 	if err := e.kube.CoreV1().Namespaces().Delete(ctx, tns, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 90*time.Second, func() error {
+	testkit.EventuallyEvery(t, 100*time.Millisecond, 90*time.Second, "namespace "+tns+" deleted", func() error {
 		if _, err := e.kube.CoreV1().Namespaces().Get(ctx, tns, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
 			return fmt.Errorf("namespace %s not deleted: %v", tns, err)
 		}

@@ -18,6 +18,7 @@ import (
 	sspv1beta2 "github.com/nodevirt/nodevirt/clusterbrain/api/ssp/v1beta2"
 	"github.com/nodevirt/nodevirt/clusterbrain/tekton/manifests"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func installTektonCRDs(t *testing.T) {
@@ -37,7 +38,7 @@ func installTektonCRDs(t *testing.T) {
 		}
 		name := crd.Name
 		t.Cleanup(func() { _ = ext.Delete(context.Background(), name, metav1.DeleteOptions{}) })
-		eventually(t, 60*time.Second, func() error {
+		testkit.EventuallyEvery(t, 100*time.Millisecond, 60*time.Second, "CRD "+name+" established", func() error {
 			got, err := ext.Get(context.Background(), name, metav1.GetOptions{})
 			if err != nil {
 				return err
@@ -70,7 +71,7 @@ func TestPipelineTasksDeployedIntoTheTektonNamespace(t *testing.T) {
 		}
 		return len(l.Items)
 	}
-	eventually(t, 90*time.Second, e.role.Health)
+	testkit.EventuallyEvery(t, 100*time.Millisecond, 90*time.Second, "the SSP healthy", e.role.Health)
 	if n := sas(); n != 0 {
 		t.Fatalf("%d task ServiceAccounts without deployTektonTaskResources", n)
 	}
@@ -94,7 +95,7 @@ func TestPipelineTasksDeployedIntoTheTektonNamespace(t *testing.T) {
 		}
 	}
 	setGate(true)
-	eventually(t, 60*time.Second, func() error {
+	testkit.EventuallyEvery(t, 100*time.Millisecond, 60*time.Second, "health naming the missing Tekton CRD", func() error {
 		if err := e.role.Health(); err == nil || !strings.Contains(err.Error(), "CRD tasks.tekton.dev not found") {
 			return fmt.Errorf("health %v, want the missing Tekton CRD named", err)
 		}
@@ -104,7 +105,7 @@ func TestPipelineTasksDeployedIntoTheTektonNamespace(t *testing.T) {
 	installTektonCRDs(t)
 	setGate(true)
 	names := manifests.TaskNames()
-	eventually(t, 120*time.Second, func() error {
+	testkit.EventuallyEvery(t, 100*time.Millisecond, 120*time.Second, "the Tekton tasks deployed", func() error {
 		if err := e.role.Health(); err != nil {
 			return err
 		}
@@ -155,7 +156,7 @@ func TestPipelineTasksDeployedIntoTheTektonNamespace(t *testing.T) {
 
 	// Turned off, everything goes.
 	setGate(false)
-	eventually(t, 60*time.Second, func() error {
+	testkit.EventuallyEvery(t, 100*time.Millisecond, 60*time.Second, "the Tekton tasks removed", func() error {
 		tasks, err := e.dyn.Resource(TektonTasksGVR).Namespace(pns).List(ctx, metav1.ListOptions{})
 		if err != nil {
 			return err

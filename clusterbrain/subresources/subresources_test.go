@@ -112,14 +112,10 @@ func start(t *testing.T, cp *controlplane.ControlPlane) error {
 		return err
 	}
 	var info Info
-	deadline := time.Now().Add(60 * time.Second)
-	for {
-		err = env.admin.Version(ctx, &info)
-		if err == nil || time.Now().After(deadline) {
-			return err
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+	return testkit.Wait(200*time.Millisecond, 60*time.Second, "the subresource API's version", func() (bool, error) {
+		err := env.admin.Version(ctx, &info)
+		return err == nil, err
+	})
 }
 
 // as returns a client for ns acting as a user with the given cluster role

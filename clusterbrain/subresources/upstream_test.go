@@ -16,6 +16,7 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 	"github.com/nodevirt/nodevirt/test/upstreamvirtctl"
 )
 
@@ -61,12 +62,12 @@ func TestUpstreamVirtctlPortForward(t *testing.T) {
 	}
 	defer func() { pfCancel(); pf.Wait() }()
 	greeting := ""
-	for deadline := time.Now().Add(time.Minute); greeting == "" && time.Now().Before(deadline); {
+	_ = testkit.Wait(200*time.Millisecond, time.Minute, "a greeting through the tunnel", func() (bool, error) {
 		c, err := net.DialTimeout("tcp", "127.0.0.1:"+port, 5*time.Second)
 		if err != nil {
-			time.Sleep(200 * time.Millisecond)
-			continue
+			return false, err
 		}
+		defer c.Close()
 		c.SetDeadline(time.Now().Add(30 * time.Second))
 		r := bufio.NewReader(c)
 		greeting, _ = r.ReadString('\n')
@@ -76,8 +77,8 @@ func TestUpstreamVirtctlPortForward(t *testing.T) {
 				t.Errorf("no echo through virtctl's tunnel: %q", echo)
 			}
 		}
-		c.Close()
-	}
+		return greeting != "", nil
+	})
 	if greeting != "guest port 2222/tcp\n" {
 		t.Fatalf("virtctl port-forward %s:2222 gave %q\n%s", port, greeting, out.String())
 	}

@@ -13,6 +13,7 @@ import (
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/dataimportcron"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 func TestModifyDataObject(t *testing.T) {
@@ -53,22 +54,19 @@ spec:
 	old, _ := e.c.Virt.DataVolumes.Get(ctx, e.ns, "golden")
 	finish := func(phase cdiv1.DataVolumePhase) {
 		time.Sleep(time.Second)
-		deadline := time.Now().Add(60 * time.Second)
-		for {
+		// A goroutine of the test: it reports, the test goes on.
+		if err := testkit.Wait(200*time.Millisecond, 60*time.Second, "the replacement's phase "+string(phase), func() (bool, error) {
 			cur, err := e.c.Virt.DataVolumes.Get(ctx, e.ns, "golden")
-			if err == nil && cur.UID != old.UID { // the replacement
-				cur.Status.Phase = phase
-				cur.Status.Conditions = []cdiv1.DataVolumeCondition{{Type: cdiv1.DataVolumeBound, Status: corev1.ConditionTrue},
-					{Type: cdiv1.DataVolumeRunning, Status: corev1.ConditionFalse, Message: "import " + string(phase)}}
-				if _, err = e.c.Virt.DataVolumes.UpdateStatus(ctx, cur); err == nil {
-					return
-				}
+			if err != nil || cur.UID == old.UID { // not yet the replacement
+				return false, err
 			}
-			if time.Now().After(deadline) {
-				t.Errorf("set the replacement's phase %s: %v", phase, err)
-				return
-			}
-			time.Sleep(200 * time.Millisecond)
+			cur.Status.Phase = phase
+			cur.Status.Conditions = []cdiv1.DataVolumeCondition{{Type: cdiv1.DataVolumeBound, Status: corev1.ConditionTrue},
+				{Type: cdiv1.DataVolumeRunning, Status: corev1.ConditionFalse, Message: "import " + string(phase)}}
+			_, err = e.c.Virt.DataVolumes.UpdateStatus(ctx, cur)
+			return err == nil, err
+		}); err != nil {
+			t.Error(err)
 		}
 	}
 	go finish(cdiv1.Succeeded)

@@ -13,6 +13,8 @@ import (
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // sshServer runs Dropbear on a free loopback port in a mount namespace
@@ -57,19 +59,17 @@ exec dropbear -F -E -s -p 127.0.0.1:%d -r %s -P %s/pid`, keys, port, hostKey, di
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait(); logf.Close() })
-	deadline := time.Now().Add(30 * time.Second)
-	for {
+	if err := testkit.Wait(100*time.Millisecond, 30*time.Second, "dropbear to listen", func() (bool, error) {
 		c, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", port))
 		if err == nil {
 			c.Close()
-			return port, hostPub
 		}
-		if time.Now().After(deadline) {
-			log, _ := os.ReadFile(filepath.Join(dir, "log"))
-			t.Fatalf("dropbear did not listen: %v\n%s", err, log)
-		}
-		time.Sleep(100 * time.Millisecond)
+		return err == nil, err
+	}); err != nil {
+		log, _ := os.ReadFile(filepath.Join(dir, "log"))
+		t.Fatalf("%v\n%s", err, log)
 	}
+	return port, hostPub
 }
 
 func TestExecuteInVM(t *testing.T) {

@@ -23,6 +23,7 @@ import (
 	"github.com/nodevirt/nodevirt/nodeagent/libvirttls"
 	"github.com/nodevirt/nodevirt/nodeagent/nodecert"
 	"github.com/nodevirt/nodevirt/test/controlplane"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // TestLibvirtTLSWithNodeCertificates gets a node certificate from the
@@ -87,14 +88,11 @@ func TestLibvirtTLSWithNodeCertificates(t *testing.T) {
 
 	// The node's own certificate: admitted.
 	var out []byte
-	deadline := time.Now().Add(60 * time.Second)
-	for {
+	err = testkit.Wait(time.Second, 60*time.Second, "virsh to connect", func() (bool, error) {
+		var err error
 		out, err = exec.Command("virsh", "-c", uri(pki), "uri").CombinedOutput()
-		if err == nil || time.Now().After(deadline) {
-			break
-		}
-		time.Sleep(time.Second)
-	}
+		return err == nil, err
+	})
 	if err != nil {
 		t.Fatalf("connect with the node certificate: %v: %s", err, out)
 	}

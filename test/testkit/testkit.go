@@ -1,7 +1,7 @@
 // Package testkit is what the tests of every package share on top of
 // test/controlplane: one way to wait for a condition (Eventually, Until,
 // Poll: the same loop for the three shapes a condition takes; PollEvery
-// for a costly one; Wait, the loop itself, for code that judges the
+// and EventuallyEvery for a costly one; Wait, the loop itself, for code that judges the
 // outcome or cannot fail a test: setup returning an error, a non-fatal
 // check, cleanup before failing; Stop for a condition that knows the wait
 // is lost) and one way to put nodevirt's CRDs on a control plane
@@ -90,6 +90,15 @@ func (s stopped) Unwrap() error { return s.err }
 func Eventually(t testing.TB, within time.Duration, what string, cond func() error) {
 	t.Helper()
 	Poll(t, within, what, func() (bool, error) {
+		err := cond()
+		return err == nil, err
+	})
+}
+
+// EventuallyEvery is Eventually evaluating cond every interval (PollEvery).
+func EventuallyEvery(t testing.TB, interval, within time.Duration, what string, cond func() error) {
+	t.Helper()
+	PollEvery(t, interval, within, what, func() (bool, error) {
 		err := cond()
 		return err == nil, err
 	})

@@ -157,17 +157,13 @@ func TestWebhookRefusesAndWarns(t *testing.T) {
 	}
 	small := vmFrom(t, "rhel9-server-small", func(vm map[string]any) { domain(vm)["memory"] = map[string]any{"guest": "512Mi"} })
 	var err2 error
-	deadline := time.Now().Add(30 * time.Second)
-	for {
+	_ = testkit.Wait(200*time.Millisecond, 30*time.Second, "the validator's refusal", func() (bool, error) {
 		err2 = create(small)
-		if err2 != nil && strings.Contains(err2.Error(), "requires more memory") || time.Now().After(deadline) {
-			break
-		}
 		if err2 == nil { // created before the webhook was published
 			_ = virt.VMs.Delete(ctx, ns, small["metadata"].(map[string]any)["name"].(string), metav1.DeleteOptions{})
 		}
-		time.Sleep(200 * time.Millisecond)
-	}
+		return err2 != nil && strings.Contains(err2.Error(), "requires more memory"), nil
+	})
 	if !apierrors.IsInvalid(err2) || !strings.Contains(err2.Error(), "This VM requires more memory.: value 536870912 is lower than minimum [1610612736]") {
 		t.Fatalf("a rhel9 VM with 512Mi: %v", err2)
 	}
