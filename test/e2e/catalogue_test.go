@@ -16,6 +16,7 @@ import (
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/ssp/templates"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // TestVMFromCatalogue is the "create a VM from the OS catalogue" flow: a
@@ -121,12 +122,10 @@ func TestVMFromCatalogue(t *testing.T) {
 		_, err := e.virt.VMs.Create(ctx, small)
 		if err == nil { // admitted before the brain published the validator
 			_ = e.virt.VMs.Delete(ctx, n.name, small.Name, metav1.DeleteOptions{})
-			for i := 0; i < 100; i++ {
-				if _, err := e.virt.VMs.Get(ctx, n.name, small.Name); apierrors.IsNotFound(err) {
-					break
-				}
-				time.Sleep(200 * time.Millisecond)
-			}
+			_ = testkit.Wait(200*time.Millisecond, 20*time.Second, "the admitted VM gone", func() (bool, error) {
+				_, err := e.virt.VMs.Get(ctx, n.name, small.Name)
+				return apierrors.IsNotFound(err), nil
+			})
 			return false, "admitted"
 		}
 		return strings.Contains(err.Error(), "This VM requires more memory.: value 536870912 is lower than minimum [1610612736]"), err.Error()

@@ -34,6 +34,7 @@ import (
 	"github.com/nodevirt/nodevirt/nodeagent/agent"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 	"github.com/nodevirt/nodevirt/test/lab"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // suite is the product under test, shared by every test of the binary.
@@ -287,12 +288,10 @@ func ensureLibvirt() error {
 		if out, err := exec.Command(d.bin, "-d").CombinedOutput(); err != nil {
 			return fmt.Errorf("start %s: %w: %s", d.bin, err, out)
 		}
-		deadline := time.Now().Add(30 * time.Second)
-		for !answers(d.socket) {
-			if time.Now().After(deadline) {
-				return fmt.Errorf("%s started but %s does not answer", d.bin, d.socket)
-			}
-			time.Sleep(50 * time.Millisecond)
+		if err := testkit.Wait(testkit.Interval, 30*time.Second, d.socket+" to answer", func() (bool, error) {
+			return answers(d.socket), nil
+		}); err != nil {
+			return fmt.Errorf("%s started: %w", d.bin, err)
 		}
 	}
 	return nil
@@ -323,33 +322,27 @@ func (e *env) createHCO(ctx context.Context) error {
 			// The test image servers and registries listen on loopback,
 			// which imports may not reach by default.
 			importstate.AnnImportAllowedNetworks: lab.TestServerNetworks}}}
-	deadline := time.Now().Add(90 * time.Second)
-	for {
+	return testkit.Wait(300*time.Millisecond, 90*time.Second, "the HyperConverged created (clusterbrain installs its CRD)", func() (bool, error) {
 		_, err := e.virt.HyperConvergeds.Create(ctx, hco)
 		if err == nil || apierrors.IsAlreadyExists(err) {
-			return nil
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("create HyperConverged (clusterbrain did not install its CRD?): %w", err)
+			return true, nil
 		}
 		if !e.brain.alive() {
-			return fmt.Errorf("clusterbrain exited: %s", e.brain.tail(20))
+			return false, testkit.Stop(fmt.Errorf("clusterbrain exited: %s", e.brain.tail(20)))
 		}
-		time.Sleep(300 * time.Millisecond)
-	}
+		return false, err
+	})
 }
 
 // waitReady waits for the node to be Ready and the HyperConverged to be
 // Available, and returns what is missing ("" when ready).
 func (e *env) waitReady(ctx context.Context, timeout time.Duration) string {
-	deadline := time.Now().Add(timeout)
-	for {
-		status := e.readiness(ctx)
-		if status == "" || time.Now().After(deadline) {
-			return status
-		}
-		time.Sleep(500 * time.Millisecond)
-	}
+	var status string
+	_ = testkit.Wait(500*time.Millisecond, timeout, "readiness", func() (bool, error) {
+		status = e.readiness(ctx)
+		return status == "", nil
+	})
+	return status
 }
 
 func (e *env) readiness(ctx context.Context) string {

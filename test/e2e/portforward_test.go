@@ -18,6 +18,7 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/test/guest"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // sshGuestFiles are what the ssh guest carries beside busybox: Debian's
@@ -104,17 +105,16 @@ func TestUpstreamVirtctlPortForwardSSH(t *testing.T) {
 		t.Fatal(err)
 	}
 	banner := ""
-	deadline := time.Now().Add(2 * time.Minute)
-	for banner == "" && time.Now().Before(deadline) {
+	_ = testkit.Wait(300*time.Millisecond, 2*time.Minute, "the guest's SSH banner", func() (bool, error) {
 		c, err := net.DialTimeout("tcp", "127.0.0.1:"+port, 5*time.Second)
 		if err != nil {
-			time.Sleep(300 * time.Millisecond)
-			continue
+			return false, err
 		}
+		defer c.Close()
 		c.SetReadDeadline(time.Now().Add(60 * time.Second))
 		banner, _ = bufio.NewReader(c).ReadString('\n')
-		c.Close()
-	}
+		return banner != "", nil
+	})
 	pfCancel()
 	pf.Wait()
 	if !strings.HasPrefix(banner, "SSH-2.0-dropbear") {
