@@ -14,6 +14,7 @@ import (
 	instancetypev1beta1 "kubevirt.io/api/instancetype/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 )
 
 // Config configures the role.
@@ -31,9 +32,20 @@ type Config struct {
 // Role installs the common instance types and preferences and keeps them
 // as defined: edits are reverted, deleted objects come back.
 type Role struct {
-	cfg   Config
-	kicks chan struct{}
+	cfg Config
 }
+
+// syncKey is the one key of the role's queue: a sync covers the whole
+// catalogue.
+const syncKey = "catalogue"
+
+// settle lets a burst of events (the first sync's own writes) settle
+// before the sync they call for.
+const settle = 200 * time.Millisecond
+
+// backoffCatalogue is the role's retry policy: 1 s doubling to 1 minute (a
+// failed sync is a whole catalogue's worth of API calls).
+var backoffCatalogue = controller.Backoff{Base: time.Second, Max: time.Minute}
 
 // New validates cfg and builds the role.
 func New(cfg Config) (*Role, error) {
@@ -46,64 +58,48 @@ func New(cfg Config) (*Role, error) {
 	if cfg.Resync == 0 {
 		cfg.Resync = 10 * time.Minute
 	}
-	return &Role{cfg: cfg, kicks: make(chan struct{}, 1)}, nil
+	return &Role{cfg: cfg}, nil
 }
 
 // Name implements the brain's Role.
 func (r *Role) Name() string { return "common-instancetypes" }
 
-func (r *Role) kick() {
-	select {
-	case r.kicks <- struct{}{}:
-	default:
-	}
-}
-
 // Run syncs at start, on every change of a managed object or of the
 // KubeVirt CR, and every Resync, until ctx ends.
 func (r *Role) Run(ctx context.Context) error {
-	managed := func(o *metav1.ListOptions) { o.LabelSelector = LabelManagedBy + "=" + ManagedBy }
-	handler := cache.ResourceEventHandlerFuncs{
-		AddFunc: func(any) { r.kick() }, UpdateFunc: func(any, any) { r.kick() }, DeleteFunc: func(any) { r.kick() },
+	q, err := controller.New(controller.Config{Name: r.Name(), Backoff: backoffCatalogue, Log: r.cfg.Log,
+		Sync: controller.NoRequeue(func(ctx context.Context, _ string) error {
+			n, err := r.Sync(ctx)
+			if n > 0 {
+				r.cfg.Log.Info("common instance types synced", "written", n)
+			}
+			return err
+		})})
+	if err != nil {
+		return err
 	}
+	kick := func(any) { q.AddAfter(syncKey, settle) }
+	managed := func(o *metav1.ListOptions) { o.LabelSelector = LabelManagedBy + "=" + ManagedBy }
 	v := r.cfg.Virt
 	infs := []cache.SharedIndexInformer{
 		v.ClusterInstancetypes.Informer("", r.cfg.Resync, managed),
 		v.ClusterPreferences.Informer("", r.cfg.Resync, managed),
 		v.KubeVirts.Informer(r.cfg.Namespace, r.cfg.Resync, nil),
 	}
+	var synced []cache.InformerSynced
 	for _, inf := range infs {
-		if _, err := inf.AddEventHandler(handler); err != nil {
+		if _, err := inf.AddEventHandler(controller.OnChange(kick)); err != nil {
+			q.ShutDown()
 			return err
 		}
 		go inf.RunWithContext(ctx)
+		synced = append(synced, inf.HasSynced)
 	}
-	r.kick()
-	backoff := time.Second
-	for {
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-r.kicks:
-		}
-		// Let a burst of events (the first sync's own writes) settle.
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-time.After(200 * time.Millisecond):
-		}
-		n, err := r.Sync(ctx)
-		if err != nil {
-			r.cfg.Log.Warn("sync common instance types", "err", err)
-			time.AfterFunc(backoff, r.kick)
-			backoff = min(2*backoff, time.Minute)
-			continue
-		}
-		backoff = time.Second
-		if n > 0 {
-			r.cfg.Log.Info("common instance types synced", "written", n)
-		}
+	kick(nil)
+	if err := q.Run(ctx, synced...); err != nil && ctx.Err() == nil {
+		return err
 	}
+	return nil
 }
 
 // Enabled reports whether the KubeVirt CRs of the namespace allow the
