@@ -1,11 +1,11 @@
 // Package testkit is what the tests of every package share on top of
 // test/controlplane: one way to wait for a condition (Eventually, Until,
 // Poll: the same loop for the three shapes a condition takes; PollEvery
-// and EventuallyEvery for a costly one; Wait, the loop itself, for code that judges the
-// outcome or cannot fail a test: setup returning an error, a non-fatal
-// check, cleanup before failing; Stop for a condition that knows the wait
-// is lost) and one way to put nodevirt's CRDs on a control plane
-// (InstallCRDs, InstallSnapshotCRDs).
+// and EventuallyEvery for a costly one; Wait, the loop itself, for code
+// that judges the outcome or cannot fail a test: setup returning an
+// error, a non-fatal check, cleanup before failing; Stop for a condition
+// that knows the wait is lost) and one way to put nodevirt's CRDs on a
+// control plane (InstallCRDs, InstallSnapshotCRDs).
 package testkit
 
 import (
