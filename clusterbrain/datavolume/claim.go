@@ -18,6 +18,7 @@ import (
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/nodeplacement"
 )
 
 // claimError is a reason the PVC cannot be made (yet), shown as the Bound
@@ -316,12 +317,15 @@ func (c *Controller) filesystemOverhead(ctx context.Context, className string) f
 	return f
 }
 
-// placeImmediately gives a pending WaitForFirstConsumer claim a node when
-// nothing will consume it soon: a clone goes to its source's node, a
+// placeImmediately gives a pending claim a node when nothing will consume
+// it soon (a WaitForFirstConsumer claim asked to bind at once, or a claim
+// of an Immediate class of ours): a clone goes to its source's node, a
 // snapshot restore to the node holding the snapshot, any other claim to
-// the node the Placer picks among those that can take it (for an upload,
-// nodes with an upload endpoint).
+// the node the Placer picks among those that can take it (volumeFit). A
+// node the claim's class does not allow, or no node at all, is a
+// claimError naming why.
 func (c *Controller) placeImmediately(ctx context.Context, pvc *corev1.PersistentVolumeClaim, src *cdiv1.DataVolumeSource) error {
+	sc := c.storageClass(deref(pvc.Spec.StorageClassName))
 	node := ""
 	if src != nil && src.Snapshot != nil {
 		loc, err := c.snapshotSource(ctx, src)
@@ -338,15 +342,21 @@ func (c *Controller) placeImmediately(ctx context.Context, pvc *corev1.Persisten
 			return err
 		}
 		node = n
+	}
+	if node != "" {
+		// The copy is made where its source is: that node must be one
+		// the class allows.
+		if err := c.sourceNodeAllowed(ctx, sc, node); err != nil {
+			return err
+		}
 	} else {
-		upload := sourceKind(src) == importstate.SourceUpload
-		eligible := func(n *corev1.Node) bool { return usableNode(n, upload) }
-		n, err := c.pickNode(ctx, eligible)
+		fit := volumeFit(sc, c.workloadPlacement(ctx), sourceKind(src) == importstate.SourceUpload)
+		n, why, err := c.pickNode(ctx, fit)
 		if err != nil {
 			return err
 		}
 		if n == "" {
-			return claimErrorf("NoNodeAvailable", "no node can take pvc %s/%s", pvc.Namespace, pvc.Name)
+			return claimErrorf("NoNodeAvailable", "no node can take pvc %s/%s: %s", pvc.Namespace, pvc.Name, why)
 		}
 		node = n
 	}
@@ -359,30 +369,48 @@ func (c *Controller) placeImmediately(ctx context.Context, pvc *corev1.Persisten
 	return nil
 }
 
-// pickNode asks the Placer for a node eligible accepts; without one, the
-// first eligible node by name.
-func (c *Controller) pickNode(ctx context.Context, eligible func(*corev1.Node) bool) (string, error) {
+// sourceNodeAllowed checks that sc's allowedTopologies include node, where
+// a clone or restore must be made.
+func (c *Controller) sourceNodeAllowed(ctx context.Context, sc *storagev1.StorageClass, node string) error {
+	if nodeplacement.AllowedTopologies(sc) == nil {
+		return nil
+	}
+	n, err := c.kube.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
+	if err != nil {
+		return claimErrorf("SourceNodeNotFound", "node %s holding the source: %w", node, err)
+	}
+	if !nodeplacement.TopologyAllows(sc, n) {
+		return claimErrorf("NoNodeAvailable", "the source is on node %s, which is %s", node, nodeplacement.NotInTopologies(sc))
+	}
+	return nil
+}
+
+// pickNode asks the Placer for a node fit accepts; without one, the first
+// such node by name. With no node, why says what kept each one out.
+func (c *Controller) pickNode(ctx context.Context, fit func(*corev1.Node) string) (node, why string, err error) {
 	if c.cfg.Placer != nil {
-		node, ok := c.cfg.Placer.PlaceVolume(eligible)
+		node, why, ok := c.cfg.Placer.PlaceVolume(fit)
 		if !ok {
-			return "", claimErrorf("SchedulerNotReady", "the scheduler cannot place volumes yet")
+			return "", "", claimErrorf("SchedulerNotReady", "the scheduler cannot place volumes yet")
 		}
-		return node, nil
+		return node, why, nil
 	}
 	nodes, err := c.kube.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
 	if err != nil {
-		return "", fmt.Errorf("list nodes: %w", err)
+		return "", "", fmt.Errorf("list nodes: %w", err)
 	}
-	names := []string{}
+	names, reasons := []string{}, map[string]int{}
 	for _, n := range nodes.Items {
-		if eligible(&n) {
-			names = append(names, n.Name)
+		if w := fit(&n); w != "" {
+			reasons[w]++
+			continue
 		}
+		names = append(names, n.Name)
 	}
 	if len(names) == 0 {
-		return "", nil
+		return "", nodeplacement.FitMessage(len(nodes.Items), reasons, ""), nil
 	}
-	return slices.Min(names), nil
+	return slices.Min(names), "", nil
 }
 
 // claimNode is the node holding the volume of a claim: its PV's hostpath
@@ -406,24 +434,47 @@ func (c *Controller) claimNode(ctx context.Context, ns, name string) (string, er
 	return "", claimErrorf("CloneSourceNotPlaced", "clone source pvc %s/%s is on no node yet", ns, name)
 }
 
-// usableNode says whether n may receive a claim.
-func usableNode(n *corev1.Node, needUpload bool) bool {
-	if n.Spec.Unschedulable || n.DeletionTimestamp != nil {
-		return false
+// workloadPlacement is the CDI CR's spec.workload (what HCO's
+// spec.workloads.nodePlacement renders there): where CDI runs its importer
+// and upload pods. Without a CDI CR it asks nothing.
+func (c *Controller) workloadPlacement(ctx context.Context) nodeplacement.Placement {
+	p := nodeplacement.Placement{Field: "cdi spec.workload"}
+	if cdi, err := c.virt.CDI(ctx); err == nil && cdi != nil {
+		w := cdi.Spec.Workloads
+		p.NodeSelector, p.Affinity, p.Tolerations = w.NodeSelector, w.Affinity, w.Tolerations
 	}
-	for _, cond := range n.Status.Conditions {
-		if cond.Type == corev1.NodeReady && cond.Status != corev1.ConditionTrue {
-			return false
+	return p
+}
+
+// volumeFit says why a node cannot receive a volume placed at once ("" when
+// it can): it must be Ready, not cordoned nor going away, have an upload
+// endpoint for an upload, be among sc's allowedTopologies (read as the CSI
+// external-provisioner reads them: node labels, kubernetes.io/hostname
+// included), and be one CDI's workload placement admits: its node selector
+// and required affinity, and a NoSchedule or NoExecute taint only when its
+// tolerations tolerate it, as for CDI's importer and upload pods, which
+// tolerate nothing else (PreferNoSchedule only lowers the node's score).
+func volumeFit(sc *storagev1.StorageClass, workload nodeplacement.Placement, needUpload bool) func(*corev1.Node) string {
+	return func(n *corev1.Node) string {
+		switch {
+		case n.DeletionTimestamp != nil:
+			return "being deleted"
+		case n.Spec.Unschedulable:
+			return "cordoned"
 		}
-	}
-	// A tainted node takes no importer pod in CDI (the pod tolerates
-	// nothing), so it takes no immediately placed volume here either.
-	for _, taint := range n.Spec.Taints {
-		if taint.Effect == corev1.TaintEffectNoSchedule || taint.Effect == corev1.TaintEffectNoExecute {
-			return false
+		for _, cond := range n.Status.Conditions {
+			if cond.Type == corev1.NodeReady && cond.Status != corev1.ConditionTrue {
+				return "not ready"
+			}
 		}
+		if needUpload && n.Annotations[importstate.NodeUploadEndpoint] == "" {
+			return "no upload endpoint"
+		}
+		if !nodeplacement.TopologyAllows(sc, n) {
+			return nodeplacement.NotInTopologies(sc)
+		}
+		return nodeplacement.Admits(workload, n)
 	}
-	return !needUpload || n.Annotations[importstate.NodeUploadEndpoint] != ""
 }
 
 var errNotOwned = errors.New("a pvc of this name exists and is not owned by the datavolume")

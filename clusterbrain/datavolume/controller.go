@@ -63,9 +63,11 @@ type Config struct {
 
 // VolumePlacer picks a node for a volume nothing consumes yet.
 type VolumePlacer interface {
-	// PlaceVolume returns the best node eligible accepts ("" for none),
-	// or false when it cannot decide yet.
-	PlaceVolume(eligible func(*corev1.Node) bool) (string, bool)
+	// PlaceVolume returns the best node fit accepts (fit says why a node
+	// cannot take the volume, "" when it can). With no node, node is ""
+	// and why counts the nodes by reason; ok is false when the placer
+	// cannot decide yet.
+	PlaceVolume(fit func(*corev1.Node) string) (node, why string, ok bool)
 }
 
 func (c *Config) defaults() {

@@ -38,6 +38,7 @@ type env struct {
 	virt  *client.Set
 	snaps *snapshotv1.Client
 	rest  *rest.Config
+	sched *scheduler.Scheduler
 	ns    string
 }
 
@@ -99,7 +100,7 @@ func setup(t *testing.T) env {
 			t.Fatal(err)
 		}
 		go func() { _ = c.Run(ctx) }()
-		shared = env{kube: kube, virt: virt, snaps: snaps, rest: cp.RestConfig}
+		shared = env{kube: kube, virt: virt, snaps: snaps, rest: cp.RestConfig, sched: sched}
 	})
 	if shared.kube == nil {
 		t.Fatal("setup failed earlier")

@@ -18,6 +18,8 @@ const (
 	HostpathClass = "hostpath-csi"
 	// HostpathProvisioner is the CSI driver's name.
 	HostpathProvisioner = "kubevirt.io.hostpath-provisioner"
+	// LegacyHostpathProvisioner provisions hostPath PVs on the same pools.
+	LegacyHostpathProvisioner = "kubevirt.io/hostpath-provisioner"
 
 	defaultClassAnnotation = "storageclass.kubernetes.io/is-default-class"
 )
@@ -32,8 +34,8 @@ var (
 
 	// knownProvisioners are the claim properties of provisioners CDI knows.
 	knownProvisioners = map[string][]cdiv1.ClaimPropertySet{
-		HostpathProvisioner:                {{AccessModes: rwo, VolumeMode: &filesystemMode}, {AccessModes: rwo, VolumeMode: &blockMode}},
-		"kubevirt.io/hostpath-provisioner": {{AccessModes: rwo, VolumeMode: &filesystemMode}},
+		HostpathProvisioner:       {{AccessModes: rwo, VolumeMode: &filesystemMode}, {AccessModes: rwo, VolumeMode: &blockMode}},
+		LegacyHostpathProvisioner: {{AccessModes: rwo, VolumeMode: &filesystemMode}},
 	}
 )
 

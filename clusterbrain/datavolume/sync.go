@@ -86,17 +86,30 @@ func (c *Controller) sync(ctx context.Context, key string) (time.Duration, error
 		immediate = !c.honorsWaitForFirstConsumer(ctx)
 	}
 	var after time.Duration
-	if pvc.Status.Phase == corev1.ClaimPending && wffc && immediate && pvc.Annotations[importstate.AnnSelectedNode] == "" {
+	var unplaced *claimError
+	if pvc.Status.Phase == corev1.ClaimPending && pvc.Annotations[importstate.AnnSelectedNode] == "" &&
+		((wffc && immediate) || placesImmediateClass(sc)) {
 		if err := c.placeImmediately(ctx, pvc, src); err != nil {
-			var ce *claimError
-			if !errors.As(err, &ce) {
+			if !errors.As(err, &unplaced) {
 				return 0, err
 			}
-			log.Info("cannot place claim yet", "reason", ce.reason, "err", err)
+			log.Info("cannot place claim yet", "reason", unplaced.reason, "err", err)
 			after = retryAfter
 		}
 	}
 	st := computeStatus(dv, pvc, kind, wffc && !immediate)
+	if unplaced != nil {
+		// Pending, saying why no node takes the volume; a warning event
+		// when the reason is new.
+		if old := findCondition(dv.Status.Conditions, cdiv1.DataVolumeBound); old.Message != unplaced.Error() {
+			c.recorder.Event(dv, corev1.EventTypeWarning, unplaced.reason, unplaced.Error())
+		}
+		st.Conditions = nil
+		setConditions(&st, dv.Status.Conditions,
+			cond(cdiv1.DataVolumeBound, false, unplaced.reason, unplaced.Error()),
+			cond(cdiv1.DataVolumeRunning, false, unplaced.reason, ""),
+			cond(cdiv1.DataVolumeReady, false, unplaced.reason, ""))
+	}
 	if err := c.writeStatus(ctx, dv, st); err != nil {
 		return 0, err
 	}
@@ -107,6 +120,17 @@ func (c *Controller) sync(ctx context.Context, key string) (time.Duration, error
 		return after, c.ensureCloneRequest(ctx, pvc, req)
 	}
 	return after, nil
+}
+
+// placesImmediateClass reports whether the brain picks the node of claims
+// of sc, an Immediate class: it does for the hostpath provisioners (CSI
+// and legacy), whose volumes live on one node, as the CSI
+// external-provisioner picks a topology for Immediate claims.
+func placesImmediateClass(sc *storagev1.StorageClass) bool {
+	if sc == nil || (sc.VolumeBindingMode != nil && *sc.VolumeBindingMode != storagev1.VolumeBindingImmediate) {
+		return false
+	}
+	return sc.Provisioner == HostpathProvisioner || sc.Provisioner == LegacyHostpathProvisioner
 }
 
 // pending records why the PVC cannot be made yet and retries later.

@@ -30,9 +30,10 @@ import (
 const uploadClaimKey = "upload-claim:"
 
 // syncUploadClaim adopts one bare upload claim: it adds the keys the node
-// reads (source, usable size) and, for a WaitForFirstConsumer class, picks
-// a node with an upload endpoint, since no consumer is coming before the
-// upload is done.
+// reads (source, usable size) and, for a WaitForFirstConsumer class (no
+// consumer is coming before the upload is done) or an Immediate class of
+// the hostpath provisioners, picks a node with an upload endpoint. A claim
+// no node can take gets a warning event saying why.
 func (c *Controller) syncUploadClaim(ctx context.Context, key string) (time.Duration, error) {
 	ns, name, _ := strings.Cut(strings.TrimPrefix(key, uploadClaimKey), "/")
 	pvc, err := c.pvcs.PersistentVolumeClaims(ns).Get(name)
@@ -50,13 +51,16 @@ func (c *Controller) syncUploadClaim(ctx context.Context, key string) (time.Dura
 	}
 	sc := c.storageClass(deref(pvc.Spec.StorageClassName))
 	wffc := sc != nil && sc.VolumeBindingMode != nil && *sc.VolumeBindingMode == storagev1.VolumeBindingWaitForFirstConsumer
-	if pvc.Status.Phase != corev1.ClaimPending || !wffc || pvc.Annotations[importstate.AnnSelectedNode] != "" {
+	if pvc.Status.Phase != corev1.ClaimPending || !(wffc || placesImmediateClass(sc)) || pvc.Annotations[importstate.AnnSelectedNode] != "" {
 		return 0, nil
 	}
 	err = c.placeImmediately(ctx, pvc, &cdiv1.DataVolumeSource{Upload: &cdiv1.DataVolumeSourceUpload{}})
 	var ce *claimError
 	if errors.As(err, &ce) {
 		c.log.Info("cannot place upload claim yet", "namespace", ns, "pvc", name, "reason", ce.reason, "err", err)
+		// Retried every few seconds: the recorder folds the repeats into
+		// one event's count.
+		c.recorder.Event(pvc, corev1.EventTypeWarning, ce.reason, ce.Error())
 		return retryAfter, nil
 	}
 	return 0, err

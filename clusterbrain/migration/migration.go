@@ -8,7 +8,9 @@
 // False, or already has a migration under way fails at once with
 // KubeVirt's words. Otherwise the scheduler picks a target node among those
 // the VMI could be placed on (its nodeSelector, affinity and tolerations,
-// plus the migration's addedNodeSelector), never the source. When the source
+// plus the migration's addedNodeSelector, and room for its requests),
+// never the source; the target holds the VMI's requests in the scheduler
+// until the migration ends. When the source
 // node reports the end, a successful migration moves the VMI to the target
 // (its kubevirt.io/nodeName label and status.nodeName); either way the
 // VMI's status.migrationState is the migration's. Deleting a migration that
@@ -33,6 +35,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
@@ -53,11 +56,18 @@ const (
 	ReasonAborted   = "MigrationAborted"
 )
 
-// Placer picks the node a VMI could run on (the brain's scheduler); the
+// Placer picks the target node of a migration (the brain's scheduler); the
 // controller cannot migrate without one.
 type Placer interface {
-	// Decide returns a node for vmi as the scheduler would place it.
-	Decide(vmi *kubevirtv1.VirtualMachineInstance) (string, error)
+	// DecideMigration returns a target node for vmi, given as the
+	// migration must be placed (placementOf), with the scheduler's checks
+	// and capacity count, and holds the VMI's requests on that node until
+	// the migration records the target; the migration's targetNode holds
+	// them from then until the migration ends.
+	DecideMigration(vmi *kubevirtv1.VirtualMachineInstance) (string, error)
+	// ReleaseMigration drops that hold when the migration could not
+	// record the target.
+	ReleaseMigration(vmi types.UID)
 }
 
 // Config configures the controller.
@@ -262,11 +272,12 @@ func (c *Controller) schedule(ctx context.Context, mig *kubevirtv1.VirtualMachin
 			policyName = &name
 		}
 	}
-	target, err := c.cfg.Placer.Decide(placementOf(vmi, mig))
+	target, err := c.cfg.Placer.DecideMigration(placementOf(vmi, mig))
 	if err != nil {
 		return c.fail(ctx, mig, vmi, fmt.Sprintf("no node to migrate VMI %s to: %v", vmi.Name, err))
 	}
 	if target == source {
+		c.cfg.Placer.ReleaseMigration(vmi.UID)
 		return c.fail(ctx, mig, vmi, "the scheduler chose the source node "+source)
 	}
 	out := mig.DeepCopy()
@@ -280,6 +291,7 @@ func (c *Controller) schedule(ctx context.Context, mig *kubevirtv1.VirtualMachin
 		VMIMConfigurationOptions: conf, MigrationPolicyName: policyName,
 	}
 	if _, err := c.cfg.Virt.Migrations.UpdateStatus(ctx, out); err != nil {
+		c.cfg.Placer.ReleaseMigration(vmi.UID)
 		return fmt.Errorf("migration %s/%s status: %w", mig.Namespace, mig.Name, err)
 	}
 	if err := c.mirror(ctx, vmi, out.Status.MigrationState, ""); err != nil {

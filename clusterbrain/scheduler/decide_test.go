@@ -18,13 +18,6 @@ import (
 	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
-func TestFitMessage(t *testing.T) {
-	got := fitMessage(3, map[string]int{"lacks bridge br1": 1, "insufficient memory": 2}, "")
-	if want := "0/3 nodes are available: 2 insufficient memory, 1 lacks bridge br1."; got != want {
-		t.Errorf("got %q, want %q", got, want)
-	}
-}
-
 // TestDecideSpreadsAndAssumes calls Decide by hand (no worker running):
 // equal nodes are used in turn, and assumed placements count at once.
 func TestDecideSpreadsAndAssumes(t *testing.T) {

@@ -355,37 +355,6 @@ func abs(f float64) float64 {
 	return f
 }
 
-// fitMessage renders "0/3 nodes are available: 2 insufficient memory, 1
-// lacks bridge br1."
-func fitMessage(nodes int, reasons map[string]int, prefix string) string {
-	type kv struct {
-		k string
-		v int
-	}
-	var list []kv
-	for k, v := range reasons {
-		list = append(list, kv{k, v})
-	}
-	sort.Slice(list, func(i, j int) bool {
-		if list[i].v != list[j].v {
-			return list[i].v > list[j].v
-		}
-		return list[i].k < list[j].k
-	})
-	parts := make([]string, 0, len(list))
-	for _, e := range list {
-		parts = append(parts, fmt.Sprintf("%d %s", e.v, e.k))
-	}
-	msg := fmt.Sprintf("0/%d nodes are available", nodes)
-	if prefix != "" {
-		msg += ": " + prefix
-	}
-	if len(parts) > 0 {
-		msg += ": " + strings.Join(parts, ", ")
-	}
-	return msg + "."
-}
-
 // volumeConflict is the reason a node cannot take a VMI whose volume is
 // held elsewhere, naming the volume when known.
 func volumeConflict(volume string) string {

@@ -35,6 +35,7 @@ import (
 	nadv1 "github.com/k8snetworkplumbingwg/network-attachment-definition-client/pkg/apis/k8s.cni.cncf.io/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/nodeplacement"
 	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/metrics"
@@ -83,6 +84,7 @@ type Scheduler struct {
 	vmis     cache.SharedIndexInformer
 	nads     cache.SharedIndexInformer
 	kvs      cache.SharedIndexInformer
+	vmims    cache.SharedIndexInformer // migrations, whose targets hold their VMIs' requests (migrations.go)
 	pvcs     corelisters.PersistentVolumeClaimLister
 	pvs      corelisters.PersistentVolumeLister
 	scs      storagelisters.StorageClassLister
@@ -103,8 +105,9 @@ type Scheduler struct {
 
 	mu       sync.Mutex
 	assumed  map[types.UID]assumption
-	reserved map[string]reservation // namespace/name → node held before creation
-	waiting  map[string]bool        // unschedulable VMIs, retried on cluster changes
+	reserved map[string]reservation    // namespace/name → node held before creation
+	holds    map[types.UID]reservation // VMI → migration target chosen, not recorded yet
+	waiting  map[string]bool           // unschedulable VMIs, retried on cluster changes
 }
 
 type assumption struct {
@@ -154,6 +157,7 @@ func New(cfg Config) (*Scheduler, error) {
 		vmis:     cfg.VMIInformer,
 		nads:     cfg.Virt.NADs.Informer("", 0, nil),
 		kvs:      cfg.Virt.KubeVirts.Informer("", 0, nil),
+		vmims:    cfg.Virt.Migrations.Informer("", 0, nil),
 		pvcs:     f.Core().V1().PersistentVolumeClaims().Lister(),
 		pvs:      f.Core().V1().PersistentVolumes().Lister(),
 		scs:      f.Storage().V1().StorageClasses().Lister(),
@@ -161,6 +165,7 @@ func New(cfg Config) (*Scheduler, error) {
 		sem:      make(chan struct{}, cfg.Binders),
 		assumed:  map[types.UID]assumption{},
 		reserved: map[string]reservation{},
+		holds:    map[types.UID]reservation{},
 		memo:     map[types.UID]placedMemo{},
 		waiting:  map[string]bool{},
 		now:      time.Now,
@@ -228,6 +233,9 @@ func New(cfg Config) (*Scheduler, error) {
 	})
 	_, _ = f.Core().V1().PersistentVolumeClaims().Informer().AddEventHandler(retry)
 	_, _ = f.Core().V1().PersistentVolumes().Informer().AddEventHandler(retry)
+	if err := s.watchMigrations(); err != nil {
+		return nil, err
+	}
 	return s, nil
 }
 
@@ -291,12 +299,13 @@ func (s *Scheduler) startInformers(ctx context.Context) bool {
 	}
 	go s.nads.RunWithContext(ctx)
 	go s.kvs.RunWithContext(ctx)
+	go s.vmims.RunWithContext(ctx)
 	for _, ok := range s.factory.WaitForCacheSync(ctx.Done()) {
 		if !ok {
 			return false
 		}
 	}
-	return cache.WaitForCacheSync(ctx.Done(), s.nodes.HasSynced, s.vmis.HasSynced, s.nads.HasSynced, s.kvs.HasSynced)
+	return cache.WaitForCacheSync(ctx.Done(), s.nodes.HasSynced, s.vmis.HasSynced, s.nads.HasSynced, s.kvs.HasSynced, s.vmims.HasSynced)
 }
 
 // Sync takes the placement decision for the VMI named key and starts its
@@ -387,7 +396,7 @@ func (s *Scheduler) Decide(vmi *kubevirtv1.VirtualMachineInstance) (string, erro
 func (s *Scheduler) decide(vmi *kubevirtv1.VirtualMachineInstance, snaps snapshotNodes) (string, []*corev1.PersistentVolumeClaim, placed, error) {
 	states := s.snapshot()
 	fail := func(prefix string, reasons map[string]int) (string, []*corev1.PersistentVolumeClaim, placed, error) {
-		return "", nil, placed{}, &FitError{msg: fitMessage(len(states), reasons, prefix)}
+		return "", nil, placed{}, &FitError{msg: nodeplacement.FitMessage(len(states), reasons, prefix)}
 	}
 	d, err := demandOf(vmi, s.nadResource)
 	if err != nil {
@@ -424,8 +433,8 @@ func (s *Scheduler) decide(vmi *kubevirtv1.VirtualMachineInstance, snaps snapsho
 	return states[best].node.Name, wffc, p, nil
 }
 
-// snapshot is every node with the VMIs bound to it and those assumed or
-// reserved.
+// snapshot is every node with the VMIs bound to it, those assumed or
+// reserved, and those migrating to it.
 func (s *Scheduler) snapshot() []*nodeState {
 	s.mu.Lock()
 	assumed := make(map[types.UID]assumption, len(s.assumed))
@@ -453,6 +462,7 @@ func (s *Scheduler) snapshot() []*nodeState {
 		}
 		s.addPods(st)
 	}
+	s.addMigrating(byName)
 	s.memoMu.Unlock()
 	for _, a := range assumed {
 		if st, ok := byName[a.node]; ok {

@@ -21,27 +21,44 @@ func TestPlaceVolume(t *testing.T) {
 		v.Spec.NodeSelector = map[string]string{"kubernetes.io/hostname": "pv-busy"}
 	})
 	e.wantNode("load", "pv-busy")
-	ours := func(n *corev1.Node) bool { return strings.HasPrefix(n.Name, "pv-") }
-	place := func(eligible func(*corev1.Node) bool) (node string) {
+	ours := func(n *corev1.Node) string {
+		if !strings.HasPrefix(n.Name, "pv-") {
+			return "not ours"
+		}
+		return ""
+	}
+	place := func(fit func(*corev1.Node) string) (node, why string) {
 		t.Helper()
 		testkit.Until(t, 30*time.Second, "the scheduler ready to place volumes", func() (ok bool) {
-			node, ok = e.sched.PlaceVolume(eligible)
+			node, why, ok = e.sched.PlaceVolume(fit)
 			return ok
 		})
-		return node
+		return node, why
 	}
 	for _, tc := range []struct {
-		name     string
-		eligible func(*corev1.Node) bool
-		want     string
+		name    string
+		fit     func(*corev1.Node) string
+		want    string
+		wantWhy string
 	}{
-		{"the emptier node", ours, "pv-idle"},
-		{"only the busy one eligible", func(n *corev1.Node) bool { return n.Name == "pv-busy" }, "pv-busy"},
-		{"none eligible", func(*corev1.Node) bool { return false }, ""},
+		{"the emptier node", ours, "pv-idle", ""},
+		{"only the busy one fits", func(n *corev1.Node) string {
+			if n.Name != "pv-busy" {
+				return "not busy"
+			}
+			return ""
+		}, "pv-busy", ""},
+		{"none fits", func(n *corev1.Node) string {
+			if strings.HasPrefix(n.Name, "pv-") {
+				return "ours, refused"
+			}
+			return "not ours"
+		}, "", "2 ours, refused"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if got := place(tc.eligible); got != tc.want {
-				t.Errorf("PlaceVolume = %q, want %q", got, tc.want)
+			got, why := place(tc.fit)
+			if got != tc.want || !strings.Contains(why, tc.wantWhy) || (tc.want == "") != strings.HasPrefix(why, "0/") {
+				t.Errorf("PlaceVolume = %q, %q; want %q, a reason with %q", got, why, tc.want, tc.wantWhy)
 			}
 		})
 	}

@@ -11,6 +11,7 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/api/nodeplacement"
 	snapshotv1 "github.com/nodevirt/nodevirt/clusterbrain/api/volumesnapshot/v1"
 )
 
@@ -73,16 +74,7 @@ func (s *Scheduler) volumeConstraints(vmi *kubevirtv1.VirtualMachineInstance, re
 			}
 			wffc = append(wffc, pvc)
 		}
-		if len(sc.AllowedTopologies) > 0 {
-			sel := &corev1.NodeSelector{}
-			for _, t := range sc.AllowedTopologies {
-				term := corev1.NodeSelectorTerm{}
-				for _, e := range t.MatchLabelExpressions {
-					term.MatchExpressions = append(term.MatchExpressions, corev1.NodeSelectorRequirement{
-						Key: e.Key, Operator: corev1.NodeSelectorOpIn, Values: e.Values})
-				}
-				sel.NodeSelectorTerms = append(sel.NodeSelectorTerms, term)
-			}
+		if sel := nodeplacement.AllowedTopologies(sc); sel != nil {
 			req.volumes = append(req.volumes, sel)
 			req.volumeOf = append(req.volumeOf, fmt.Sprintf("volume %s: storage class %s", v.Name, sc.Name))
 		}

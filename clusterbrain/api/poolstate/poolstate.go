@@ -29,13 +29,11 @@ import (
 	"path/filepath"
 	"regexp"
 	"sort"
-	"strings"
 
 	corev1 "k8s.io/api/core/v1"
-	corev1helpers "k8s.io/component-helpers/scheduling/corev1"
-	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
 
 	hppv1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hostpathprovisioner/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/nodeplacement"
 )
 
 // AnnotationNodePools is the Node annotation a node agent writes: the
@@ -220,26 +218,6 @@ func checkPath(p, field string) string {
 // means yes; otherwise it says why not.
 func Select(hpp *hppv1beta1.HostPathProvisioner, node *corev1.Node) string {
 	w := hpp.Spec.Workload
-	for k, v := range w.NodeSelector {
-		if got, ok := node.Labels[k]; !ok || got != v {
-			return fmt.Sprintf("spec.workload.nodeSelector %s=%s does not match", k, v)
-		}
-	}
-	if a := w.Affinity; a != nil && a.NodeAffinity != nil && a.NodeAffinity.RequiredDuringSchedulingIgnoredDuringExecution != nil {
-		ok, err := nodeaffinity.NewLazyErrorNodeSelector(a.NodeAffinity.RequiredDuringSchedulingIgnoredDuringExecution).Match(node)
-		if err != nil {
-			return "spec.workload.affinity: " + err.Error()
-		}
-		if !ok {
-			return "spec.workload.affinity does not match"
-		}
-	}
-	taint, untolerated := corev1helpers.FindMatchingUntoleratedTaint(node.Spec.Taints, w.Tolerations, func(t *corev1.Taint) bool {
-		return (t.Effect == corev1.TaintEffectNoSchedule || t.Effect == corev1.TaintEffectNoExecute) &&
-			!strings.HasPrefix(t.Key, "node.kubernetes.io/")
-	})
-	if untolerated {
-		return fmt.Sprintf("taint %s:%s not tolerated by spec.workload.tolerations", taint.Key, taint.Effect)
-	}
-	return ""
+	return nodeplacement.Admits(nodeplacement.Placement{NodeSelector: w.NodeSelector, Affinity: w.Affinity,
+		Tolerations: w.Tolerations, Field: "spec.workload", DaemonLike: true}, node)
 }
