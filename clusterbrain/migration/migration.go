@@ -33,6 +33,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
@@ -112,6 +113,9 @@ type Controller struct {
 	// replacements are the claims being replaced (claims.go), by
 	// namespace/name, kept from their deletion to their re-creation.
 	replacements sync.Map
+	// warned is when each VMI that cannot leave a draining node was last
+	// told so (evacuation.go; its goroutine only).
+	warned map[types.UID]time.Time
 }
 
 // New validates cfg and builds the controller; Run starts it.
@@ -124,6 +128,7 @@ func New(cfg Config) (*Controller, error) {
 		cfg: cfg, log: cfg.Log.With("role", "migration"),
 		informer: cfg.Virt.Migrations.Informer("", cfg.Resync, nil),
 		recorder: controller.NewRecorder(client.NewScheme(), "nodevirt-migration"),
+		warned:   map[types.UID]time.Time{},
 	}
 	var err error
 	c.queue, err = controller.New(controller.Config{Name: "migrations", Sync: controller.NoRequeue(c.sync),
@@ -567,6 +572,7 @@ func (c *Controller) mirror(ctx context.Context, vmi *kubevirtv1.VirtualMachineI
 		if moveTo != "" {
 			out.Status.NodeName, out.Status.EvacuationNodeName = moveTo, ""
 			setMigratedCondition(out)
+			setEvictionRequested(out)
 		}
 		if _, err := c.cfg.Virt.VMIs.UpdateStatus(ctx, out); err != nil {
 			return err
