@@ -21,11 +21,13 @@ const DefaultMetricsAddr = "127.0.0.1:8484"
 
 // newMetricsServer serves the default registry on addr with the VMI
 // collectors (kubevirt_vmi_info, kubevirt_vmi_phase_count) and
-// virt-controller's kubevirt_vmi_non_evictable over informers of the VMIs
-// of all namespaces and of the KubeVirt CR (its default evictionStrategy).
+// virt-controller's kubevirt_vmi_non_evictable and migration families over
+// informers of the VMIs and migrations of all namespaces and of the
+// KubeVirt CR (its default evictionStrategy).
 func newMetricsServer(addr string, virt *client.Set, log *slog.Logger) *metrics.Server {
 	inf := virt.VMIs.Informer("", 10*time.Minute, nil)
 	kvInf := virt.KubeVirts.Informer("", 10*time.Minute, nil)
+	migInf := virt.Migrations.Informer("", 10*time.Minute, nil)
 	vmis := func() []*kubevirtv1.VirtualMachineInstance {
 		var out []*kubevirtv1.VirtualMachineInstance
 		for _, o := range inf.GetStore().List() {
@@ -38,9 +40,19 @@ func newMetricsServer(addr string, virt *client.Set, log *slog.Logger) *metrics.
 	reg := metrics.Default()
 	reg.Register(metrics.VMICollector(vmis))
 	reg.Register(nonEvictableCollector(vmis, kvInf.GetStore()))
+	reg.Register(metrics.MigrationCollector(func() []*kubevirtv1.VirtualMachineInstanceMigration {
+		var out []*kubevirtv1.VirtualMachineInstanceMigration
+		for _, o := range migInf.GetStore().List() {
+			if m, ok := o.(*kubevirtv1.VirtualMachineInstanceMigration); ok {
+				out = append(out, m)
+			}
+		}
+		return out
+	}))
 	return &metrics.Server{Addr: addr, Registry: reg, Log: log, Start: func(ctx context.Context) {
 		go inf.Run(ctx.Done())
 		go kvInf.Run(ctx.Done())
+		go migInf.Run(ctx.Done())
 	}}
 }
 
