@@ -8,10 +8,10 @@
 // daemons and QEMU's native TLS for the stream (VIR_MIGRATE_TLS, forced by
 // qemu.conf), with node certificates of a CA made for the run (written as
 // the agent writes its own, lab.ServeTLSWith). Both methods go over that
-// same transport. The guest is the test suite's boot
-// disk with 256 MiB of RAM and a 512 MiB data disk holding 256 MiB of
-// random data, both node-local: each migration copies them (NBD) into
-// empty sparse files the target prepared. Its domain is nodevirt's
+// same transport (-transport=tcp: both over plain TCP). The guest is the
+// test suite's boot disk with 256 MiB of RAM and a 512 MiB data disk
+// holding 256 MiB of random data, both node-local: each migration copies
+// them (NBD) into empty sparse files the target prepared. Its domain is nodevirt's
 // conversion (launcher/domain) with each node's paths; nodevirt's
 // migrations go through launcher.Migrate with the target's own definition
 // as the destination XML, as the node agent does; the anchor's through
@@ -66,8 +66,13 @@ const (
 func main() {
 	rounds := flag.Int("rounds", 4, "migrations per method (even: each method both ways)")
 	dir := flag.String("dir", "/var/tmp/nodevirt-bench-migration", "working directory (removed at the end)")
+	transport := flag.String("transport", "tls", "tls (the node agents' transport) or tcp (qemu+tcp, the stream in clear: lab only)")
 	flag.Parse()
-	if err := run(*rounds, *dir); err != nil {
+	if *transport != "tls" && *transport != "tcp" {
+		fmt.Fprintln(os.Stderr, "bench migration: -transport is tls or tcp")
+		os.Exit(2)
+	}
+	if err := run(*rounds, *dir, *transport == "tls"); err != nil {
 		fmt.Fprintln(os.Stderr, "bench migration:", err)
 		os.Exit(1)
 	}
@@ -77,11 +82,16 @@ type node struct {
 	lab.Node
 	// uri is the benchmark's own connection to the node's libvirtd.
 	uri string
+	tls bool
 }
 
 // migrationURI is the node's libvirtd as a source node's libvirtd reaches
-// it for a migration: TLS, the source's node certificate as the client's.
+// it for a migration: with TLS the source's node certificate is the
+// client's.
 func (n node) migrationURI(from node) string {
+	if !n.tls {
+		return n.uri
+	}
 	return "qemu+tls://" + n.IP + "/system?pkipath=" + from.LibvirtPKIDir()
 }
 
@@ -90,14 +100,14 @@ func (n node) disks() (boot, data string) {
 	return filepath.Join(n.Dir, "guest", "boot.raw"), filepath.Join(n.Dir, "guest", "data.raw")
 }
 
-func run(rounds int, dir string) error {
+func run(rounds int, dir string, tls bool) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
 	fabric := lab.Fabric{Prefix: "nvbm", Subnet: "10.76.0", SwitchBridge: "nvbm-sw", LabBridge: "br-bm", NetnsPrefix: "nvbench-"}
 	var nodes []node
 	for i, name := range []string{"bm1", "bm2"} {
 		n := lab.NewNode(fabric, name, i+1, filepath.Join(dir, name), fmt.Sprintf("10.75.%d.0/24", i+1))
-		nodes = append(nodes, node{Node: n, uri: "qemu+tcp://" + n.IP + "/system"})
+		nodes = append(nodes, node{Node: n, uri: "qemu+tcp://" + n.IP + "/system", tls: tls})
 	}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
@@ -124,8 +134,10 @@ func run(rounds int, dir string) error {
 			return err
 		}
 	}
-	if err := serveTLS(nodes); err != nil {
-		return err
+	if tls {
+		if err := serveTLS(nodes); err != nil {
+			return err
+		}
 	}
 	src, err := guest.BootDisk(ctx, guest.DiskSpec{})
 	if err != nil {
@@ -180,12 +192,16 @@ func run(rounds int, dir string) error {
 		fmt.Fprintf(os.Stderr, "  round %d %s→%s done\n", i, from.Name, to.Name)
 		at = 1 - at
 	}
-	total := report.Result{Name: "live migration (TLS) total, 256 MiB guest + 512 MiB local disk (256 MiB data), median", Unit: "ms",
-		Value: report.Millis(median(nvTotal)), Anchor: report.Millis(median(rawTotal)), AnchorName: "virsh migrate --live --p2p --copy-storage-all --tls",
+	via, anchor := "TLS", "virsh migrate --live --p2p --copy-storage-all --tls"
+	if !tls {
+		via, anchor = "plain TCP", "virsh migrate --live --p2p --copy-storage-all"
+	}
+	total := report.Result{Name: "live migration (" + via + ") total, 256 MiB guest + 512 MiB local disk (256 MiB data), median", Unit: "ms",
+		Value: report.Millis(median(nvTotal)), Anchor: report.Millis(median(rawTotal)), AnchorName: anchor,
 		Target: "≤ 1.1×", LowerIsBetter: true}
 	total.Met = total.Ratio() <= 1.1
-	down := report.Result{Name: "live migration (TLS) downtime (libvirt job stats), median", Unit: "ms",
-		Value: report.Millis(median(nvDown)), Anchor: report.Millis(median(rawDown)), AnchorName: "virsh migrate --live --p2p --copy-storage-all --tls",
+	down := report.Result{Name: "live migration (" + via + ") downtime (libvirt job stats), median", Unit: "ms",
+		Value: report.Millis(median(nvDown)), Anchor: report.Millis(median(rawDown)), AnchorName: anchor,
 		Target: "≤ anchor + 50 ms and ≤ 300 ms", LowerIsBetter: true}
 	down.Met = down.Value <= down.Anchor+50 && down.Value <= 300
 	report.Emit(total)
@@ -298,8 +314,12 @@ func virshMigrate(from, to node, destXML string) (time.Duration, time.Duration, 
 		return 0, 0, err
 	}
 	t0 := time.Now()
-	out, err := exec.Command("virsh", "-c", from.uri, "migrate", "--live", "--p2p", "--persistent", "--copy-storage-all", "--tls",
-		"--xml", xmlFile, "--persistent-xml", xmlFile, vmName, to.migrationURI(from)).CombinedOutput()
+	args := []string{"-c", from.uri, "migrate", "--live", "--p2p", "--persistent", "--copy-storage-all"}
+	if to.tls {
+		args = append(args, "--tls")
+	}
+	args = append(args, "--xml", xmlFile, "--persistent-xml", xmlFile, vmName, to.migrationURI(from))
+	out, err := exec.Command("virsh", args...).CombinedOutput()
 	total := time.Since(t0)
 	if err != nil {
 		return 0, 0, fmt.Errorf("virsh migrate: %w: %s", err, out)
@@ -333,7 +353,7 @@ func nodevirtMigrate(ctx context.Context, from, to node) (time.Duration, time.Du
 	if err != nil {
 		return 0, 0, err
 	}
-	stats, err := lv.Migrate(ctx, vmName, launcher.MigrateOptions{DestURI: dest, DestXML: destXML, CopyStorage: true, TLS: true})
+	stats, err := lv.Migrate(ctx, vmName, launcher.MigrateOptions{DestURI: dest, DestXML: destXML, CopyStorage: true, TLS: to.tls})
 	total := time.Since(t0)
 	if err != nil {
 		return 0, 0, err
