@@ -4,12 +4,11 @@
 //
 // Two nodes run as `make lab NODES=2` runs them (test/lab: namespaces of
 // their own, libvirtd + virtlogd each), on a fabric of the benchmark's own.
-// By default both methods migrate over plain TCP (lab only); with
-// -transport=tls both go as the node agents migrate: libvirt's qemu+tls
-// between the daemons and QEMU's native TLS for the stream
-// (VIR_MIGRATE_TLS, forced by qemu.conf), with node certificates of a CA
-// made for the run (written as the agent writes its own,
-// lab.ServeTLSWith). The guest is the
+// Both methods migrate as the node agents do: libvirt's qemu+tls between
+// the daemons and QEMU's native TLS for the stream (VIR_MIGRATE_TLS,
+// forced by qemu.conf; virsh --tls), with node certificates of a CA made
+// for the run (written as the agent writes its own, lab.ServeTLSWith);
+// -transport=tcp runs both over plain TCP (lab only). The guest is the
 // test suite's boot disk with 256 MiB of RAM and a 512 MiB data disk
 // holding 256 MiB of random data, both node-local: each migration copies
 // them (NBD) into empty sparse files the target prepared. Its domain is nodevirt's
@@ -67,7 +66,7 @@ const (
 func main() {
 	rounds := flag.Int("rounds", 4, "migrations per method (even: each method both ways)")
 	dir := flag.String("dir", "/var/tmp/nodevirt-bench-migration", "working directory (removed at the end)")
-	transport := flag.String("transport", "tcp", "tcp (qemu+tcp, the stream in clear: lab only) or tls (the node agents' transport: qemu+tls and QEMU's native TLS)")
+	transport := flag.String("transport", "tls", "tls (the node agents' transport: qemu+tls and QEMU's native TLS) or tcp (qemu+tcp, the stream in clear: lab only)")
 	flag.Parse()
 	if *transport != "tls" && *transport != "tcp" {
 		fmt.Fprintln(os.Stderr, "bench migration: -transport is tls or tcp")
