@@ -10,7 +10,8 @@ NODES ?=
 LAB_NODES = $(if $(NODES),--nodes $(NODES))
 DEBIAN_PACKAGES := libvirt-daemon-system libvirt-dev qemu-system-x86 qemu-utils etcd-server \
 	containernetworking-plugins nftables iptables busybox-static extlinux syslinux-common genisoimage qemu-guest-agent \
-	iproute2 ovmf xz-utils zstd curl cpio kmod e2fsprogs util-linux strace libguestfs-tools dropbear-bin openssh-client
+	iproute2 ovmf xz-utils zstd curl cpio kmod e2fsprogs util-linux strace libguestfs-tools dropbear-bin openssh-client \
+	apparmor
 TEST_TIMEOUT ?= 35m
 
 .PHONY: all build install install-units install-controlplane vagrant-deps vagrant-box vagrant-stage vagrant-up vagrant-down test-vagrant vagrant-test deps controlplane upstream-virtctl lab lab-down demo test unit bench vet fmt clean virtctl-dist fuzz

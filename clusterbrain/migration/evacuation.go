@@ -3,11 +3,12 @@ package migration
 import (
 	"context"
 	"fmt"
-	"k8s.io/client-go/tools/cache"
+	"slices"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/retry"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
@@ -18,16 +19,34 @@ import (
 // migrations.nodeDrainTaintKey, kubevirt.io/drain by default) is emptied
 // by live migration. Each VMI bound to it gets KubeVirt's treatment by its
 // evictionStrategy (the cluster's default from the KubeVirt CR when it has
-// none): LiveMigrate and LiveMigrateIfPossible get a migration (annotated
-// kubevirt.io/evacuationMigration, driven like any other, within the
-// parallel limits) and status.evacuationNodeName; External gets
-// status.evacuationNodeName only (its owner tears it down); None, and a
-// VMI that cannot migrate, stay, the latter with a FailedEvacuation event
-// saying why. A failed evacuation is tried again after evacuationRetry.
+// none), as KubeVirt's evacuation controller and eviction webhook give it:
+//
+//   - LiveMigrate and LiveMigrateIfPossible, when the VMI can migrate: it is
+//     marked for eviction (status.evacuationNodeName, and the
+//     EvictionRequested condition KubeVirt's VMI controller keeps on a
+//     marked VMI) and gets a migration (annotated
+//     kubevirt.io/evacuationMigration, driven like any other, within the
+//     parallel limits). A failed one is tried again after evacuationRetry;
+//     the move to the target clears the mark and the condition.
+//   - External: marked only (its owner tears it down).
+//   - LiveMigrate, when the VMI cannot migrate: it stays and is not marked
+//     (KubeVirt's webhook refuses such an eviction). Its LiveMigratable
+//     False condition says why, a FailedCreate event ("VirtualMachineInstance
+//     is not migrateable", KubeVirt's evacuation controller's words) is
+//     repeated every evacuationWarning while the node drains, and the
+//     brain's kubevirt_vmi_non_evictable is 1 for it (NonEvictable; KubeVirt's
+//     VMCannotBeEvicted alert fires on it).
+//   - LiveMigrateIfPossible, when the VMI cannot migrate, and None: it
+//     stays, as asked.
 
 // ReasonFailedEvacuation is the event of a VMI that cannot leave a
-// draining node.
-const ReasonFailedEvacuation = "FailedEvacuation"
+// draining node (KubeVirt's evacuation controller's reason).
+const ReasonFailedEvacuation = "FailedCreate"
+
+// evacuationWarning is how often the event of a VMI that cannot leave a
+// draining node is repeated (KubeVirt re-queues such a node every minute
+// so that its warnings stay in the event log).
+const evacuationWarning = time.Minute
 
 const evacuationRetry = 30 * time.Second
 
@@ -56,13 +75,15 @@ func (c *Controller) evacuationPass(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	key, clusterStrategy := "kubevirt.io/drain", kubevirtv1.EvictionStrategyNone
+	key, clusterStrategy := "kubevirt.io/drain", ClusterEvictionStrategy(kvs)
 	for _, kv := range kvs {
 		if mc := kv.Spec.Configuration.MigrationConfiguration; mc != nil && mc.NodeDrainTaintKey != nil {
 			key = *mc.NodeDrainTaintKey
 		}
-		if s := kv.Spec.Configuration.EvictionStrategy; s != nil {
-			clusterStrategy = *s
+	}
+	for uid, at := range c.warned {
+		if time.Since(at) >= evacuationWarning {
+			delete(c.warned, uid)
 		}
 	}
 	nodes, err := c.cfg.Kube.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
@@ -81,11 +102,7 @@ func (c *Controller) evacuationPass(ctx context.Context) error {
 			if vmi.Status.NodeName != n.Name || vmi.IsFinal() || vmi.DeletionTimestamp != nil {
 				continue
 			}
-			strategy := clusterStrategy
-			if vmi.Spec.EvictionStrategy != nil {
-				strategy = *vmi.Spec.EvictionStrategy
-			}
-			if err := c.evacuateVMI(ctx, vmi, n.Name, strategy); err != nil {
+			if err := c.evacuateVMI(ctx, vmi, n.Name, evictionStrategy(vmi, clusterStrategy)); err != nil {
 				c.log.Warn("evacuation", "vmi", vmi.Namespace+"/"+vmi.Name, "node", n.Name, "err", err)
 			}
 		}
@@ -101,9 +118,10 @@ func (c *Controller) evacuateVMI(ctx context.Context, vmi *kubevirtv1.VirtualMac
 		return c.markEvacuating(ctx, vmi, node)
 	}
 	if why := Refusal(vmi, vmi.Name); why != "" {
-		if vmi.Status.EvacuationNodeName != node {
-			c.recorder.Eventf(vmi, corev1.EventTypeWarning, ReasonFailedEvacuation, "node %s is draining and the VMI cannot migrate: %s", node, why)
-			return c.markEvacuating(ctx, vmi, node)
+		if strategy == kubevirtv1.EvictionStrategyLiveMigrate && time.Since(c.warned[vmi.UID]) >= evacuationWarning {
+			c.warned[vmi.UID] = time.Now()
+			c.recorder.Eventf(vmi, corev1.EventTypeWarning, ReasonFailedEvacuation,
+				"VirtualMachineInstance is not migrateable: node %s is draining: %s", node, why)
 		}
 		return nil
 	}
@@ -135,9 +153,10 @@ func (c *Controller) evacuateVMI(ctx context.Context, vmi *kubevirtv1.VirtualMac
 	return nil
 }
 
-// markEvacuating sets status.evacuationNodeName.
+// markEvacuating marks the VMI for eviction from node:
+// status.evacuationNodeName and the EvictionRequested condition.
 func (c *Controller) markEvacuating(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance, node string) error {
-	if vmi.Status.EvacuationNodeName == node {
+	if vmi.Status.EvacuationNodeName == node && evictionRequested(vmi) {
 		return nil
 	}
 	return retry.RetryOnConflict(retry.DefaultRetry, func() error {
@@ -146,9 +165,73 @@ func (c *Controller) markEvacuating(ctx context.Context, vmi *kubevirtv1.Virtual
 			return err
 		}
 		cur.Status.EvacuationNodeName = node
+		setEvictionRequested(cur)
 		_, err = c.cfg.Virt.VMIs.UpdateStatus(ctx, cur)
 		return err
 	})
+}
+
+// evictionRequested reports whether the VMI has KubeVirt's
+// EvictionRequested condition.
+func evictionRequested(vmi *kubevirtv1.VirtualMachineInstance) bool {
+	for _, c := range vmi.Status.Conditions {
+		if c.Type == kubevirtv1.VirtualMachineInstanceEvictionRequested && c.Status == corev1.ConditionTrue {
+			return true
+		}
+	}
+	return false
+}
+
+// setEvictionRequested keeps KubeVirt's EvictionRequested condition as its
+// VMI controller does: True while status.evacuationNodeName is set, absent
+// otherwise.
+func setEvictionRequested(vmi *kubevirtv1.VirtualMachineInstance) {
+	vmi.Status.Conditions = slices.DeleteFunc(vmi.Status.Conditions, func(c kubevirtv1.VirtualMachineInstanceCondition) bool {
+		return c.Type == kubevirtv1.VirtualMachineInstanceEvictionRequested
+	})
+	if vmi.Status.EvacuationNodeName == "" {
+		return
+	}
+	now := metav1.Now()
+	vmi.Status.Conditions = append(vmi.Status.Conditions, kubevirtv1.VirtualMachineInstanceCondition{
+		Type: kubevirtv1.VirtualMachineInstanceEvictionRequested, Status: corev1.ConditionTrue,
+		Reason: kubevirtv1.VirtualMachineInstanceReasonEvictionRequested, Message: "VMI is marked for eviction",
+		LastProbeTime: now, LastTransitionTime: now,
+	})
+}
+
+// ClusterEvictionStrategy is the KubeVirt CR's evictionStrategy, the
+// default of VMIs that set none (None when no CR sets one).
+func ClusterEvictionStrategy(kvs []*kubevirtv1.KubeVirt) kubevirtv1.EvictionStrategy {
+	for _, kv := range kvs {
+		if s := kv.Spec.Configuration.EvictionStrategy; s != nil {
+			return *s
+		}
+	}
+	return kubevirtv1.EvictionStrategyNone
+}
+
+func evictionStrategy(vmi *kubevirtv1.VirtualMachineInstance, clusterDefault kubevirtv1.EvictionStrategy) kubevirtv1.EvictionStrategy {
+	if vmi.Spec.EvictionStrategy != nil {
+		return *vmi.Spec.EvictionStrategy
+	}
+	return clusterDefault
+}
+
+// NonEvictable is KubeVirt's kubevirt_vmi_non_evictable: the VMI's
+// eviction strategy (clusterDefault when it sets none) is LiveMigrate but
+// it is not LiveMigratable (a VMI whose condition is not there yet counts
+// as not migratable, as upstream).
+func NonEvictable(vmi *kubevirtv1.VirtualMachineInstance, clusterDefault kubevirtv1.EvictionStrategy) bool {
+	if evictionStrategy(vmi, clusterDefault) != kubevirtv1.EvictionStrategyLiveMigrate {
+		return false
+	}
+	for _, c := range vmi.Status.Conditions {
+		if c.Type == kubevirtv1.VirtualMachineInstanceIsMigratable {
+			return c.Status != corev1.ConditionTrue
+		}
+	}
+	return true
 }
 
 func hasTaint(n *corev1.Node, key string) bool {

@@ -122,6 +122,9 @@ type Controller struct {
 	// replacements are the claims being replaced (claims.go), by
 	// namespace/name, kept from their deletion to their re-creation.
 	replacements sync.Map
+	// warned is when each VMI that cannot leave a draining node was last
+	// told so (evacuation.go; its goroutine only).
+	warned map[types.UID]time.Time
 }
 
 // New validates cfg and builds the controller; Run starts it.
@@ -134,6 +137,7 @@ func New(cfg Config) (*Controller, error) {
 		cfg: cfg, log: cfg.Log.With("role", "migration"),
 		informer: cfg.Virt.Migrations.Informer("", cfg.Resync, nil),
 		recorder: controller.NewRecorder(client.NewScheme(), "nodevirt-migration"),
+		warned:   map[types.UID]time.Time{},
 	}
 	var err error
 	c.queue, err = controller.New(controller.Config{Name: "migrations", Sync: controller.NoRequeue(c.sync),
@@ -579,6 +583,7 @@ func (c *Controller) mirror(ctx context.Context, vmi *kubevirtv1.VirtualMachineI
 		if moveTo != "" {
 			out.Status.NodeName, out.Status.EvacuationNodeName = moveTo, ""
 			setMigratedCondition(out)
+			setEvictionRequested(out)
 		}
 		if _, err := c.cfg.Virt.VMIs.UpdateStatus(ctx, out); err != nil {
 			return err

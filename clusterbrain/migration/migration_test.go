@@ -2,6 +2,7 @@ package migration
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -167,6 +168,22 @@ func (e *env) nodeWrites(name string, change func(*kubevirtv1.VirtualMachineInst
 	}
 }
 
+// updateNode changes a node.
+func (e *env) updateNode(name string, change func(*corev1.Node)) {
+	e.t.Helper()
+	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		n, err := e.kube.CoreV1().Nodes().Get(e.ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		change(n)
+		_, err = e.kube.CoreV1().Nodes().Update(e.ctx, n, metav1.UpdateOptions{})
+		return err
+	}); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
 var migratable = kubevirtv1.VirtualMachineInstanceCondition{Type: kubevirtv1.VirtualMachineInstanceIsMigratable, Status: corev1.ConditionTrue}
 
 // TestMigrationPhases: a migration goes through KubeVirt's phases as the
@@ -275,7 +292,10 @@ func TestMigrationPhases(t *testing.T) {
 	}
 	if err := testkit.Wait(100*time.Millisecond, 30*time.Second, "abortRequested", func() (bool, error) {
 		m, err := e.virt.Migrations.Get(e.ctx, e.ns, back.Name)
-		return err == nil && m.Status.MigrationState.AbortRequested, testkit.Stop(err)
+		if err != nil {
+			return false, testkit.Stop(err)
+		}
+		return m.Status.MigrationState.AbortRequested, nil
 	}); err != nil {
 		t.Fatalf("abort not requested: %v", err)
 	}
@@ -324,31 +344,30 @@ func TestMigrationsRefused(t *testing.T) {
 	}
 }
 
-// TestEvacuation: on a node tainted kubevirt.io/drain, a LiveMigrate VMI gets
-// an evacuation migration and evacuationNodeName, an External one only
-// evacuationNodeName, a None one nothing; a LiveMigrate VMI that cannot
-// migrate gets a FailedEvacuation event.
+// TestEvacuation: on a node tainted kubevirt.io/drain, a LiveMigrate VMI
+// gets an evacuation migration, evacuationNodeName and KubeVirt's
+// EvictionRequested condition, which go when it has moved; an External one
+// only the mark; a None one nothing; a LiveMigrate VMI that cannot migrate
+// stays unmarked with KubeVirt's FailedCreate event (and NonEvictable), a
+// LiveMigrateIfPossible one that cannot migrate stays unmarked and unwarned.
 func TestEvacuation(t *testing.T) {
 	e := setup(t)
 	e.node("evac-a", map[string]string{"migration-test/eligible": "yes"})
+	e.node("evac-b", nil) // eligible once the VMIs run
 	strategy := func(s kubevirtv1.EvictionStrategy) *kubevirtv1.EvictionStrategy { return &s }
+	notMigratable := kubevirtv1.VirtualMachineInstanceCondition{
+		Type: kubevirtv1.VirtualMachineInstanceIsMigratable, Status: corev1.ConditionFalse,
+		Reason: kubevirtv1.VirtualMachineInstanceReasonDisksNotMigratable, Message: "cannot migrate VMI with non-shared HostDisk"}
 	e.runningVMIWith("live", "evac-a", strategy(kubevirtv1.EvictionStrategyLiveMigrate), migratable)
 	e.runningVMIWith("external", "evac-a", strategy(kubevirtv1.EvictionStrategyExternal), migratable)
 	e.runningVMIWith("none", "evac-a", strategy(kubevirtv1.EvictionStrategyNone), migratable)
-	e.runningVMIWith("stuck", "evac-a", strategy(kubevirtv1.EvictionStrategyLiveMigrate), kubevirtv1.VirtualMachineInstanceCondition{
-		Type: kubevirtv1.VirtualMachineInstanceIsMigratable, Status: corev1.ConditionFalse,
-		Reason: kubevirtv1.VirtualMachineInstanceReasonDisksNotMigratable, Message: "cannot migrate VMI with non-shared HostDisk"})
-	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
-		n, err := e.kube.CoreV1().Nodes().Get(e.ctx, "evac-a", metav1.GetOptions{})
-		if err != nil {
-			return err
-		}
+	e.runningVMIWith("stuck", "evac-a", strategy(kubevirtv1.EvictionStrategyLiveMigrate), notMigratable)
+	e.runningVMIWith("ifpossible", "evac-a", strategy(kubevirtv1.EvictionStrategyLiveMigrateIfPossible), notMigratable)
+	e.updateNode("evac-b", func(n *corev1.Node) { n.Labels["migration-test/eligible"] = "yes" })
+	e.updateNode("evac-a", func(n *corev1.Node) {
 		n.Spec.Taints = append(n.Spec.Taints, corev1.Taint{Key: "kubevirt.io/drain", Effect: corev1.TaintEffectNoSchedule})
-		_, err = e.kube.CoreV1().Nodes().Update(e.ctx, n, metav1.UpdateOptions{})
-		return err
-	}); err != nil {
-		t.Fatal(err)
-	}
+	})
+	var evacuation *kubevirtv1.VirtualMachineInstanceMigration
 	if err := testkit.Wait(200*time.Millisecond, 30*time.Second, "an evacuation migration of live", func() (bool, error) {
 		migs, err := e.virt.Migrations.List(e.ctx, e.ns, metav1.ListOptions{})
 		if err != nil {
@@ -358,26 +377,78 @@ func TestEvacuation(t *testing.T) {
 			if m.Spec.VMIName != "live" || m.Annotations[kubevirtv1.EvacuationMigrationAnnotation] != "evac-a" {
 				t.Errorf("unexpected migration %s of %s (%v)", m.Name, m.Spec.VMIName, m.Annotations)
 			}
+			evacuation = m
 		}
 		return len(migs) == 1, nil
 	}); err != nil {
 		t.Fatalf("no evacuation migration of live: %v", err)
 	}
-	if err := testkit.Wait(200*time.Millisecond, 30*time.Second, "evacuationNodeName on each vmi", func() (bool, error) {
-		for name, want := range map[string]string{"live": "evac-a", "external": "evac-a", "none": "", "stuck": "evac-a"} {
-			v, err := e.virt.VMIs.Get(e.ctx, e.ns, name)
-			if err != nil || v.Status.EvacuationNodeName != want {
-				return false, nil
+	marked := func(v *kubevirtv1.VirtualMachineInstance) string {
+		for _, c := range v.Status.Conditions {
+			if c.Type == kubevirtv1.VirtualMachineInstanceEvictionRequested {
+				return fmt.Sprintf("%s|%s|%s|%s", v.Status.EvacuationNodeName, c.Status, c.Reason, c.Message)
 			}
 		}
-		return true, nil
-	}); err != nil {
-		t.Errorf("evacuationNodeName not as KubeVirt sets it: %v", err)
+		return v.Status.EvacuationNodeName + "|no condition"
 	}
-	if err := testkit.Wait(500*time.Millisecond, 30*time.Second, "a "+ReasonFailedEvacuation+" event", func() (bool, error) {
-		events, err := e.kube.CoreV1().Events(e.ns).List(e.ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=stuck,reason=" + ReasonFailedEvacuation})
-		return err == nil && len(events.Items) > 0, nil
-	}); err != nil {
-		t.Errorf("no %s event on the VMI that cannot migrate: %v", ReasonFailedEvacuation, err)
+	want := map[string]string{"live": "evac-a|True|EvictionRequested|VMI is marked for eviction",
+		"external": "evac-a|True|EvictionRequested|VMI is marked for eviction",
+		"none":     "|no condition", "stuck": "|no condition", "ifpossible": "|no condition"}
+	testkit.Eventually(t, 30*time.Second, "evacuationNodeName and EvictionRequested as KubeVirt sets them", func() error {
+		for name, w := range want {
+			v, err := e.virt.VMIs.Get(e.ctx, e.ns, name)
+			if err != nil {
+				return err
+			}
+			if got := marked(v); got != w {
+				return fmt.Errorf("vmi %s: %q, want %q", name, got, w)
+			}
+		}
+		return nil
+	})
+	eventsOf := func(name string) int {
+		events, err := e.kube.CoreV1().Events(e.ns).List(e.ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=" + name + ",reason=" + ReasonFailedEvacuation})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(events.Items)
 	}
+	testkit.Eventually(t, 30*time.Second, "a "+ReasonFailedEvacuation+" event on the VMI that cannot migrate", func() error {
+		if eventsOf("stuck") == 0 {
+			return errors.New("none yet")
+		}
+		return nil
+	})
+	if n := eventsOf("ifpossible"); n != 0 {
+		t.Errorf("%d %s events on the LiveMigrateIfPossible VMI that cannot migrate; it was not asked to move", n, ReasonFailedEvacuation)
+	}
+	for name, want := range map[string]bool{"live": false, "stuck": true, "ifpossible": false, "none": false} {
+		v, err := e.virt.VMIs.Get(e.ctx, e.ns, name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := NonEvictable(v, kubevirtv1.EvictionStrategyNone); got != want {
+			t.Errorf("NonEvictable(%s) = %v, want %v", name, got, want)
+		}
+	}
+
+	// The evacuation succeeds (the nodes' part played here): the VMI on
+	// the target loses the mark and the condition.
+	e.waitPhase(evacuation.Name, kubevirtv1.MigrationPreparingTarget)
+	e.nodeWrites(evacuation.Name, func(s *kubevirtv1.VirtualMachineInstanceMigrationState) { s.TargetNodeAddress = "10.0.0.4" })
+	e.nodeWrites(evacuation.Name, func(s *kubevirtv1.VirtualMachineInstanceMigrationState) {
+		now := metav1.Now()
+		s.StartTimestamp, s.EndTimestamp, s.Completed = &now, &now, true
+	})
+	e.waitPhase(evacuation.Name, kubevirtv1.MigrationSucceeded)
+	testkit.Eventually(t, 30*time.Second, "the evacuated VMI unmarked on evac-b", func() error {
+		v, err := e.virt.VMIs.Get(e.ctx, e.ns, "live")
+		if err != nil {
+			return err
+		}
+		if got := marked(v); v.Status.NodeName != "evac-b" || got != "|no condition" {
+			return fmt.Errorf("on %q: %q", v.Status.NodeName, got)
+		}
+		return nil
+	})
 }

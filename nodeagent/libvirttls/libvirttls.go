@@ -121,6 +121,15 @@ func QEMUSettings(qemuDir string) map[string]string {
 // when missing) and leaving the rest of the file as it was; it reports
 // whether the file changed.
 func SetBlock(file, tag string, kv map[string]string) (bool, error) {
+	var body strings.Builder
+	for _, k := range slices.Sorted(maps.Keys(kv)) {
+		body.WriteString(k + " = " + kv[k] + "\n")
+	}
+	return setBlock(file, tag, body.String())
+}
+
+// setBlock makes body (whole lines) the block marked tag in file.
+func setBlock(file, tag, body string) (bool, error) {
 	data, err := os.ReadFile(file)
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		return false, err
@@ -128,9 +137,7 @@ func SetBlock(file, tag string, kv map[string]string) (bool, error) {
 	begin, end := "# --- BEGIN "+tag+" ---\n", "# --- END "+tag+" ---\n"
 	var block strings.Builder
 	block.WriteString(begin)
-	for _, k := range slices.Sorted(maps.Keys(kv)) {
-		block.WriteString(k + " = " + kv[k] + "\n")
-	}
+	block.WriteString(body)
 	block.WriteString(end)
 	old := string(data)
 	text := ""
@@ -176,7 +183,16 @@ type Config struct {
 	// changed, so it reads them; empty: the change is logged, and takes
 	// effect at libvirtd's next start.
 	Restart string
-	Log     *slog.Logger
+	// AppArmorRoot is AppArmor's profile directory (default
+	// AppArmorRoot). With ConfDir set and AppArmorEnabled true (default:
+	// the kernel enforces AppArmor), QEMU is allowed to read QEMUDir there
+	// (apparmor.go).
+	AppArmorRoot    string
+	AppArmorEnabled func() bool
+	// AppArmorParser loads a profile again (default apparmor_parser -r;
+	// --base and the profile's path are appended).
+	AppArmorParser []string
+	Log            *slog.Logger
 }
 
 // Configurer applies Config whenever the node certificate is written.
@@ -197,6 +213,15 @@ func New(cfg Config) *Configurer {
 	}
 	if cfg.ServerRoot == "" {
 		cfg.ServerRoot = ServerRoot
+	}
+	if cfg.AppArmorRoot == "" {
+		cfg.AppArmorRoot = AppArmorRoot
+	}
+	if cfg.AppArmorEnabled == nil {
+		cfg.AppArmorEnabled = AppArmorEnabled
+	}
+	if len(cfg.AppArmorParser) == 0 {
+		cfg.AppArmorParser = []string{"apparmor_parser", "-r"}
 	}
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
@@ -257,6 +282,12 @@ func (c *Configurer) Apply(ctx context.Context) error {
 				return fmt.Errorf("libvirt tls: %w", err)
 			}
 			changed = changed || ch
+		}
+		if c.cfg.AppArmorEnabled() {
+			// Not a libvirtd setting: no restart for it.
+			if err := c.allowQEMUDir(ctx); err != nil {
+				return fmt.Errorf("libvirt tls: %w", err)
+			}
 		}
 	}
 	switch {

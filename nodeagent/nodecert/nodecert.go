@@ -377,6 +377,17 @@ func WriteLibvirtPKI(dir string, certPEM, keyPEM []byte) error {
 	return writeLibvirtPKI(dir, is, keyPEM)
 }
 
+// WriteQEMUPKI writes a node certificate (leaf first, its CA last) and its
+// key into dir in QEMU's x509 layout, readable by group gid, as the agent
+// does for --qemu-tls-dir.
+func WriteQEMUPKI(dir string, gid int, certPEM, keyPEM []byte) error {
+	is, err := parse(certPEM, keyPEM)
+	if err != nil {
+		return fmt.Errorf("qemu pki: %w", err)
+	}
+	return writeQEMUPKI(dir, gid, is, keyPEM)
+}
+
 func (s *Source) writeLibvirt(is *issued, keyPEM []byte) error {
 	if s.cfg.LibvirtDir == "" {
 		return nil

@@ -589,7 +589,7 @@ const libvirtServerCert = "servercert.pem"
 
 // libvirtPKI is a file of the node agent's libvirt TLS directory.
 func (n Node) libvirtPKI(name string) string {
-	return filepath.Join(n.AgentDir(), "libvirt-pki", name)
+	return filepath.Join(n.LibvirtPKIDir(), name)
 }
 
 // serverCertCopied reports whether node n's agent copied its server

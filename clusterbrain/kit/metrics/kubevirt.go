@@ -86,3 +86,44 @@ func VMICollector(list func() []*kubevirtv1.VirtualMachineInstance) Collector {
 		return []Family{info, phase}
 	})
 }
+
+// MigrationCollector exposes virt-controller's migration families over the
+// migrations list returns: kubevirt_vmi_migrations_in_{unset,pending,
+// scheduling,running}_phase (counts; Scheduled, PreparingTarget and
+// TargetReady count as running, as upstream) and
+// kubevirt_vmi_migration_succeeded / _failed{vmi,vmim,namespace} (1 for
+// each ended migration).
+func MigrationCollector(list func() []*kubevirtv1.VirtualMachineInstanceMigration) Collector {
+	return CollectorFunc(func() []Family {
+		var unset, pending, scheduling, running float64
+		succeeded := Family{Name: "kubevirt_vmi_migration_succeeded", Type: TypeGauge, Help: "Indicates if the VMI migration succeeded."}
+		failed := Family{Name: "kubevirt_vmi_migration_failed", Type: TypeGauge, Help: "Indicates if the VMI migration failed."}
+		for _, m := range list() {
+			ls := []Label{{"vmi", m.Spec.VMIName}, {"vmim", m.Name}, {"namespace", m.Namespace}}
+			switch m.Status.Phase {
+			case kubevirtv1.MigrationPhaseUnset:
+				unset++
+			case kubevirtv1.MigrationPending:
+				pending++
+			case kubevirtv1.MigrationScheduling:
+				scheduling++
+			case kubevirtv1.MigrationSucceeded:
+				succeeded.Samples = append(succeeded.Samples, Sample{Labels: ls, Value: 1})
+			case kubevirtv1.MigrationFailed:
+				failed.Samples = append(failed.Samples, Sample{Labels: ls, Value: 1})
+			default:
+				running++
+			}
+		}
+		gauge := func(name, help string, v float64) Family {
+			return Family{Name: name, Type: TypeGauge, Help: help, Samples: []Sample{{Value: v}}}
+		}
+		return []Family{
+			gauge("kubevirt_vmi_migrations_in_unset_phase", "Number of current unset migrations.", unset),
+			gauge("kubevirt_vmi_migrations_in_pending_phase", "Number of current pending migrations.", pending),
+			gauge("kubevirt_vmi_migrations_in_scheduling_phase", "Number of current scheduling migrations.", scheduling),
+			gauge("kubevirt_vmi_migrations_in_running_phase", "Number of current running migrations.", running),
+			succeeded, failed,
+		}
+	})
+}

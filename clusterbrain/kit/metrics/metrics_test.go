@@ -86,3 +86,26 @@ func TestVMICollector(t *testing.T) {
 		`kubevirt_vmi_phase_count{node="n2",phase="pending",`+rest+`} 1`,
 	)
 }
+
+func TestMigrationCollector(t *testing.T) {
+	mig := func(name string, phase kubevirtv1.VirtualMachineInstanceMigrationPhase) *kubevirtv1.VirtualMachineInstanceMigration {
+		return &kubevirtv1.VirtualMachineInstanceMigration{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: name},
+			Spec: kubevirtv1.VirtualMachineInstanceMigrationSpec{VMIName: "vm-" + name}, Status: kubevirtv1.VirtualMachineInstanceMigrationStatus{Phase: phase}}
+	}
+	r := NewRegistry()
+	r.Register(MigrationCollector(func() []*kubevirtv1.VirtualMachineInstanceMigration {
+		return []*kubevirtv1.VirtualMachineInstanceMigration{mig("new", ""), mig("waits", kubevirtv1.MigrationPending),
+			mig("prep", kubevirtv1.MigrationPreparingTarget), mig("run", kubevirtv1.MigrationRunning),
+			mig("ok", kubevirtv1.MigrationSucceeded), mig("bad", kubevirtv1.MigrationFailed)}
+	}))
+	out := scrape(t, r)
+	mustContain(t, out,
+		`kubevirt_vmi_migrations_in_unset_phase 1`, `kubevirt_vmi_migrations_in_pending_phase 1`,
+		`kubevirt_vmi_migrations_in_scheduling_phase 0`, `kubevirt_vmi_migrations_in_running_phase 2`,
+		`kubevirt_vmi_migration_succeeded{vmi="vm-ok",vmim="ok",namespace="ns"} 1`,
+		`kubevirt_vmi_migration_failed{vmi="vm-bad",vmim="bad",namespace="ns"} 1`,
+	)
+	if strings.Contains(out, `vmim="run"`) {
+		t.Errorf("a running migration in the ended families:\n%s", out)
+	}
+}

@@ -3,11 +3,15 @@
 // between the same two nodes, in the same run (issue 16's anchor).
 //
 // Two nodes run as `make lab NODES=2` runs them (test/lab: namespaces of
-// their own, libvirtd + virtlogd each, plain TCP between them: lab only),
-// on a fabric of the benchmark's own. The guest is the test suite's boot
-// disk with 256 MiB of RAM and a 512 MiB data disk holding 256 MiB of
-// random data, both node-local: each migration copies them (NBD) into
-// empty sparse files the target prepared. Its domain is nodevirt's
+// their own, libvirtd + virtlogd each), on a fabric of the benchmark's own.
+// Both methods migrate as the node agents do: libvirt's qemu+tls between
+// the daemons and QEMU's native TLS for the stream (VIR_MIGRATE_TLS,
+// forced by qemu.conf; virsh --tls), with node certificates of a CA made
+// for the run (written as the agent writes its own, lab.ServeTLSWith);
+// -transport=tcp runs both over plain TCP (lab only). The guest is the
+// test suite's boot disk with 256 MiB of RAM and a 512 MiB data disk
+// holding 256 MiB of random data, both node-local: each migration copies
+// them (NBD) into empty sparse files the target prepared. Its domain is nodevirt's
 // conversion (launcher/domain) with each node's paths; nodevirt's
 // migrations go through launcher.Migrate with the target's own definition
 // as the destination XML, as the node agent does; the anchor's through
@@ -26,8 +30,10 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"os"
 	"os/exec"
+	"os/user"
 	"path/filepath"
 	"regexp"
 	"sort"
@@ -42,6 +48,8 @@ import (
 	v1 "kubevirt.io/api/core/v1"
 	"libvirt.org/go/libvirtxml"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/certs"
 	"github.com/nodevirt/nodevirt/launcher"
 	"github.com/nodevirt/nodevirt/launcher/domain"
 	"github.com/nodevirt/nodevirt/test/bench/report"
@@ -58,8 +66,13 @@ const (
 func main() {
 	rounds := flag.Int("rounds", 4, "migrations per method (even: each method both ways)")
 	dir := flag.String("dir", "/var/tmp/nodevirt-bench-migration", "working directory (removed at the end)")
+	transport := flag.String("transport", "tls", "tls (the node agents' transport: qemu+tls and QEMU's native TLS) or tcp (qemu+tcp, the stream in clear: lab only)")
 	flag.Parse()
-	if err := run(*rounds, *dir); err != nil {
+	if *transport != "tls" && *transport != "tcp" {
+		fmt.Fprintln(os.Stderr, "bench migration: -transport is tls or tcp")
+		os.Exit(2)
+	}
+	if err := run(*rounds, *dir, *transport == "tls"); err != nil {
 		fmt.Fprintln(os.Stderr, "bench migration:", err)
 		os.Exit(1)
 	}
@@ -67,7 +80,19 @@ func main() {
 
 type node struct {
 	lab.Node
+	// uri is the benchmark's own connection to the node's libvirtd.
 	uri string
+	tls bool
+}
+
+// migrationURI is the node's libvirtd as a source node's libvirtd reaches
+// it for a migration: with TLS the source's node certificate is the
+// client's.
+func (n node) migrationURI(from node) string {
+	if !n.tls {
+		return n.uri
+	}
+	return "qemu+tls://" + n.IP + "/system?pkipath=" + from.LibvirtPKIDir()
 }
 
 // disks are node n's files of the guest.
@@ -75,14 +100,14 @@ func (n node) disks() (boot, data string) {
 	return filepath.Join(n.Dir, "guest", "boot.raw"), filepath.Join(n.Dir, "guest", "data.raw")
 }
 
-func run(rounds int, dir string) error {
+func run(rounds int, dir string, tls bool) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
 	fabric := lab.Fabric{Prefix: "nvbm", Subnet: "10.76.0", SwitchBridge: "nvbm-sw", LabBridge: "br-bm", NetnsPrefix: "nvbench-"}
 	var nodes []node
 	for i, name := range []string{"bm1", "bm2"} {
 		n := lab.NewNode(fabric, name, i+1, filepath.Join(dir, name), fmt.Sprintf("10.75.%d.0/24", i+1))
-		nodes = append(nodes, node{Node: n, uri: "qemu+tcp://" + n.IP + "/system"})
+		nodes = append(nodes, node{Node: n, uri: "qemu+tcp://" + n.IP + "/system", tls: tls})
 	}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
@@ -106,6 +131,11 @@ func run(rounds int, dir string) error {
 			return err
 		}
 		if err := os.MkdirAll(filepath.Join(n.Dir, "guest"), 0o755); err != nil {
+			return err
+		}
+	}
+	if tls {
+		if err := serveTLS(nodes); err != nil {
 			return err
 		}
 	}
@@ -162,16 +192,50 @@ func run(rounds int, dir string) error {
 		fmt.Fprintf(os.Stderr, "  round %d %s→%s done\n", i, from.Name, to.Name)
 		at = 1 - at
 	}
-	total := report.Result{Name: "live migration total, 256 MiB guest + 512 MiB local disk (256 MiB data), median", Unit: "ms",
-		Value: report.Millis(median(nvTotal)), Anchor: report.Millis(median(rawTotal)), AnchorName: "virsh migrate --live --p2p --copy-storage-all",
+	via, anchor := "TLS", "virsh migrate --live --p2p --copy-storage-all --tls"
+	if !tls {
+		via, anchor = "plain TCP", "virsh migrate --live --p2p --copy-storage-all"
+	}
+	total := report.Result{Name: "live migration (" + via + ") total, 256 MiB guest + 512 MiB local disk (256 MiB data), median", Unit: "ms",
+		Value: report.Millis(median(nvTotal)), Anchor: report.Millis(median(rawTotal)), AnchorName: anchor,
 		Target: "≤ 1.1×", LowerIsBetter: true}
 	total.Met = total.Ratio() <= 1.1
-	down := report.Result{Name: "live migration downtime (libvirt job stats), median", Unit: "ms",
-		Value: report.Millis(median(nvDown)), Anchor: report.Millis(median(rawDown)), AnchorName: "virsh migrate --live --p2p --copy-storage-all",
+	down := report.Result{Name: "live migration (" + via + ") downtime (libvirt job stats), median", Unit: "ms",
+		Value: report.Millis(median(nvDown)), Anchor: report.Millis(median(rawDown)), AnchorName: anchor,
 		Target: "≤ anchor + 50 ms and ≤ 300 ms", LowerIsBetter: true}
 	down.Met = down.Value <= down.Anchor+50 && down.Value <= 300
 	report.Emit(total)
 	report.Emit(down)
+	return nil
+}
+
+// serveTLS gives each node a certificate of a CA made for the run (as the
+// brain's signer issues them: CN system:node:<name>, O nodevirt:nodes, the
+// node's IP) and makes its libvirt migrate over TLS with it.
+func serveTLS(nodes []node) error {
+	ca, err := certs.CreateCA("nodevirt-bench-node-ca", 24*time.Hour, time.Now())
+	if err != nil {
+		return err
+	}
+	g, err := user.LookupGroup("libvirt-qemu")
+	if err != nil {
+		return fmt.Errorf("qemu's group: %w", err)
+	}
+	gid, err := strconv.Atoi(g.Gid)
+	if err != nil {
+		return err
+	}
+	for _, n := range nodes {
+		kp, err := ca.Issue(certs.Leaf{CommonName: identity.NodeUser(n.Name), Organization: []string{identity.NodesGroup},
+			IPs: []net.IP{net.ParseIP(n.IP)}, Server: true, Client: true})
+		if err != nil {
+			return err
+		}
+		chain := append(append([]byte{}, kp.CertPEM...), certs.EncodeCertificate(ca.Cert.Raw)...)
+		if err := lab.ServeTLSWith(n.Node, chain, kp.KeyPEM, gid); err != nil {
+			return err
+		}
+	}
 	return nil
 }
 
@@ -242,15 +306,20 @@ func prepareTarget(ctx context.Context, n node) (string, error) {
 	return launcher.RemoteDomainXML(n.uri, dom.Name)
 }
 
-// virshMigrate is the anchor: virsh, peer to peer, disks copied.
+// virshMigrate is the anchor: virsh, peer to peer, disks copied, over
+// the same TLS transport.
 func virshMigrate(from, to node, destXML string) (time.Duration, time.Duration, error) {
 	xmlFile := filepath.Join(from.Dir, "dest.xml")
 	if err := os.WriteFile(xmlFile, []byte(destXML), 0o644); err != nil {
 		return 0, 0, err
 	}
 	t0 := time.Now()
-	out, err := exec.Command("virsh", "-c", from.uri, "migrate", "--live", "--p2p", "--persistent", "--copy-storage-all",
-		"--xml", xmlFile, "--persistent-xml", xmlFile, vmName, to.uri).CombinedOutput()
+	args := []string{"-c", from.uri, "migrate", "--live", "--p2p", "--persistent", "--copy-storage-all"}
+	if to.tls {
+		args = append(args, "--tls")
+	}
+	args = append(args, "--xml", xmlFile, "--persistent-xml", xmlFile, vmName, to.migrationURI(from))
+	out, err := exec.Command("virsh", args...).CombinedOutput()
 	total := time.Since(t0)
 	if err != nil {
 		return 0, 0, fmt.Errorf("virsh migrate: %w: %s", err, out)
@@ -279,11 +348,12 @@ func nodevirtMigrate(ctx context.Context, from, to node) (time.Duration, time.Du
 	}
 	defer lv.Close()
 	t0 := time.Now()
-	destXML, err := launcher.RemoteDomainXML(to.uri, vmName)
+	dest := to.migrationURI(from)
+	destXML, err := launcher.RemoteDomainXML(dest, vmName)
 	if err != nil {
 		return 0, 0, err
 	}
-	stats, err := lv.Migrate(ctx, vmName, launcher.MigrateOptions{DestURI: to.uri, DestXML: destXML, CopyStorage: true})
+	stats, err := lv.Migrate(ctx, vmName, launcher.MigrateOptions{DestURI: dest, DestXML: destXML, CopyStorage: true, TLS: to.tls})
 	total := time.Since(t0)
 	if err != nil {
 		return 0, 0, err
