@@ -266,9 +266,14 @@ manifests-for-images:
 # kube-scheduler from the control plane's pin, the images above imported,
 # bin/images/nodevirt.yaml applied; it undoes what kubelet changed on the
 # host. Not part of `make test`; run it alone (it uses the host's libvirtd,
-# /var/lib/kubelet and /opt/cni/bin).
+# /var/lib/kubelet and /opt/cni/bin). Its upgrade step applies a newer build:
+# images-next is `make images` again with VERSION=<this version>-next into
+# bin/images-next.
 KUBELET_TEST_PACKAGES := containerd runc
-test-kubelet: images
+.PHONY: images-next
+images-next:
+	$(MAKE) --no-print-directory images VERSION=$(VERSION)-next IMAGES=$(BIN)/images-next
+test-kubelet: images images-next
 	@missing=$$(for p in $(KUBELET_TEST_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 		echo "installing Debian packages: $$missing"; \

@@ -30,10 +30,13 @@ import (
 // TestKubeletInstall installs nodevirt as a user would on a cluster with a
 // real kubelet: the images of `make images` imported into containerd, the
 // rendered manifest applied unchanged, and then the node agent DaemonSet
-// Ready, the brain Deployment Available, the CSI driver registered with
-// kubelet and the HyperConverged Available. `make test-kubelet` runs it
-// (NODEVIRT_KUBELET=1); it needs root, containerd, runc and the host's
-// libvirtd.
+// Ready, the brain Deployment Available, the node's labels and bridge
+// resources, the CSI driver registered with kubelet and the HyperConverged
+// Available; a VM from a DataVolume answers on its console, survives a
+// restart of the DaemonSet and the upgrade to a newer build; a pod and a VM
+// asking together for more memory than the node has are not both placed.
+// `make test-kubelet` runs it (NODEVIRT_KUBELET=1) after building both
+// builds' images; it needs root, containerd, runc and the host's libvirtd.
 func TestKubeletInstall(t *testing.T) {
 	if os.Getenv("NODEVIRT_KUBELET") == "" {
 		t.Skip("make test-kubelet runs this test (NODEVIRT_KUBELET=1)")
@@ -47,6 +50,15 @@ func TestKubeletInstall(t *testing.T) {
 	archives, _ := filepath.Glob(filepath.Join(images, "*.tar"))
 	if _, err := os.Stat(manifest); err != nil || len(archives) == 0 {
 		t.Fatalf("no images: run make images first (%v)", err)
+	}
+	// The newer build the upgrade applies, and the build's own virtctl.
+	next := filepath.Join(root, "bin", "images-next")
+	if _, err := os.Stat(filepath.Join(next, "nodevirt.yaml")); err != nil {
+		t.Fatalf("no newer build: make test-kubelet builds bin/images-next (%v)", err)
+	}
+	virtctl := filepath.Join(images, "virtctl", "virtctl-linux-amd64")
+	if _, err := os.Stat(virtctl); err != nil {
+		t.Fatal(err)
 	}
 	if _, err := os.Stat("/run/libvirt/libvirt-sock"); err != nil {
 		t.Fatalf("the node agents use the host's libvirtd: %v", err)
@@ -181,6 +193,8 @@ func TestKubeletInstall(t *testing.T) {
 	if n.Labels["kubevirt.io/schedulable"] != "true" || n.Labels["nodevirt.io/nodeagent"] == "standalone" {
 		t.Errorf("node labels %v: want kubevirt.io/schedulable and a kubelet-managed node", n.Labels)
 	}
+	advertisesBridges(t, ctx, kube, name)
+	step("node advertises its labels and a new bridge as a resource")
 
 	if out, err := kubectl("wait", "--for=condition=established", "--timeout=2m", "crd/hyperconvergeds.hco.kubevirt.io"); err != nil {
 		t.Fatalf("HyperConverged CRD: %v\n%s", err, out)
@@ -197,7 +211,9 @@ func TestKubeletInstall(t *testing.T) {
 	}
 	step("HyperConverged Available")
 
-	runVM(t, ctx, kubectl, nodeIP, step)
+	console := func(word string) { consoleAnswers(t, virtctl, cp.Kubeconfig, word) }
+	runVM(t, ctx, kubectl, nodeIP, console, step)
+	upgrade(t, ctx, kube, kubectl, node, next, virtctl, cp.Kubeconfig, step)
 	podsAndVMsShare(t, ctx, kube, kubectl, name, step)
 }
 
@@ -388,9 +404,10 @@ spec:
 `
 
 // runVM runs a VM through the DaemonSet's node agent (TCG), with a pod
-// beside it, and restarts the DaemonSet under the running guest: the guest
-// keeps its QEMU.
-func runVM(t *testing.T, ctx context.Context, kubectl func(...string) (string, error), nodeIP string, step func(string)) {
+// beside it, checks its console answers, and restarts the DaemonSet under
+// the running guest: the guest keeps its QEMU and its console answers
+// through the new agent.
+func runVM(t *testing.T, ctx context.Context, kubectl func(...string) (string, error), nodeIP string, console func(string), step func(string)) {
 	raw, err := guest.BootDisk(ctx, guest.DiskSpec{})
 	if err != nil {
 		t.Fatalf("guest disk: %v", err)
@@ -433,6 +450,8 @@ func runVM(t *testing.T, ctx context.Context, kubectl func(...string) (string, e
 		t.Fatalf("VMI running: %v\n%s", err, out)
 	}
 	step("VM running")
+	console("console")
+	step("the guest answers on virtctl console through the API server")
 	if out, err := kubectl("wait", "--for=condition=Ready", "--timeout=2m", "-n", "kubelet-test-vm", "pod/beside"); err != nil {
 		t.Fatalf("pod beside the VM: %v\n%s", err, out)
 	}
@@ -451,25 +470,21 @@ func runVM(t *testing.T, ctx context.Context, kubectl func(...string) (string, e
 	}
 	step("pod with a hostpath-csi volume (mounted by kubelet through the agent's driver) Ready")
 
-	domain := "kubelet-test-vm_vm"
-	before, err := exec.CommandContext(ctx, "virsh", "-c", "qemu:///system", "domid", domain).Output()
-	if err != nil {
-		t.Fatalf("virsh domid %s: %v", domain, err)
-	}
+	before := qemuPid(t)
 	if out, err := kubectl("rollout", "restart", "-n", "kubevirt-hyperconverged", "daemonset/nodevirt-nodeagent"); err != nil {
 		t.Fatalf("rollout restart: %v\n%s", err, out)
 	}
 	if out, err := kubectl("rollout", "status", "--timeout=5m", "-n", "kubevirt-hyperconverged", "daemonset/nodevirt-nodeagent"); err != nil {
 		t.Fatalf("rollout status: %v\n%s", err, out)
 	}
-	after, err := exec.CommandContext(ctx, "virsh", "-c", "qemu:///system", "domid", domain).Output()
-	if err != nil || strings.TrimSpace(string(after)) != strings.TrimSpace(string(before)) {
-		t.Errorf("domain %s after the agents' restart: id %q (before %q), %v", domain, after, before, err)
+	if after := qemuPid(t); after != before {
+		t.Errorf("guest QEMU pid %s after the agents' restart, was %s", after, before)
 	}
 	if out, err := kubectl("get", "-n", "kubelet-test-vm", "vmi/vm", "-o", "jsonpath={.status.phase}"); err != nil || out != "Running" {
 		t.Errorf("VMI after the agents' restart: %q %v", out, err)
 	}
-	step("DaemonSet restarted under the running guest; same QEMU")
+	console("restarted")
+	step("DaemonSet restarted under the running guest; same QEMU pid, console answers")
 }
 
 func wait(t *testing.T, ctx context.Context, timeout time.Duration, what string, f func() error) {
