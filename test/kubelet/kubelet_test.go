@@ -8,19 +8,16 @@ import (
 	"net/http"
 	"net/url"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
-	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
 	"github.com/nodevirt/nodevirt/clusterbrain/capacitypods"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 	"github.com/nodevirt/nodevirt/test/controlplane"
@@ -45,18 +42,16 @@ func TestKubeletInstall(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	images := filepath.Join(root, "bin", "images")
-	manifest := filepath.Join(images, "nodevirt.yaml")
-	archives, _ := filepath.Glob(filepath.Join(images, "*.tar"))
-	if _, err := os.Stat(manifest); err != nil || len(archives) == 0 {
-		t.Fatalf("no images: run make images first (%v)", err)
+	build, err := FindBuild(filepath.Join(root, "bin", "images"))
+	if err != nil {
+		t.Fatal(err)
 	}
 	// The newer build the upgrade applies, and the build's own virtctl.
-	next := filepath.Join(root, "bin", "images-next")
-	if _, err := os.Stat(filepath.Join(next, "nodevirt.yaml")); err != nil {
-		t.Fatalf("no newer build: make test-kubelet builds bin/images-next (%v)", err)
+	next, err := FindBuild(filepath.Join(root, "bin", "images-next"))
+	if err != nil {
+		t.Fatalf("no newer build: make test-kubelet builds it (%v)", err)
 	}
-	virtctl := filepath.Join(images, "virtctl", "virtctl-linux-amd64")
+	virtctl := filepath.Join(build.Dir, "virtctl", "virtctl-linux-amd64")
 	if _, err := os.Stat(virtctl); err != nil {
 		t.Fatal(err)
 	}
@@ -68,11 +63,11 @@ func TestKubeletInstall(t *testing.T) {
 			t.Fatalf("%s exists: a lab runs on this host (make lab-down)", l)
 		}
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 35*time.Minute)
 	defer cancel()
 	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
 	dir := t.TempDir()
-	nodeIP, err := hostIP()
+	nodeIP, err := HostIP()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -109,70 +104,27 @@ func TestKubeletInstall(t *testing.T) {
 		}
 	})
 	step("node Ready")
-	if err := node.Import(ctx, archives...); err != nil {
-		t.Fatal(err)
-	}
-	step("images imported")
-
-	// kubectl runs with a context of its own: cleanups run after the
-	// test's context ended.
-	kubectl := func(args ...string) (string, error) {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
-		defer cancel()
-		out, err := exec.CommandContext(ctx, "kubectl", append([]string{"--kubeconfig", cp.Kubeconfig}, args...)...).CombinedOutput()
-		return string(out), err
-	}
-	if out, err := kubectl("apply", "-f", manifest); err != nil {
-		t.Fatalf("kubectl apply: %v\n%s", err, out)
-	}
-	t.Cleanup(func() {
-		// The HyperConverged goes while the brains that own its finalizer
-		// run; then the agents and brains stop, before the node does.
-		if out, err := kubectl("delete", "--ignore-not-found", "--wait", "--timeout=2m", "-n", "kubevirt-hyperconverged",
-			"hyperconvergeds.hco.kubevirt.io", "kubevirt-hyperconverged"); err != nil {
-			t.Logf("delete HyperConverged: %v\n%s", err, out)
-		}
-		out, err := kubectl("delete", "--ignore-not-found", "--wait", "--timeout=3m", "-f", manifest)
-		if err != nil {
-			t.Errorf("kubectl delete: %v\n%s", err, out)
-		}
-		teardownPodNetwork(t, root)
-	})
-	step("manifest applied")
+	kubectl := func(args ...string) (string, error) { return Kubectl(cp.Kubeconfig, args...) }
 	kube, err := kubernetes.NewForConfig(cp.RestConfig)
 	if err != nil {
 		t.Fatal(err)
 	}
-	const ns = "kubevirt-hyperconverged"
+	const ns = Namespace
 	defer func() {
 		if t.Failed() {
 			dumpPods(t, kube, ns)
 		}
 	}()
-	wait(t, ctx, 5*time.Minute, "node agent DaemonSet Ready", func() error {
-		ds, err := kube.AppsV1().DaemonSets(ns).Get(ctx, "nodevirt-nodeagent", metav1.GetOptions{})
-		if err != nil {
-			return err
+	// The HyperConverged goes while the brains that own its finalizer run;
+	// then the agents and brains stop, before the node does.
+	t.Cleanup(func() {
+		if err := Uninstall(cp.Kubeconfig, build); err != nil {
+			t.Errorf("uninstall: %v", err)
 		}
-		if ds.Status.DesiredNumberScheduled < 1 || ds.Status.NumberReady != ds.Status.DesiredNumberScheduled {
-			return fmt.Errorf("%d of %d ready", ds.Status.NumberReady, ds.Status.DesiredNumberScheduled)
-		}
-		return nil
 	})
-	step("node agent Ready")
-	wait(t, ctx, 5*time.Minute, "brain Deployment Available", func() error {
-		d, err := kube.AppsV1().Deployments(ns).Get(ctx, "nodevirt-clusterbrain", metav1.GetOptions{})
-		if err != nil {
-			return err
-		}
-		for _, c := range d.Status.Conditions {
-			if c.Type == appsv1.DeploymentAvailable && c.Status == corev1.ConditionTrue {
-				return nil
-			}
-		}
-		return fmt.Errorf("%d available", d.Status.AvailableReplicas)
-	})
-	step("brain Available")
+	if err := Install(ctx, node, build, step); err != nil {
+		t.Fatal(err)
+	}
 	wait(t, ctx, 3*time.Minute, "CSI driver registered with kubelet", func() error {
 		cn, err := kube.StorageV1().CSINodes().Get(ctx, name, metav1.GetOptions{})
 		if err != nil {
@@ -196,18 +148,10 @@ func TestKubeletInstall(t *testing.T) {
 	advertisesBridges(t, ctx, kube, name)
 	step("node advertises its labels and a new bridge as a resource")
 
-	if out, err := kubectl("wait", "--for=condition=established", "--timeout=2m", "crd/hyperconvergeds.hco.kubevirt.io"); err != nil {
-		t.Fatalf("HyperConverged CRD: %v\n%s", err, out)
-	}
-	if out, err := kubectl("apply", "-f", filepath.Join(root, "clusterbrain", "deploy", "hyperconverged.yaml")); err != nil {
-		t.Fatalf("apply HyperConverged: %v\n%s", err, out)
-	}
-	// Ordinary guests hang on this machine's KVM: TCG, as the lab does.
-	if out, err := kubectl("annotate", "--overwrite", "-n", ns, "hyperconverged", "kubevirt-hyperconverged", "nodevirt.io/use-emulation=true"); err != nil {
-		t.Fatalf("annotate: %v\n%s", err, out)
-	}
-	if out, err := kubectl("wait", "--for=condition=Available", "--timeout=5m", "-n", ns, "hyperconverged/kubevirt-hyperconverged"); err != nil {
-		t.Fatalf("HyperConverged Available: %v\n%s", err, out)
+	// Nodes import from nowhere private unless the HyperConverged allows
+	// it: the test's image server listens on the node's address.
+	if err := CreateHyperConverged(cp.Kubeconfig, root, nodeIP+"/32"); err != nil {
+		t.Fatal(err)
 	}
 	step("HyperConverged Available")
 
@@ -420,11 +364,6 @@ func runVM(t *testing.T, ctx context.Context, kubectl func(...string) (string, e
 		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { http.ServeFile(w, r, raw) })}
 	go srv.Serve(ln)
 	defer srv.Close()
-	// Nodes import from nowhere private unless the HyperConverged allows it.
-	if out, err := kubectl("annotate", "--overwrite", "-n", "kubevirt-hyperconverged", "hyperconverged", "kubevirt-hyperconverged",
-		importstate.AnnImportAllowedNetworks+"="+nodeIP+"/32"); err != nil {
-		t.Fatalf("annotate: %v\n%s", err, out)
-	}
 	manifest := filepath.Join(t.TempDir(), "vm.yaml")
 	url := "http://" + ln.Addr().String() + "/disk.img"
 	if err := os.WriteFile(manifest, []byte(strings.Replace(vmManifest, "IMAGE_URL", url, 1)), 0o644); err != nil {
@@ -491,32 +430,6 @@ func wait(t *testing.T, ctx context.Context, timeout time.Duration, what string,
 	t.Helper()
 	if err := waitFor(ctx, timeout, what, f); err != nil {
 		t.Fatal(err)
-	}
-}
-
-// hostIP is the address of the interface holding the default route.
-func hostIP() (string, error) {
-	out, err := exec.Command("ip", "-4", "-o", "route", "get", "192.0.2.255").Output()
-	if err != nil {
-		return "", err
-	}
-	f := strings.Fields(string(out))
-	for i := range f {
-		if f[i] == "src" && i+1 < len(f) {
-			return f[i+1], nil
-		}
-	}
-	return "", fmt.Errorf("no source address in %q", out)
-}
-
-// teardownPodNetwork removes what the node agent's pod network left on the
-// host (its bridge, taps and nftables tables) with the agent binary that
-// went into the image.
-func teardownPodNetwork(t *testing.T, root string) {
-	bin := filepath.Join(root, "bin", "images", "bin", "nodeagent")
-	out, err := exec.Command(bin, "--teardown-podnet", "--state-dir=/var/lib/nodevirt").CombinedOutput()
-	if err != nil {
-		t.Errorf("teardown pod network: %v\n%s", err, out)
 	}
 }
 

@@ -3,8 +3,7 @@ package kubelet
 import (
 	"context"
 	"fmt"
-	"os"
-	"path/filepath"
+
 	"strings"
 	"sync"
 	"testing"
@@ -92,13 +91,8 @@ func (w *upgradeWatch) result() (maxUnavailable int32, leaderless, lease time.Du
 // agent), and the brains' lease never goes without a valid holder for
 // longer than its duration.
 func upgrade(t *testing.T, ctx context.Context, kube kubernetes.Interface, kubectl func(...string) (string, error),
-	node *Node, next, virtctl, kubeconfig string, step func(string)) {
-	manifest := filepath.Join(next, "nodevirt.yaml")
-	archives, _ := filepath.Glob(filepath.Join(next, "*.tar"))
-	if _, err := os.Stat(manifest); err != nil || len(archives) == 0 {
-		t.Fatalf("no newer build in %s: make test-kubelet builds it (%v)", next, err)
-	}
-	if err := node.Import(ctx, archives...); err != nil {
+	node *Node, next Build, virtctl, kubeconfig string, step func(string)) {
+	if err := node.Import(ctx, next.Archives...); err != nil {
 		t.Fatal(err)
 	}
 	step("newer build's images imported")
@@ -115,7 +109,7 @@ func upgrade(t *testing.T, ctx context.Context, kube kubernetes.Interface, kubec
 	go func() { w.run(wctx, kube); close(done) }()
 	defer func() { stop(); <-done }()
 
-	if out, err := kubectl("apply", "-f", manifest); err != nil {
+	if out, err := kubectl("apply", "-f", next.Manifest); err != nil {
 		t.Fatalf("kubectl apply of the newer build: %v\n%s", err, out)
 	}
 	step("newer build's manifest applied")
