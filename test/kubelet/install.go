@@ -120,13 +120,28 @@ func CreateHyperConverged(kubeconfig, root, importNetworks string) error {
 }
 
 // Uninstall deletes the HyperConverged while the brains that own its
-// finalizer run, then everything the manifest made, and removes what the
-// node agent's pod network left on the host (with the agent binary of the
-// build, bin/images/bin/nodeagent).
+// finalizer run; then stops the brains and agents, deletes what the brains
+// registered themselves (APIServices, webhook configurations: left behind,
+// the APIServices' missing backends keep the namespace from going and the
+// webhooks refuse requests), then everything the manifest made; and
+// removes what the node agent's pod network left on the host (with the
+// agent binary of the build, bin/images/bin/nodeagent).
 func Uninstall(kubeconfig string, b Build) error {
 	var errs []error
 	if _, err := Kubectl(kubeconfig, "delete", "--ignore-not-found", "--wait", "--timeout=2m", "-n", Namespace,
 		"hyperconvergeds.hco.kubevirt.io", "kubevirt-hyperconverged"); err != nil {
+		errs = append(errs, err)
+	}
+	if _, err := Kubectl(kubeconfig, "delete", "--ignore-not-found", "--wait", "--timeout=3m", "-n", Namespace,
+		"deployment/nodevirt-clusterbrain", "daemonset/nodevirt-nodeagent"); err != nil {
+		errs = append(errs, err)
+	}
+	if _, err := Kubectl(kubeconfig, "wait", "--for=delete", "--timeout=3m", "-n", Namespace, "pods",
+		"-l", "app.kubernetes.io/part-of=nodevirt"); err != nil && !strings.Contains(err.Error(), "no matching resources") {
+		errs = append(errs, err)
+	}
+	if _, err := Kubectl(kubeconfig, "delete", "--ignore-not-found", "--wait", "--timeout=2m",
+		"apiservices,mutatingwebhookconfigurations,validatingwebhookconfigurations", "-l", "app.kubernetes.io/managed-by=nodevirt"); err != nil {
 		errs = append(errs, err)
 	}
 	if _, err := Kubectl(kubeconfig, "delete", "--ignore-not-found", "--wait", "--timeout=3m", "-f", b.Manifest); err != nil {
