@@ -8,6 +8,9 @@ EMULATION ?= on
 # keeps the running lab's count (one node when there is none).
 NODES ?=
 LAB_NODES = $(if $(NODES),--nodes $(NODES))
+# KUBELET=1 makes the lab's node a real kubelet with containerd and installs
+# nodevirt onto it from `make images` (test/kubelet's machinery).
+KUBELET ?=
 DEBIAN_PACKAGES := libvirt-daemon-system libvirt-dev qemu-system-x86 qemu-utils etcd-server \
 	containernetworking-plugins nftables iptables busybox-static extlinux syslinux-common genisoimage qemu-guest-agent \
 	iproute2 ovmf xz-utils zstd curl cpio kmod e2fsprogs util-linux strace libguestfs-tools dropbear-bin openssh-client \
@@ -111,8 +114,8 @@ controlplane: deps
 upstream-virtctl:
 	$(GO) run ./test/cmd/nodevirt-lab build-upstream-virtctl
 
-lab: build
-	$(BIN)/nodevirt-lab up --dir $(LAB) --bin $(BIN) --emulation $(EMULATION) $(LAB_NODES)
+lab: build $(if $(KUBELET),images kubelet-packages)
+	$(BIN)/nodevirt-lab up --dir $(LAB) --bin $(BIN) --emulation $(EMULATION) $(LAB_NODES) $(if $(KUBELET),--kubelet)
 
 lab-down:
 	@if [ -x $(BIN)/nodevirt-lab ]; then $(BIN)/nodevirt-lab down --dir $(LAB); \
@@ -267,13 +270,20 @@ manifests-for-images:
 # kube-scheduler from the control plane's pin, the images above imported,
 # bin/images/nodevirt.yaml applied; it undoes what kubelet changed on the
 # host. Not part of `make test`; run it alone (it uses the host's libvirtd,
-# /var/lib/kubelet and /opt/cni/bin).
+# /var/lib/kubelet and /opt/cni/bin). Its upgrade step applies a newer build:
+# images-next is `make images` again with VERSION=<this version>-next into
+# bin/images-next.
 KUBELET_TEST_PACKAGES := containerd runc
-test-kubelet: images
+.PHONY: images-next
+images-next:
+	$(MAKE) --no-print-directory images VERSION=$(VERSION)-next IMAGES=$(BIN)/images-next
+.PHONY: kubelet-packages
+kubelet-packages:
 	@missing=$$(for p in $(KUBELET_TEST_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 		echo "installing Debian packages: $$missing"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	fi
-	NODEVIRT_KUBELET=1 $(GO) test -count=1 -timeout 30m -run TestKubeletInstall -v ./test/kubelet
+test-kubelet: images images-next kubelet-packages
+	NODEVIRT_KUBELET=1 $(GO) test -count=1 -timeout 40m -run TestKubeletInstall -v ./test/kubelet
 # --- end of images and cluster manifests -------------------------------------

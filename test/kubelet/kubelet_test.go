@@ -8,19 +8,16 @@ import (
 	"net/http"
 	"net/url"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
-	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
 	"github.com/nodevirt/nodevirt/clusterbrain/capacitypods"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 	"github.com/nodevirt/nodevirt/test/controlplane"
@@ -30,10 +27,13 @@ import (
 // TestKubeletInstall installs nodevirt as a user would on a cluster with a
 // real kubelet: the images of `make images` imported into containerd, the
 // rendered manifest applied unchanged, and then the node agent DaemonSet
-// Ready, the brain Deployment Available, the CSI driver registered with
-// kubelet and the HyperConverged Available. `make test-kubelet` runs it
-// (NODEVIRT_KUBELET=1); it needs root, containerd, runc and the host's
-// libvirtd.
+// Ready, the brain Deployment Available, the node's labels and bridge
+// resources, the CSI driver registered with kubelet and the HyperConverged
+// Available; a VM from a DataVolume answers on its console, survives a
+// restart of the DaemonSet and the upgrade to a newer build; a pod and a VM
+// asking together for more memory than the node has are not both placed.
+// `make test-kubelet` runs it (NODEVIRT_KUBELET=1) after building both
+// builds' images; it needs root, containerd, runc and the host's libvirtd.
 func TestKubeletInstall(t *testing.T) {
 	if os.Getenv("NODEVIRT_KUBELET") == "" {
 		t.Skip("make test-kubelet runs this test (NODEVIRT_KUBELET=1)")
@@ -42,11 +42,18 @@ func TestKubeletInstall(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	images := filepath.Join(root, "bin", "images")
-	manifest := filepath.Join(images, "nodevirt.yaml")
-	archives, _ := filepath.Glob(filepath.Join(images, "*.tar"))
-	if _, err := os.Stat(manifest); err != nil || len(archives) == 0 {
-		t.Fatalf("no images: run make images first (%v)", err)
+	build, err := FindBuild(filepath.Join(root, "bin", "images"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The newer build the upgrade applies, and the build's own virtctl.
+	next, err := FindBuild(filepath.Join(root, "bin", "images-next"))
+	if err != nil {
+		t.Fatalf("no newer build: make test-kubelet builds it (%v)", err)
+	}
+	virtctl := filepath.Join(build.Dir, "virtctl", "virtctl-linux-amd64")
+	if _, err := os.Stat(virtctl); err != nil {
+		t.Fatal(err)
 	}
 	if _, err := os.Stat("/run/libvirt/libvirt-sock"); err != nil {
 		t.Fatalf("the node agents use the host's libvirtd: %v", err)
@@ -56,11 +63,11 @@ func TestKubeletInstall(t *testing.T) {
 			t.Fatalf("%s exists: a lab runs on this host (make lab-down)", l)
 		}
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 35*time.Minute)
 	defer cancel()
 	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
 	dir := t.TempDir()
-	nodeIP, err := hostIP()
+	nodeIP, err := HostIP()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -97,70 +104,27 @@ func TestKubeletInstall(t *testing.T) {
 		}
 	})
 	step("node Ready")
-	if err := node.Import(ctx, archives...); err != nil {
-		t.Fatal(err)
-	}
-	step("images imported")
-
-	// kubectl runs with a context of its own: cleanups run after the
-	// test's context ended.
-	kubectl := func(args ...string) (string, error) {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
-		defer cancel()
-		out, err := exec.CommandContext(ctx, "kubectl", append([]string{"--kubeconfig", cp.Kubeconfig}, args...)...).CombinedOutput()
-		return string(out), err
-	}
-	if out, err := kubectl("apply", "-f", manifest); err != nil {
-		t.Fatalf("kubectl apply: %v\n%s", err, out)
-	}
-	t.Cleanup(func() {
-		// The HyperConverged goes while the brains that own its finalizer
-		// run; then the agents and brains stop, before the node does.
-		if out, err := kubectl("delete", "--ignore-not-found", "--wait", "--timeout=2m", "-n", "kubevirt-hyperconverged",
-			"hyperconvergeds.hco.kubevirt.io", "kubevirt-hyperconverged"); err != nil {
-			t.Logf("delete HyperConverged: %v\n%s", err, out)
-		}
-		out, err := kubectl("delete", "--ignore-not-found", "--wait", "--timeout=3m", "-f", manifest)
-		if err != nil {
-			t.Errorf("kubectl delete: %v\n%s", err, out)
-		}
-		teardownPodNetwork(t, root)
-	})
-	step("manifest applied")
+	kubectl := func(args ...string) (string, error) { return Kubectl(cp.Kubeconfig, args...) }
 	kube, err := kubernetes.NewForConfig(cp.RestConfig)
 	if err != nil {
 		t.Fatal(err)
 	}
-	const ns = "kubevirt-hyperconverged"
+	const ns = Namespace
 	defer func() {
 		if t.Failed() {
 			dumpPods(t, kube, ns)
 		}
 	}()
-	wait(t, ctx, 5*time.Minute, "node agent DaemonSet Ready", func() error {
-		ds, err := kube.AppsV1().DaemonSets(ns).Get(ctx, "nodevirt-nodeagent", metav1.GetOptions{})
-		if err != nil {
-			return err
+	// The HyperConverged goes while the brains that own its finalizer run;
+	// then the agents and brains stop, before the node does.
+	t.Cleanup(func() {
+		if err := Uninstall(cp.Kubeconfig, build); err != nil {
+			t.Errorf("uninstall: %v", err)
 		}
-		if ds.Status.DesiredNumberScheduled < 1 || ds.Status.NumberReady != ds.Status.DesiredNumberScheduled {
-			return fmt.Errorf("%d of %d ready", ds.Status.NumberReady, ds.Status.DesiredNumberScheduled)
-		}
-		return nil
 	})
-	step("node agent Ready")
-	wait(t, ctx, 5*time.Minute, "brain Deployment Available", func() error {
-		d, err := kube.AppsV1().Deployments(ns).Get(ctx, "nodevirt-clusterbrain", metav1.GetOptions{})
-		if err != nil {
-			return err
-		}
-		for _, c := range d.Status.Conditions {
-			if c.Type == appsv1.DeploymentAvailable && c.Status == corev1.ConditionTrue {
-				return nil
-			}
-		}
-		return fmt.Errorf("%d available", d.Status.AvailableReplicas)
-	})
-	step("brain Available")
+	if err := Install(ctx, node, build, step); err != nil {
+		t.Fatal(err)
+	}
 	wait(t, ctx, 3*time.Minute, "CSI driver registered with kubelet", func() error {
 		cn, err := kube.StorageV1().CSINodes().Get(ctx, name, metav1.GetOptions{})
 		if err != nil {
@@ -181,23 +145,19 @@ func TestKubeletInstall(t *testing.T) {
 	if n.Labels["kubevirt.io/schedulable"] != "true" || n.Labels["nodevirt.io/nodeagent"] == "standalone" {
 		t.Errorf("node labels %v: want kubevirt.io/schedulable and a kubelet-managed node", n.Labels)
 	}
+	advertisesBridges(t, ctx, kube, name)
+	step("node advertises its labels and a new bridge as a resource")
 
-	if out, err := kubectl("wait", "--for=condition=established", "--timeout=2m", "crd/hyperconvergeds.hco.kubevirt.io"); err != nil {
-		t.Fatalf("HyperConverged CRD: %v\n%s", err, out)
-	}
-	if out, err := kubectl("apply", "-f", filepath.Join(root, "clusterbrain", "deploy", "hyperconverged.yaml")); err != nil {
-		t.Fatalf("apply HyperConverged: %v\n%s", err, out)
-	}
-	// Ordinary guests hang on this machine's KVM: TCG, as the lab does.
-	if out, err := kubectl("annotate", "--overwrite", "-n", ns, "hyperconverged", "kubevirt-hyperconverged", "nodevirt.io/use-emulation=true"); err != nil {
-		t.Fatalf("annotate: %v\n%s", err, out)
-	}
-	if out, err := kubectl("wait", "--for=condition=Available", "--timeout=5m", "-n", ns, "hyperconverged/kubevirt-hyperconverged"); err != nil {
-		t.Fatalf("HyperConverged Available: %v\n%s", err, out)
+	// Nodes import from nowhere private unless the HyperConverged allows
+	// it: the test's image server listens on the node's address.
+	if err := CreateHyperConverged(cp.Kubeconfig, root, nodeIP+"/32"); err != nil {
+		t.Fatal(err)
 	}
 	step("HyperConverged Available")
 
-	runVM(t, ctx, kubectl, nodeIP, step)
+	console := func(word string) { consoleAnswers(t, virtctl, cp.Kubeconfig, word) }
+	runVM(t, ctx, kubectl, nodeIP, console, step)
+	upgrade(t, ctx, kube, kubectl, node, next, virtctl, cp.Kubeconfig, step)
 	podsAndVMsShare(t, ctx, kube, kubectl, name, step)
 }
 
@@ -388,10 +348,13 @@ spec:
 `
 
 // runVM runs a VM through the DaemonSet's node agent (TCG), with a pod
-// beside it, and restarts the DaemonSet under the running guest: the guest
-// keeps its QEMU.
-func runVM(t *testing.T, ctx context.Context, kubectl func(...string) (string, error), nodeIP string, step func(string)) {
-	raw, err := guest.BootDisk(ctx, guest.DiskSpec{})
+// beside it, checks its console answers, and restarts the DaemonSet under
+// the running guest: the guest keeps its QEMU and its console answers
+// through the new agent.
+func runVM(t *testing.T, ctx context.Context, kubectl func(...string) (string, error), nodeIP string, console func(string), step func(string)) {
+	// A host this loaded makes the guest kernel's IO-APIC timer check fail
+	// (a panic under TCG): skip it, as cloud images do.
+	raw, err := guest.BootDisk(ctx, guest.DiskSpec{Cmdline: "no_timer_check"})
 	if err != nil {
 		t.Fatalf("guest disk: %v", err)
 	}
@@ -403,11 +366,6 @@ func runVM(t *testing.T, ctx context.Context, kubectl func(...string) (string, e
 		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { http.ServeFile(w, r, raw) })}
 	go srv.Serve(ln)
 	defer srv.Close()
-	// Nodes import from nowhere private unless the HyperConverged allows it.
-	if out, err := kubectl("annotate", "--overwrite", "-n", "kubevirt-hyperconverged", "hyperconverged", "kubevirt-hyperconverged",
-		importstate.AnnImportAllowedNetworks+"="+nodeIP+"/32"); err != nil {
-		t.Fatalf("annotate: %v\n%s", err, out)
-	}
 	manifest := filepath.Join(t.TempDir(), "vm.yaml")
 	url := "http://" + ln.Addr().String() + "/disk.img"
 	if err := os.WriteFile(manifest, []byte(strings.Replace(vmManifest, "IMAGE_URL", url, 1)), 0o644); err != nil {
@@ -433,6 +391,8 @@ func runVM(t *testing.T, ctx context.Context, kubectl func(...string) (string, e
 		t.Fatalf("VMI running: %v\n%s", err, out)
 	}
 	step("VM running")
+	console("console")
+	step("the guest answers on virtctl console through the API server")
 	if out, err := kubectl("wait", "--for=condition=Ready", "--timeout=2m", "-n", "kubelet-test-vm", "pod/beside"); err != nil {
 		t.Fatalf("pod beside the VM: %v\n%s", err, out)
 	}
@@ -451,57 +411,27 @@ func runVM(t *testing.T, ctx context.Context, kubectl func(...string) (string, e
 	}
 	step("pod with a hostpath-csi volume (mounted by kubelet through the agent's driver) Ready")
 
-	domain := "kubelet-test-vm_vm"
-	before, err := exec.CommandContext(ctx, "virsh", "-c", "qemu:///system", "domid", domain).Output()
-	if err != nil {
-		t.Fatalf("virsh domid %s: %v", domain, err)
-	}
+	before := qemuPid(t)
 	if out, err := kubectl("rollout", "restart", "-n", "kubevirt-hyperconverged", "daemonset/nodevirt-nodeagent"); err != nil {
 		t.Fatalf("rollout restart: %v\n%s", err, out)
 	}
 	if out, err := kubectl("rollout", "status", "--timeout=5m", "-n", "kubevirt-hyperconverged", "daemonset/nodevirt-nodeagent"); err != nil {
 		t.Fatalf("rollout status: %v\n%s", err, out)
 	}
-	after, err := exec.CommandContext(ctx, "virsh", "-c", "qemu:///system", "domid", domain).Output()
-	if err != nil || strings.TrimSpace(string(after)) != strings.TrimSpace(string(before)) {
-		t.Errorf("domain %s after the agents' restart: id %q (before %q), %v", domain, after, before, err)
+	if after := qemuPid(t); after != before {
+		t.Errorf("guest QEMU pid %s after the agents' restart, was %s", after, before)
 	}
 	if out, err := kubectl("get", "-n", "kubelet-test-vm", "vmi/vm", "-o", "jsonpath={.status.phase}"); err != nil || out != "Running" {
 		t.Errorf("VMI after the agents' restart: %q %v", out, err)
 	}
-	step("DaemonSet restarted under the running guest; same QEMU")
+	console("restarted")
+	step("DaemonSet restarted under the running guest; same QEMU pid, console answers")
 }
 
 func wait(t *testing.T, ctx context.Context, timeout time.Duration, what string, f func() error) {
 	t.Helper()
 	if err := waitFor(ctx, timeout, what, f); err != nil {
 		t.Fatal(err)
-	}
-}
-
-// hostIP is the address of the interface holding the default route.
-func hostIP() (string, error) {
-	out, err := exec.Command("ip", "-4", "-o", "route", "get", "192.0.2.255").Output()
-	if err != nil {
-		return "", err
-	}
-	f := strings.Fields(string(out))
-	for i := range f {
-		if f[i] == "src" && i+1 < len(f) {
-			return f[i+1], nil
-		}
-	}
-	return "", fmt.Errorf("no source address in %q", out)
-}
-
-// teardownPodNetwork removes what the node agent's pod network left on the
-// host (its bridge, taps and nftables tables) with the agent binary that
-// went into the image.
-func teardownPodNetwork(t *testing.T, root string) {
-	bin := filepath.Join(root, "bin", "images", "bin", "nodeagent")
-	out, err := exec.Command(bin, "--teardown-podnet", "--state-dir=/var/lib/nodevirt").CombinedOutput()
-	if err != nil {
-		t.Errorf("teardown pod network: %v\n%s", err, out)
 	}
 }
 

@@ -49,8 +49,11 @@ type Config struct {
 	// on the host as before; 2 or more run each node in namespaces of its
 	// own (see nodes.go), named node1, node2, …
 	NodeCount int
-	Out       io.Writer
-	Log       *slog.Logger
+	// Kubelet runs the one node as a real kubelet with containerd and
+	// installs nodevirt from `make images` onto it (see kubelet.go).
+	Kubelet bool
+	Out     io.Writer
+	Log     *slog.Logger
 }
 
 func (c *Config) defaults() error {
@@ -105,6 +108,16 @@ func Up(ctx context.Context, cfg Config) error {
 	}
 	if had := recordedNodeCount(cfg.Dir); had != 0 && had != cfg.NodeCount {
 		return fmt.Errorf("the lab in %s has %d node(s), not %d: make lab-down first", cfg.Dir, had, cfg.NodeCount)
+	} else if had != 0 && recordedKubelet(cfg.Dir) != cfg.Kubelet {
+		return fmt.Errorf("the lab in %s runs with kubelet %v, not %v: make lab-down first", cfg.Dir, recordedKubelet(cfg.Dir), cfg.Kubelet)
+	}
+	if cfg.Kubelet {
+		if cfg.NodeCount != 1 {
+			return errors.New("a kubelet lab has one node")
+		}
+		if err := os.WriteFile(cfg.path(kubeletModeFile), nil, 0o644); err != nil {
+			return err
+		}
 	}
 	if err := os.WriteFile(cfg.path(nodeCountFile), []byte(strconv.Itoa(cfg.NodeCount)), 0o644); err != nil {
 		return err
@@ -115,6 +128,9 @@ func Up(ctx context.Context, cfg Config) error {
 		// Nodes reach the API server from their namespaces at the
 		// underlay gateway.
 		cpCfg.BindAddress = "0.0.0.0"
+	}
+	if cfg.Kubelet {
+		cpCfg = kubeletControlPlane(cfg)
 	}
 	cp, err := controlplane.Start(ctx, cpCfg)
 	if err != nil {
@@ -133,6 +149,17 @@ func Up(ctx context.Context, cfg Config) error {
 		}
 	} else if err := upNodes(cfg); err != nil {
 		return err
+	}
+	if cfg.Kubelet {
+		if err := upKubelet(ctx, cfg); err != nil {
+			return err
+		}
+		fmt.Fprintf(cfg.Out, "\nnodevirt lab is up on a kubelet node (installed from bin/images/nodevirt.yaml). Next:\n"+
+			"  export KUBECONFIG=%s\n"+
+			"  kubectl get nodes -o wide; kubectl get pods -n kubevirt-hyperconverged; kubectl get hco -A\n"+
+			"  make lab-down    # uninstall, undo what kubelet changed on the host, remove everything the lab made\n"+
+			"Logs: %s/*.log, the node's in %s\n", cfg.Kubeconfig(), cfg.Dir, cfg.path("kubelet"))
+		return nil
 	}
 	kube, err := kubernetes.NewForConfig(cp.RestConfig)
 	if err != nil {
@@ -421,7 +448,7 @@ func Down(ctx context.Context, cfg Config) error {
 		fmt.Fprintln(cfg.Out, "no lab to remove")
 		return nil
 	}
-	var errs []error
+	errs := []error{downKubelet(cfg)}
 	step(cfg.Out, "nodevirt daemons")
 	for _, d := range []string{"nodeagent", "clusterbrain", standbyBrain} {
 		if pid, ok := controlplane.AlivePid(cfg.path(d + ".pid")); ok {

@@ -26,6 +26,7 @@ func main() {
 	}
 	if len(os.Args) < 2 {
 		fmt.Fprintln(os.Stderr, "usage: nodevirt-lab up|down|demo|exec|build-controlplane|build-upstream-virtctl [flags]\n"+
+			"       nodevirt-lab up --kubelet                           (the node is a real kubelet; nodevirt installed from bin/images)\n"+
 			"       nodevirt-lab exec [--dir DIR] NODE -- CMD ARGS...   (runs a command inside a lab node)\n"+
 			"       nodevirt-lab power-off [--dir DIR] NODE             (kills every process of a node at once)")
 		os.Exit(2)
@@ -37,6 +38,7 @@ func main() {
 	fs.StringVar(&cfg.BinDir, "bin", "bin", "directory of the built nodevirt binaries")
 	fs.StringVar(&cfg.Emulation, "emulation", "on", "guests under TCG: on, off or auto")
 	fs.StringVar(&cfg.NodeName, "node-name", "", "lab node name of a one-node lab (default: host name)")
+	fs.BoolVar(&cfg.Kubelet, "kubelet", false, "run the node as a real kubelet with containerd and install nodevirt from bin/images (make lab KUBELET=1)")
 	fs.IntVar(&cfg.NodeCount, "nodes", 0, "number of nodes; 2 or more run each in namespaces of its own (default: the running lab's, else 1)")
 	fs.Parse(os.Args[2:])
 	cfg.Log = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
@@ -49,6 +51,10 @@ func main() {
 		err = lab.Up(ctx, cfg)
 	case "down":
 		err = lab.Down(ctx, cfg)
+	case "kubelet-node":
+		// Started detached by up --kubelet: holds the kubelet node until
+		// SIGTERM (down).
+		err = lab.RunKubeletNode(ctx, cfg)
 	case "demo":
 		err = lab.Demo(ctx, cfg)
 	case "exec":
