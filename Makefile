@@ -195,10 +195,12 @@ vagrant-up: vagrant-box vagrant-stage
 vagrant-down:
 	@if command -v vagrant >/dev/null; then cd vagrant && vagrant destroy -f; fi
 
-# test-vagrant brings the lab up from nothing, checks it from the control VM
-# and destroys it, printing how long each step took.
+# test-vagrant brings the lab up from nothing, checks it from inside (a guest
+# on each node VM from the smallest test guest's disk, served by the host) and
+# destroys it, printing how long each step took.
 test-vagrant vagrant-test: vagrant-box vagrant-stage
-	NODES=$(NODES) VAGRANT_BOX=$(VAGRANT_BOX) vagrant/test
+	image=$$($(GO) run ./test/guest/cmd/nodevirt-guest bootdisk -format qcow2) && \
+	GUEST_IMAGE=$$image NODES=$(NODES) VAGRANT_BOX=$(VAGRANT_BOX) vagrant/test
 
 # --- Images and cluster manifests (install on an existing cluster) ----------
 # images writes one archive per image into bin/images (ctr -n k8s.io images
