@@ -17,7 +17,7 @@ DEBIAN_PACKAGES := libvirt-daemon-system libvirt-dev qemu-system-x86 qemu-utils 
 	apparmor
 TEST_TIMEOUT ?= 35m
 
-.PHONY: all build install install-units install-controlplane vagrant-deps vagrant-box vagrant-stage vagrant-up vagrant-down test-vagrant vagrant-test deps controlplane upstream-virtctl lab lab-down demo test unit bench vet fmt clean virtctl-dist fuzz
+.PHONY: all build install install-units install-controlplane vagrant-deps vagrant-box vagrant-stage vagrant-up vagrant-down vagrant-clean test-vagrant vagrant-test deps controlplane upstream-virtctl lab lab-down demo test unit bench vet fmt clean virtctl-dist fuzz
 
 all: build
 
@@ -199,10 +199,25 @@ vagrant-up: vagrant-box vagrant-stage
 vagrant-down:
 	@if command -v vagrant >/dev/null; then cd vagrant && vagrant destroy -f; fi
 
-# test-vagrant brings the lab up from nothing, checks it from the control VM
-# and destroys it, printing how long each step took.
+# vagrant-clean also removes what vagrant destroy keeps for the next lab: the
+# box, its base volume and the storage pool $(VAGRANT_POOL).
+VAGRANT_POOL ?= nodevirt-vagrant
+vagrant-clean: vagrant-down
+	-vagrant box remove --force $(VAGRANT_BOX) 2>/dev/null
+	@if virsh -c qemu:///system pool-info $(VAGRANT_POOL) >/dev/null 2>&1; then \
+		for v in $$(virsh -c qemu:///system vol-list $(VAGRANT_POOL) | awk 'NR > 2 && $$1 != "" {print $$1}'); do \
+			virsh -c qemu:///system vol-delete --pool $(VAGRANT_POOL) $$v >/dev/null; done; \
+		virsh -c qemu:///system pool-destroy $(VAGRANT_POOL) >/dev/null; \
+		virsh -c qemu:///system pool-undefine $(VAGRANT_POOL) >/dev/null; \
+		rmdir /var/lib/libvirt/$(VAGRANT_POOL) 2>/dev/null || true; \
+	fi
+
+# test-vagrant brings the lab up from nothing, checks it from inside (a guest
+# on each node VM from the smallest test guest's disk, served by the host) and
+# destroys it, printing how long each step took.
 test-vagrant vagrant-test: vagrant-box vagrant-stage
-	NODES=$(NODES) VAGRANT_BOX=$(VAGRANT_BOX) vagrant/test
+	image=$$($(GO) run ./test/guest/cmd/nodevirt-guest bootdisk -format qcow2) && \
+	GUEST_IMAGE=$$image NODES=$(NODES) VAGRANT_BOX=$(VAGRANT_BOX) vagrant/test
 
 # --- Images and cluster manifests (install on an existing cluster) ----------
 # images writes one archive per image into bin/images (ctr -n k8s.io images
