@@ -41,6 +41,7 @@ var (
 		"spec.enableCommonBootImageImport":                           "hco boot sources, dataimportcron",
 		"spec.CommonInstancetypesDeployment":                         "instancetypes",
 		"spec.storagePools":                                          "hostpathprovisioner, nodeagent/storagepools",
+		"spec.tlsSecurityProfile":                                    "api/tlsprofile (from the KubeVirt and CDI CRs: the brain's webhooks, aggregated APIs, upload API and proxy, the node agents' console and upload servers, live)",
 	}
 	// inert fields: path → why nodevirt does not act on it.
 	inert = map[string]string{
@@ -70,7 +71,6 @@ var (
 		"spec.obsoleteCPUs":                                            "CPU models are not filtered",
 		"spec.workloadUpdateStrategy":                                  "running VMs are not updated on upgrades",
 		"spec.logVerbosityConfig":                                      "log levels are set by the daemons' flags",
-		"spec.tlsSecurityProfile":                                      "validated and rendered into the children, but nodevirt's servers do not apply it yet",
 		"spec.tektonPipelinesNamespace":                                "the pipeline Tasks are not deployed",
 		"spec.tektonTasksNamespace":                                    "the pipeline Tasks are not deployed",
 		"spec.kubeSecondaryDNSNameServerIP":                            "no secondary DNS is deployed",
