@@ -22,8 +22,10 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/client-go/tools/leaderelection"
 	"k8s.io/client-go/tools/leaderelection/resourcelock"
+	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/cpumodel"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/crwatch"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/fencing"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/tlsprofile"
@@ -135,6 +137,9 @@ type Deps struct {
 	// (virt-api's), CDITLS for the upload API and proxy (CDI's).
 	ClusterConfig       *crwatch.Watch
 	KubeVirtTLS, CDITLS *tlsprofile.Live
+	// CPUModels are the KubeVirt CR's default and obsolete CPU models, for
+	// the VMIs the VM controller creates.
+	CPUModels *cpumodel.Live
 
 	// scheduler is the leader's scheduler once built, for the VM
 	// controller's placements before creation.
@@ -186,8 +191,9 @@ func New(cfg Config) (*Brain, error) {
 	}
 	d := &Deps{Config: cfg, RestConfig: rc, Kube: kube, Virt: virt, Log: cfg.Log,
 		Health: daemon.NewHealth("api-installed"), ClusterConfig: crwatch.New(virt, cfg.Namespace),
-		KubeVirtTLS: tlsprofile.NewLive(), CDITLS: tlsprofile.NewLive()}
+		KubeVirtTLS: tlsprofile.NewLive(), CDITLS: tlsprofile.NewLive(), CPUModels: &cpumodel.Live{}}
 	tlsprofile.Follow(d.ClusterConfig, d.KubeVirtTLS, d.CDITLS, d.Log)
+	d.ClusterConfig.OnKubeVirt(func(kv *kubevirtv1.KubeVirt) { d.CPUModels.Set(cpumodel.FromKubeVirt(kv)) })
 	b := &Brain{cfg: cfg, deps: d}
 	if b.always, err = build(everyBrainRoles, d); err != nil {
 		return nil, err
