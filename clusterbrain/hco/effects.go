@@ -43,6 +43,8 @@ var (
 		"spec.storagePools":                                          "hostpathprovisioner, nodeagent/storagepools",
 		"spec.defaultCPUModel":                                       "admission, vmcontroller (api/cpumodel: the model of VMIs created without one)",
 		"spec.obsoleteCPUs":                                          "admission, vmcontroller (api/cpumodel: VMIs and VMs naming an obsolete model refused)",
+		"spec.tektonPipelinesNamespace":                              "ssp (where the pipeline Tasks and Pipelines go, with featureGates.deployTektonTaskResources)",
+		"spec.tektonTasksNamespace":                                  "ssp (where the pipeline Tasks go, with featureGates.deployTektonTaskResources)",
 		"spec.tlsSecurityProfile":                                    "api/tlsprofile (from the KubeVirt and CDI CRs: the brain's webhooks, aggregated APIs, upload API and proxy, the node agents' console and upload servers, live)",
 	}
 	// inert fields: path → why nodevirt does not act on it.
@@ -71,8 +73,6 @@ var (
 		"spec.defaultRuntimeClass":                                     "VMs are not pods: no runtime class",
 		"spec.workloadUpdateStrategy":                                  "running VMs are not updated on upgrades",
 		"spec.logVerbosityConfig":                                      "log levels are set by the daemons' flags",
-		"spec.tektonPipelinesNamespace":                                "the pipeline Tasks are not deployed",
-		"spec.tektonTasksNamespace":                                    "the pipeline Tasks are not deployed",
 		"spec.kubeSecondaryDNSNameServerIP":                            "no secondary DNS is deployed",
 		"spec.vmStateStorageClass":                                     "there is no persistent VM state (TPM/EFI) volume",
 		"spec.virtualMachineOptions":                                   "free page reporting and the serial console log are not configurable",
