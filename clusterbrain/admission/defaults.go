@@ -10,13 +10,18 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 )
 
-// mutateVMI applies the defaults KubeVirt applies when a VMI is created.
-func mutateVMI(_ context.Context, req *admissionv1.AdmissionRequest) *admissionv1.AdmissionResponse {
+// mutateVMI applies the defaults KubeVirt applies when a VMI is created,
+// the KubeVirt CR's default CPU model among them.
+func (k *kubevirtWebhooks) mutateVMI(ctx context.Context, req *admissionv1.AdmissionRequest) *admissionv1.AdmissionResponse {
 	var vmi kubevirtv1.VirtualMachineInstance
 	if err := json.Unmarshal(req.Object.Raw, &vmi); err != nil {
 		return Denyf("decode virtualmachineinstance: %v", err)
 	}
-	if !defaultVMISpec(&vmi.Spec) {
+	changed := defaultVMISpec(&vmi.Spec)
+	if k.cfg.cpuModels(ctx).Apply(&vmi.Spec) {
+		changed = true
+	}
+	if !changed {
 		return Allow() // already defaulted (as the VM controller creates VMIs)
 	}
 	return Patch([]PatchOp{{Op: "replace", Path: "/spec", Value: vmi.Spec}})

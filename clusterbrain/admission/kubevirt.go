@@ -2,6 +2,7 @@ package admission
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"strings"
 	"time"
@@ -11,6 +12,7 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/cpumodel"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/featuregate"
 )
 
@@ -106,4 +108,29 @@ func (c *clusterConfig) instancetypeMissing(ctx context.Context, ns string, m *k
 		return false, fmt.Errorf("instancetype %s: %w", m.Name, err)
 	}
 	return false, nil
+}
+
+// cpuModels is what the KubeVirt CR says about CPU models (package
+// cpumodel): its default model and obsolete ones.
+func (c *clusterConfig) cpuModels(ctx context.Context) cpumodel.Cluster {
+	var kv *kubevirtv1.KubeVirt
+	if kvs := c.kubeVirts(ctx); len(kvs) > 0 {
+		kv = kvs[0]
+	}
+	return cpumodel.FromKubeVirt(kv)
+}
+
+// sameCPUModel reports whether the VM in old (JSON) has the model of cpu.
+func sameCPUModel(old []byte, cpu *kubevirtv1.CPU) bool {
+	var vm kubevirtv1.VirtualMachine
+	if len(old) == 0 || json.Unmarshal(old, &vm) != nil || vm.Spec.Template == nil {
+		return false
+	}
+	model := func(c *kubevirtv1.CPU) string {
+		if c == nil {
+			return ""
+		}
+		return c.Model
+	}
+	return model(vm.Spec.Template.Spec.Domain.CPU) == model(cpu)
 }

@@ -10,6 +10,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation/field"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/api/cpumodel"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 )
 
@@ -31,15 +32,18 @@ func notTheBrain() []admissionregistrationv1.MatchCondition {
 
 // AdmitVMICreate does to vmi, in process, what the two VMI webhooks do to a
 // create sent to them: the mutating webhook's defaults (DefaultVMISpec,
-// which settles in one pass), then the create validation. A refusal is the
+// which settles in one pass, and cpu's default model), then the create
+// validation (cpu's obsolete models refused). A refusal is the
 // error the API server returns when the validating webhook denies the
 // create: an *apierrors.StatusError
 // with the same code, causes and message ("admission webhook
 // \"virtualmachineinstances-create-validator.kubevirt.io\" denied the
 // request: spec.domain...").
-func AdmitVMICreate(vmi *kubevirtv1.VirtualMachineInstance) error {
+func AdmitVMICreate(vmi *kubevirtv1.VirtualMachineInstance, cpu cpumodel.Cluster) error {
 	defaultVMISpec(&vmi.Spec)
-	if errs := ValidateVMISpec(field.NewPath("spec"), &vmi.Spec, false); len(errs) > 0 {
+	cpu.Apply(&vmi.Spec)
+	errs := ValidateVMISpec(field.NewPath("spec"), &vmi.Spec, false)
+	if errs = append(errs, cpu.Check(field.NewPath("spec"), &vmi.Spec)...); len(errs) > 0 {
 		return deniedBy(VMIValidatorName, DenyFields(errs).Result)
 	}
 	return nil

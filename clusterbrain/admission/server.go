@@ -25,6 +25,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/aggregated"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/tlsprofile"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/certs"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/httperr"
 )
@@ -75,6 +76,9 @@ type Config struct {
 	// Certs overrides certificate settings; Kube, Namespace and
 	// PublishBundle are filled in by the server.
 	Certs certs.Config
+	// TLSProfile is the KubeVirt CR's TLS settings for the server (nil:
+	// TLS 1.2 and Go's suites).
+	TLSProfile *tlsprofile.Live
 }
 
 // Deps are the clients the server and its contributors use.
@@ -265,7 +269,7 @@ func (s *Server) Run(ctx context.Context) error {
 }
 
 func (s *Server) tlsConfig() *tls.Config {
-	return &tls.Config{MinVersion: tls.VersionTLS12, GetCertificate: s.cm.GetCertificate}
+	return s.cfg.TLSProfile.Server(&tls.Config{MinVersion: tls.VersionTLS12, GetCertificate: s.cm.GetCertificate})
 }
 
 // review decodes an AdmissionReview, runs h and encodes its answer.

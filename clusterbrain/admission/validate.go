@@ -36,7 +36,7 @@ func rules(resource string, ops ...admissionregistrationv1.OperationType) []admi
 func RegisterKubeVirt(s *Server) error {
 	kv := &kubevirtWebhooks{cfg: newClusterConfig(s)}
 	s.Register(Webhook{Name: VMIMutatorName, Path: "/virtualmachineinstances-mutate", Mutating: true,
-		Rules: rules("virtualmachineinstances", admissionregistrationv1.Create), MatchConditions: notTheBrain(), Admit: mutateVMI})
+		Rules: rules("virtualmachineinstances", admissionregistrationv1.Create), MatchConditions: notTheBrain(), Admit: kv.mutateVMI})
 	s.Register(Webhook{Name: "virtualmachine-validator.kubevirt.io", Path: "/virtualmachines-validate",
 		Rules: rules("virtualmachines", admissionregistrationv1.Create, admissionregistrationv1.Update), Admit: kv.admitVM})
 	s.Register(Webhook{Name: VMIValidatorName, Path: "/virtualmachineinstances-validate-create",
@@ -74,6 +74,11 @@ func (k *kubevirtWebhooks) admitVM(ctx context.Context, req *admissionv1.Admissi
 	}
 	if t := vm.Spec.Template; t != nil {
 		errs = append(errs, ValidateFeatureGates(field.NewPath("spec", "template", "spec"), &t.Spec, k.cfg.gates(ctx))...)
+		// An update that leaves the model as it was is let through: the
+		// VM already runs it or was admitted with it.
+		if req.Operation == admissionv1.Create || !sameCPUModel(req.OldObject.Raw, t.Spec.Domain.CPU) {
+			errs = append(errs, k.cfg.cpuModels(ctx).Check(field.NewPath("spec", "template", "spec"), &t.Spec)...)
+		}
 		// The VM controller copies the template's labels to the VMI it
 		// creates as the brain: a user's template must not carry what the
 		// user could not put on a VMI (a node binding).
@@ -95,6 +100,7 @@ func (k *kubevirtWebhooks) admitVMI(ctx context.Context, req *admissionv1.Admiss
 	spec := field.NewPath("spec")
 	errs := ValidateVMISpec(spec, &vmi.Spec, false)
 	errs = append(errs, ValidateFeatureGates(spec, &vmi.Spec, k.cfg.gates(ctx))...)
+	errs = append(errs, k.cfg.cpuModels(ctx).Check(spec, &vmi.Spec)...)
 	errs = append(errs, validateReservedLabels(&vmi, privileged(req.UserInfo))...)
 	if len(errs) > 0 {
 		return DenyFields(errs)

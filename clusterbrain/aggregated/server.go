@@ -16,6 +16,7 @@ import (
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/api/tlsprofile"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/certs"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/httperr"
 )
@@ -44,7 +45,10 @@ type Config struct {
 	CASecret string
 	// Durations of the CA and serving certificate (default HCO's).
 	Durations func(context.Context) certs.Durations
-	Log       *slog.Logger
+	// TLSProfile is the KubeVirt CR's TLS settings, applied at every
+	// handshake (nil: TLS 1.2 and Go's suites).
+	TLSProfile *tlsprofile.Live
+	Log        *slog.Logger
 }
 
 // Server is an aggregated API server.
@@ -153,11 +157,11 @@ func (s *Server) Run(ctx context.Context) error {
 	srv := &http.Server{
 		Handler:           s.authenticate(s.cfg.Handler),
 		ReadHeaderTimeout: 30 * time.Second, IdleTimeout: 2 * time.Minute,
-		TLSConfig: &tls.Config{
+		TLSConfig: s.cfg.TLSProfile.Server(&tls.Config{
 			GetCertificate: cm.GetCertificate,
 			ClientAuth:     tls.RequestClientCert,
 			MinVersion:     tls.VersionTLS12,
-		},
+		}),
 		ErrorLog: slog.NewLogLogger(s.cfg.Log.Handler(), slog.LevelDebug),
 	}
 	go func() {

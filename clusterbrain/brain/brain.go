@@ -22,9 +22,13 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/client-go/tools/leaderelection"
 	"k8s.io/client-go/tools/leaderelection/resourcelock"
+	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/cpumodel"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/crwatch"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/fencing"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/tlsprofile"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon"
 	"github.com/nodevirt/nodevirt/clusterbrain/nodereads"
@@ -128,6 +132,14 @@ type Deps struct {
 	Virt       *client.Set
 	Log        *slog.Logger
 	Health     *daemon.Health
+	// ClusterConfig follows the KubeVirt and CDI CRs for the servers' TLS
+	// settings: KubeVirtTLS for the webhooks and the aggregated APIs
+	// (virt-api's), CDITLS for the upload API and proxy (CDI's).
+	ClusterConfig       *crwatch.Watch
+	KubeVirtTLS, CDITLS *tlsprofile.Live
+	// CPUModels are the KubeVirt CR's default and obsolete CPU models, for
+	// the VMIs the VM controller creates.
+	CPUModels *cpumodel.Live
 
 	// scheduler is the leader's scheduler once built, for the VM
 	// controller's placements before creation.
@@ -178,11 +190,15 @@ func New(cfg Config) (*Brain, error) {
 		return nil, err
 	}
 	d := &Deps{Config: cfg, RestConfig: rc, Kube: kube, Virt: virt, Log: cfg.Log,
-		Health: daemon.NewHealth("api-installed")}
+		Health: daemon.NewHealth("api-installed"), ClusterConfig: crwatch.New(virt, cfg.Namespace),
+		KubeVirtTLS: tlsprofile.NewLive(), CDITLS: tlsprofile.NewLive(), CPUModels: &cpumodel.Live{}}
+	tlsprofile.Follow(d.ClusterConfig, d.KubeVirtTLS, d.CDITLS, d.Log)
+	d.ClusterConfig.OnKubeVirt(func(kv *kubevirtv1.KubeVirt) { d.CPUModels.Set(cpumodel.FromKubeVirt(kv)) })
 	b := &Brain{cfg: cfg, deps: d}
 	if b.always, err = build(everyBrainRoles, d); err != nil {
 		return nil, err
 	}
+	b.always = append(b.always, d.ClusterConfig)
 	// The first term's roles are built here, so that a configuration
 	// error shows before the brain campaigns.
 	if b.leader, err = b.leaderTerm(); err != nil {

@@ -44,10 +44,11 @@ var everyBrainRoles = []RoleFactory{
 		return clidownload.New(clidownload.Config{Dir: d.Config.VirtctlDir, Addr: d.Config.CLIDownloadAddr, Log: d.Log.With("role", "cli-download")})
 	},
 	func(d *Deps) (Role, error) {
-		return upload.New(upload.Config{Kube: d.Kube, Namespace: d.Config.Namespace, APIAddr: d.Config.UploadAPIAddr, ProxyAddr: d.Config.UploadProxyAddr, Log: d.Log})
+		return upload.New(upload.Config{Kube: d.Kube, Namespace: d.Config.Namespace, APIAddr: d.Config.UploadAPIAddr, ProxyAddr: d.Config.UploadProxyAddr,
+			TLSProfile: d.CDITLS, Log: d.Log})
 	},
 	func(d *Deps) (Role, error) {
-		return subresources.ForBrain(d.RestConfig, d.Kube, d.Virt, d.Config.Namespace, d.Config.SubresourcesAddr, d.Log.With("role", "subresources"))
+		return subresources.ForBrain(d.RestConfig, d.Kube, d.Virt, d.Config.Namespace, d.Config.SubresourcesAddr, d.KubeVirtTLS, d.Log.With("role", "subresources"))
 	},
 	func(d *Deps) (Role, error) {
 		dyn, err := dynamic.NewForConfig(d.RestConfig)
@@ -55,7 +56,7 @@ var everyBrainRoles = []RoleFactory{
 			return nil, err
 		}
 		return templateapi.New(templateapi.Config{Kube: d.Kube, Dynamic: dyn, Namespace: d.Config.Namespace,
-			Addr: d.Config.TemplateAPIAddr, Log: d.Log.With("role", "template-api")})
+			Addr: d.Config.TemplateAPIAddr, TLSProfile: d.KubeVirtTLS, Log: d.Log.With("role", "template-api")})
 	},
 	func(d *Deps) (Role, error) {
 		dyn, err := dynamic.NewForConfig(d.RestConfig)
@@ -63,7 +64,7 @@ var everyBrainRoles = []RoleFactory{
 			return nil, err
 		}
 		return nodereads.New(nodereads.Config{Kube: d.Kube, Dynamic: dyn, Virt: d.Virt, Namespace: d.Config.Namespace,
-			Addr: d.Config.NodeReadsAddr, Log: d.Log})
+			Addr: d.Config.NodeReadsAddr, TLSProfile: d.KubeVirtTLS, Log: d.Log})
 	},
 	func(d *Deps) (Role, error) {
 		return newMetricsServer(d.Config.MetricsAddr, d.Virt, d.Log.With("role", "metrics")), nil
@@ -71,7 +72,7 @@ var everyBrainRoles = []RoleFactory{
 	func(d *Deps) (Role, error) {
 		// One webhook server: KubeVirt's VM/VMI admission (with quotas),
 		// CDI's DataVolume validation, the MAC pool and the hco-webhook.
-		return admission.NewRole(admission.Config{Addr: d.Config.WebhookAddr, Namespace: d.Config.Namespace},
+		return admission.NewRole(admission.Config{Addr: d.Config.WebhookAddr, Namespace: d.Config.Namespace, TLSProfile: d.KubeVirtTLS},
 			admission.Deps{Kube: d.Kube, Virt: d.Virt, Log: d.Log},
 			admission.RegisterDataVolumes,
 			macpool.Register(macpool.Config{RestConfig: d.RestConfig, Namespace: d.Config.Namespace}),
@@ -144,7 +145,7 @@ var leaderRoles = []RoleFactory{
 		// The scheduler places each VMI before it is created, so the VMI is
 		// created with its node label and bound by one status write.
 		return vmcontroller.New(vmcontroller.Config{RestConfig: d.RestConfig, Log: d.Log.With("role", "vm-controller"), Placer: d.scheduler,
-			VMInformer: d.vms, VMIInformer: d.vmis})
+			VMInformer: d.vms, VMIInformer: d.vmis, CPUModels: d.CPUModels})
 	},
 	func(d *Deps) (Role, error) {
 		// Nodes' certificates, signed with the node CA only the brain reads.

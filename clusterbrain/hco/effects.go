@@ -41,6 +41,11 @@ var (
 		"spec.enableCommonBootImageImport":                           "hco boot sources, dataimportcron",
 		"spec.CommonInstancetypesDeployment":                         "instancetypes",
 		"spec.storagePools":                                          "hostpathprovisioner, nodeagent/storagepools",
+		"spec.defaultCPUModel":                                       "admission, vmcontroller (api/cpumodel: the model of VMIs created without one)",
+		"spec.obsoleteCPUs":                                          "admission, vmcontroller (api/cpumodel: VMIs and VMs naming an obsolete model refused)",
+		"spec.tektonPipelinesNamespace":                              "ssp (where the pipeline Tasks and Pipelines go, with featureGates.deployTektonTaskResources)",
+		"spec.tektonTasksNamespace":                                  "ssp (where the pipeline Tasks go, with featureGates.deployTektonTaskResources)",
+		"spec.tlsSecurityProfile":                                    "api/tlsprofile (from the KubeVirt and CDI CRs: the brain's webhooks, aggregated APIs, upload API and proxy, the node agents' console and upload servers, live)",
 	}
 	// inert fields: path → why nodevirt does not act on it.
 	inert = map[string]string{
@@ -65,14 +70,9 @@ var (
 		"spec.resourceRequirements.autoCPULimitNamespaceLabelSelector": "CPU limits are not set automatically",
 		"spec.scratchSpaceStorageClass":                                "imports need no scratch space",
 		"spec.vddkInitImage":                                           "VDDK imports are not supported",
-		"spec.defaultCPUModel":                                         "the CPU model is not defaulted",
 		"spec.defaultRuntimeClass":                                     "VMs are not pods: no runtime class",
-		"spec.obsoleteCPUs":                                            "CPU models are not filtered",
 		"spec.workloadUpdateStrategy":                                  "running VMs are not updated on upgrades",
 		"spec.logVerbosityConfig":                                      "log levels are set by the daemons' flags",
-		"spec.tlsSecurityProfile":                                      "validated and rendered into the children, but nodevirt's servers do not apply it yet",
-		"spec.tektonPipelinesNamespace":                                "the pipeline Tasks are not deployed",
-		"spec.tektonTasksNamespace":                                    "the pipeline Tasks are not deployed",
 		"spec.kubeSecondaryDNSNameServerIP":                            "no secondary DNS is deployed",
 		"spec.vmStateStorageClass":                                     "there is no persistent VM state (TPM/EFI) volume",
 		"spec.virtualMachineOptions":                                   "free page reporting and the serial console log are not configurable",

@@ -35,6 +35,7 @@ func hcFrom(t *testing.T, spec string) *hcov1beta1.HyperConverged {
 func TestInertFieldsAreWarnedAbout(t *testing.T) {
 	hc := hcFrom(t, `{
 	  "defaultCPUModel": "Haswell",
+	  "vmStateStorageClass": "rwx",
 	  "featureGates": {"alignCPUs": true, "downwardMetrics": false, "videoConfig": true},
 	  "liveMigrationConfig": {"network": "migration-net", "bandwidthPerMigration": "64Mi"},
 	  "tlsSecurityProfile": {"type": "Modern", "modern": {}},
@@ -48,15 +49,15 @@ func TestInertFieldsAreWarnedAbout(t *testing.T) {
 		t.Fatal(err)
 	}
 	all := strings.Join(warnings, "\n")
-	for _, want := range []string{"spec.defaultCPUModel has no effect in nodevirt: ", "spec.featureGates.alignCPUs has no effect",
-		"spec.liveMigrationConfig.network has no effect", "spec.tlsSecurityProfile has no effect",
+	for _, want := range []string{"spec.vmStateStorageClass has no effect in nodevirt: ", "spec.featureGates.alignCPUs has no effect",
+		"spec.liveMigrationConfig.network has no effect",
 		"spec.higherWorkloadDensity has no effect"} {
 		if !strings.Contains(all, want) {
 			t.Errorf("no warning %q in:\n%s", want, all)
 		}
 	}
 	// Effective fields and inert ones left at their default draw nothing.
-	for _, quiet := range []string{"downwardMetrics", "videoConfig", "bandwidthPerMigration", "kubeMacPoolConfiguration",
+	for _, quiet := range []string{"tlsSecurityProfile", "defaultCPUModel", "downwardMetrics", "videoConfig", "bandwidthPerMigration", "kubeMacPoolConfiguration",
 		"storagePools", "evictionStrategy", "certConfig", "workloadUpdateStrategy", "uninstallStrategy"} {
 		if strings.Contains(all, quiet) {
 			t.Errorf("warning about %s:\n%s", quiet, all)

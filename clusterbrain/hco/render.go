@@ -19,6 +19,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
 	cnaov1 "github.com/nodevirt/nodevirt/clusterbrain/api/networkaddons/v1"
 	sspv1beta2 "github.com/nodevirt/nodevirt/clusterbrain/api/ssp/v1beta2"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/tlsprofile"
 )
 
 // Upstream's names of the children.
@@ -211,7 +212,7 @@ func renderKubeVirt(hc *hcov1beta1.HyperConverged, version string) (*kubevirtv1.
 
 	tlsSpec := profileSpecOf(s.TLSSecurityProfile)
 	minTLS := kubevirtv1.TLSProtocolVersion(tlsSpec.MinTLSVersion)
-	if _, ok := tlsVersions[tlsSpec.MinTLSVersion]; !ok {
+	if _, ok := tlsprofile.Versions[tlsSpec.MinTLSVersion]; !ok {
 		minTLS = kubevirtv1.VersionTLS12
 	}
 
@@ -224,7 +225,7 @@ func renderKubeVirt(hc *hcov1beta1.HyperConverged, version string) (*kubevirtv1.
 		PermittedHostDevices:          s.PermittedHostDevices.DeepCopy(),
 		ObsoleteCPUModels:             obsolete,
 		DeprecatedMinCPUModel:         minCPU,
-		TLSConfiguration:              &kubevirtv1.TLSConfiguration{MinTLSVersion: minTLS, Ciphers: ianaCiphers(tlsSpec.Ciphers)},
+		TLSConfiguration:              &kubevirtv1.TLSConfiguration{MinTLSVersion: minTLS, Ciphers: tlsprofile.IANACiphers(tlsSpec.Ciphers)},
 		EvictionStrategy:              s.EvictionStrategy,
 		KSMConfiguration:              s.KSMConfiguration.DeepCopy(),
 		CommonInstancetypesDeployment: s.CommonInstancetypesDeployment.DeepCopy(),

@@ -24,6 +24,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/tlsprofile"
 	"github.com/nodevirt/nodevirt/clusterbrain/hcoconvert"
 )
 
@@ -200,7 +201,7 @@ func validateTLSProfile(p *hcov1beta1.TLSSecurityProfile) error {
 		return nil
 	}
 	v := p.Custom.MinTLSVersion
-	if _, ok := tlsVersions[v]; !ok {
+	if _, ok := tlsprofile.Versions[v]; !ok {
 		return fmt.Errorf("invalid value for spec.tlsSecurityProfile.custom.minTLSVersion: %q", v)
 	}
 	if v != "VersionTLS13" && !slices.ContainsFunc(p.Custom.Ciphers, func(c string) bool {

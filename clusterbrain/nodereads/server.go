@@ -27,6 +27,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
 	api "github.com/nodevirt/nodevirt/clusterbrain/api/nodereads"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/tlsprofile"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/httperr"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 )
@@ -47,7 +48,10 @@ type Config struct {
 	Namespace string
 	// Addr is the listen address (DefaultAddr when empty; not loopback).
 	Addr string
-	Log  *slog.Logger
+	// TLSProfile is the KubeVirt CR's TLS settings for the server (nil:
+	// TLS 1.2 and Go's suites).
+	TLSProfile *tlsprofile.Live
+	Log        *slog.Logger
 }
 
 // Server is the nodereads.nodevirt.io aggregated API, a brain role.
@@ -69,7 +73,7 @@ func New(cfg Config) (*Server, error) {
 	}
 	cfg.Log = cfg.Log.With("role", "node-reads")
 	s := &Server{cfg: cfg}
-	agg, err := aggregated.NewServer(aggregated.Config{Kube: cfg.Kube, Dynamic: cfg.Dynamic, Addr: cfg.Addr, Handler: s,
+	agg, err := aggregated.NewServer(aggregated.Config{Kube: cfg.Kube, Dynamic: cfg.Dynamic, Addr: cfg.Addr, Handler: s, TLSProfile: cfg.TLSProfile,
 		Log: cfg.Log,
 		Registration: aggregated.Registration{Group: api.Group, Versions: []string{api.Version},
 			Namespace: cfg.Namespace, Service: ServiceName, GroupPriorityMinimum: 1000, VersionPriority: 15}})

@@ -15,6 +15,7 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/tlsprofile"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/uploadtls"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 )
@@ -29,13 +30,13 @@ type BrainRole struct {
 // ForBrain builds the brain role from the brain's clients; the nodeagents'
 // client certificate comes from the upload CA in namespace, loaded at the
 // first node call.
-func ForBrain(rc *rest.Config, kube kubernetes.Interface, virt *client.Set, namespace, addr string, log *slog.Logger) (*BrainRole, error) {
+func ForBrain(rc *rest.Config, kube kubernetes.Interface, virt *client.Set, namespace, addr string, profile *tlsprofile.Live, log *slog.Logger) (*BrainRole, error) {
 	dyn, err := dynamic.NewForConfig(rc)
 	if err != nil {
 		return nil, err
 	}
 	node := NewBrainNodeClient(kube, namespace)
-	s, err := New(Config{Kube: kube, Dynamic: dyn, Virt: virt, Namespace: namespace, Addr: addr, Node: node, Log: log})
+	s, err := New(Config{Kube: kube, Dynamic: dyn, Virt: virt, Namespace: namespace, Addr: addr, Node: node, TLSProfile: profile, Log: log})
 	if err != nil {
 		return nil, err
 	}

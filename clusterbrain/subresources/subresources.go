@@ -24,6 +24,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/aggregated"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/tlsprofile"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/httperr"
 )
 
@@ -53,7 +54,10 @@ type Config struct {
 	NodeTLS *tls.Config
 	// Version is what /version reports.
 	Version Info
-	Log     *slog.Logger
+	// TLSProfile is the KubeVirt CR's TLS settings for the API's server
+	// (nil: TLS 1.2 and Go's suites).
+	TLSProfile *tlsprofile.Live
+	Log        *slog.Logger
 }
 
 // Server is the subresource API.
@@ -85,7 +89,7 @@ func New(cfg Config) (*Server, error) {
 	}
 	s := &Server{cfg: cfg, sessions: sessions{active: map[string]*session{}}}
 	agg, err := aggregated.NewServer(aggregated.Config{
-		Kube: cfg.Kube, Dynamic: cfg.Dynamic, Addr: cfg.Addr, Handler: s, Public: public, Log: cfg.Log,
+		Kube: cfg.Kube, Dynamic: cfg.Dynamic, Addr: cfg.Addr, Handler: s, Public: public, Log: cfg.Log, TLSProfile: cfg.TLSProfile,
 		Registration: aggregated.Registration{Group: Group, Versions: Versions, Namespace: cfg.Namespace, Service: ServiceName},
 	})
 	if err != nil {

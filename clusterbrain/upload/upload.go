@@ -24,6 +24,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/aggregated"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/tlsprofile"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/uploadtls"
 )
 
@@ -47,7 +48,10 @@ type Config struct {
 	// ReadyWait is how long an upload waits for its target to be ready
 	// (default 10s).
 	ReadyWait time.Duration
-	Log       *slog.Logger
+	// TLSProfile is the CDI CR's TLS settings for the API and the proxy
+	// (nil: TLS 1.2 and Go's suites).
+	TLSProfile *tlsprofile.Live
+	Log        *slog.Logger
 }
 
 func (c *Config) defaults() {
@@ -144,9 +148,9 @@ func (s *Server) Run(ctx context.Context) error {
 	go s.refreshAuth(ctx)
 
 	api := &http.Server{Handler: s.apiHandler(), ReadHeaderTimeout: 30 * time.Second, IdleTimeout: 2 * time.Minute,
-		TLSConfig: &tls.Config{MinVersion: tls.VersionTLS12, GetConfigForClient: s.apiTLSConfig}}
+		TLSConfig: s.cfg.TLSProfile.Server(&tls.Config{MinVersion: tls.VersionTLS12, GetConfigForClient: s.apiTLSConfig})}
 	proxy := &http.Server{Handler: s.proxyHandler(), ReadHeaderTimeout: 30 * time.Second, IdleTimeout: 2 * time.Minute,
-		TLSConfig: &tls.Config{MinVersion: tls.VersionTLS12, Certificates: []tls.Certificate{s.proxyTLS}}}
+		TLSConfig: s.cfg.TLSProfile.Server(&tls.Config{MinVersion: tls.VersionTLS12, Certificates: []tls.Certificate{s.proxyTLS}})}
 	errc := make(chan error, 2)
 	go func() { errc <- api.ServeTLS(s.apiLn, "", "") }()
 	go func() { errc <- proxy.ServeTLS(s.proxyLn, "", "") }()

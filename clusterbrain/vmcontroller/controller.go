@@ -27,6 +27,7 @@ import (
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/cpumodel"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/metrics"
 )
@@ -50,6 +51,9 @@ type Config struct {
 	VMInformer, VMIInformer cache.SharedIndexInformer
 	// Placer, when set, picks each VMI's node before the VMI is created.
 	Placer Placer
+	// CPUModels is the KubeVirt CR's default and obsolete CPU models,
+	// applied to the VMIs the controller creates (nil: none).
+	CPUModels *cpumodel.Live
 	// BackoffBase and BackoffMax bound the delay before a failed VMI is
 	// started again: base·2^(failures-1), at most max (default 10s, 5m,
 	// like KubeVirt).

@@ -20,9 +20,11 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/crwatch"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/fencing"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/nodereads"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/tlsprofile"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/metrics"
 	"github.com/nodevirt/nodevirt/csi"
@@ -263,6 +265,11 @@ type Deps struct {
 	PodNetworkErr error
 	// Cert is the node's own certificate (nil when no endpoint needs it).
 	Cert *nodecert.Source
+	// ClusterConfig follows the KubeVirt and CDI CRs for the servers' TLS
+	// settings: KubeVirtTLS for the console server (virt-handler's),
+	// CDITLS for the upload and export endpoint (CDI's upload server).
+	ClusterConfig       *crwatch.Watch
+	KubeVirtTLS, CDITLS *tlsprofile.Live
 	// Handler is the virt-handler role, set when it is built; the roles
 	// built after it reach the node's libvirt through it (one set of
 	// connections per agent).
@@ -342,11 +349,15 @@ func New(cfg Config) (*Agent, error) {
 	}
 	d := &Deps{Config: cfg, RestConfig: rc, Kube: kc, Virt: virt, Reads: reads, Informers: kube.NewFactory(kc, 10*time.Minute),
 		VMIs: handler.NodeVMIInformer(virt, cfg.NodeName), Log: cfg.Log,
-		Health: daemon.NewHealth("node-registered"), Emulation: emulation, Volumes: volumes, Cert: cert}
+		Health: daemon.NewHealth("node-registered"), Emulation: emulation, Volumes: volumes, Cert: cert,
+		ClusterConfig: crwatch.New(virt, cfg.BrainNamespace), KubeVirtTLS: tlsprofile.NewLive(), CDITLS: tlsprofile.NewLive()}
+	d.Config.Console.TLSProfile = d.KubeVirtTLS
+	tlsprofile.Follow(d.ClusterConfig, d.KubeVirtTLS, d.CDITLS, d.Log)
 	if d.PodNetwork, d.PodNetworkErr, err = setupPodNetwork(cfg); err != nil {
 		return nil, err
 	}
 	a := &Agent{cfg: cfg, deps: d, reg: reg}
+	a.roles = append(a.roles, d.ClusterConfig)
 	if cert != nil {
 		a.roles = append(a.roles, cert)
 	}

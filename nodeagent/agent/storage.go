@@ -70,6 +70,7 @@ func newImportRole(d *Deps) (Role, error) {
 	if d.Cert != nil {
 		cfg.UploadTLS, cfg.PeerTLS = d.Cert.ServerTLS(), d.Cert.PeerTLS
 	}
+	cfg.UploadTLSProfile = d.CDITLS
 	a, err := dvimport.New(cfg)
 	if err != nil {
 		return nil, err

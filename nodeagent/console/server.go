@@ -90,6 +90,7 @@ import (
 
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/api/tlsprofile"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/httperr"
 )
 
@@ -151,11 +152,22 @@ type Config struct {
 	// TLS, when set, replaces the files; it must require and verify client
 	// certificates.
 	TLS *tls.Config
+	// TLSProfile is the KubeVirt CR's TLS settings (minimum version and
+	// suites), applied at every handshake; nil: TLS 1.2 and Go's suites.
+	TLSProfile *tlsprofile.Live
 	// Log; slog.Default() when nil.
 	Log *slog.Logger
 }
 
 func (c *Config) tlsConfig() (*tls.Config, error) {
+	cfg, err := c.baseTLS()
+	if err != nil {
+		return nil, err
+	}
+	return c.TLSProfile.Server(cfg), nil
+}
+
+func (c *Config) baseTLS() (*tls.Config, error) {
 	if c.TLS != nil {
 		if c.TLS.ClientAuth != tls.RequireAndVerifyClientCert {
 			return nil, errors.New("console: tls config must require and verify client certificates")

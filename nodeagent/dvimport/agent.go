@@ -32,6 +32,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/nodereads"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/tlsprofile"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 	"github.com/nodevirt/nodevirt/nodeagent/kube"
 )
@@ -73,6 +74,10 @@ type Config struct {
 	// certificate minted from the node CA (which needs read access to its
 	// key).
 	UploadTLS *tls.Config
+	// UploadTLSProfile is the CDI CR's TLS settings for the upload endpoint
+	// (minimum version and suites), applied at every handshake; nil: TLS
+	// 1.2 and Go's suites.
+	UploadTLSProfile *tlsprofile.Live
 	// PeerTLS gives the client configuration for other nodes' endpoints
 	// (clones across nodes): this node's certificate and the node CA. Nil:
 	// a client certificate minted from the node CA.

@@ -60,7 +60,7 @@ func (s *uploadServer) start(ctx context.Context) error {
 			return err
 		}
 	}
-	s.listener = tls.NewListener(ln, tlsCfg)
+	s.listener = tls.NewListener(ln, cfg.UploadTLSProfile.Server(tlsCfg))
 	s.srv = &http.Server{Handler: s, ReadHeaderTimeout: 30 * time.Second, IdleTimeout: 2 * time.Minute, ErrorLog: nil}
 	_, port, _ := net.SplitHostPort(ln.Addr().String())
 	url := "https://" + net.JoinHostPort(ip.String(), port)

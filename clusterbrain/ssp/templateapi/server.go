@@ -28,6 +28,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/aggregated"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/tlsprofile"
 	"github.com/nodevirt/nodevirt/clusterbrain/ssp/templates"
 )
 
@@ -47,7 +48,10 @@ type Config struct {
 	Namespace string
 	// Addr is the listen address (default ":8448").
 	Addr string
-	Log  *slog.Logger
+	// TLSProfile is the KubeVirt CR's TLS settings for the server (nil:
+	// TLS 1.2 and Go's suites).
+	TLSProfile *tlsprofile.Live
+	Log        *slog.Logger
 }
 
 // Server is the template.openshift.io aggregated API.
@@ -68,7 +72,7 @@ func New(cfg Config) (*Server, error) {
 		cfg.Log = slog.Default()
 	}
 	s := &Server{cfg: cfg}
-	agg, err := aggregated.NewServer(aggregated.Config{Kube: cfg.Kube, Dynamic: cfg.Dynamic, Addr: cfg.Addr, Handler: s,
+	agg, err := aggregated.NewServer(aggregated.Config{Kube: cfg.Kube, Dynamic: cfg.Dynamic, Addr: cfg.Addr, Handler: s, TLSProfile: cfg.TLSProfile,
 		Log: cfg.Log.With("role", "template-api"),
 		Registration: aggregated.Registration{Group: templates.Group, Versions: []string{templates.APIVersion},
 			Namespace: cfg.Namespace, Service: ServiceName, GroupPriorityMinimum: 1000, VersionPriority: 15}})
