@@ -190,6 +190,8 @@ func (s *Server) routes() []route {
 		{"virtualmachines", "migrate", http.MethodPut, s.migrateVM},
 		{"virtualmachines", "expand-spec", http.MethodGet, s.expandVMSpec},
 		{"virtualmachines", portForwardSub + "/", http.MethodGet, s.portForward},
+		{"virtualmachines", "addvolume", http.MethodPut, s.volumeVM(true)},
+		{"virtualmachines", "removevolume", http.MethodPut, s.volumeVM(false)},
 		{"virtualmachineinstances", "pause", http.MethodPut, s.pauseVMI},
 		{"virtualmachineinstances", "unpause", http.MethodPut, s.unpauseVMI},
 		{"virtualmachineinstances", "softreboot", http.MethodPut, s.softRebootVMI},
@@ -201,6 +203,8 @@ func (s *Server) routes() []route {
 		{"virtualmachineinstances", "vnc", http.MethodGet, s.stream("vnc")},
 		{"virtualmachineinstances", "vnc/screenshot", http.MethodGet, s.screenshot},
 		{"virtualmachineinstances", portForwardSub + "/", http.MethodGet, s.portForward},
+		{"virtualmachineinstances", "addvolume", http.MethodPut, s.volumeVMI(true)},
+		{"virtualmachineinstances", "removevolume", http.MethodPut, s.volumeVMI(false)},
 		{"expand-vm-spec", "", http.MethodPut, s.expandSpecBody},
 	}
 }
