@@ -3,7 +3,9 @@ package subresources
 import (
 	"context"
 	"net/http"
+	"strings"
 	"testing"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
@@ -38,7 +40,9 @@ func claimOn(t *testing.T, ns, name, node, class string) {
 		if _, err := kube.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}
-		t.Cleanup(func() { kube.CoreV1().PersistentVolumes().Delete(context.Background(), pv.Name, metav1.DeleteOptions{}) })
+		t.Cleanup(func() {
+			kube.CoreV1().PersistentVolumes().Delete(context.Background(), pv.Name, metav1.DeleteOptions{})
+		})
 		empty := ""
 		pvc.Spec.StorageClassName, pvc.Spec.VolumeName = &empty, pv.Name
 	}
@@ -173,4 +177,49 @@ func TestAddRemoveVolume(t *testing.T) {
 		t.Fatalf("stopped vm template: %v", err)
 	}
 	wantStatus(t, "vmi of a stopped vm", c.VMI(ctx, "cold", "addvolume", addOpts("local", kubevirtv1.DiskBusSCSI, false)), http.StatusNotFound, "")
+}
+
+// TestFreezeUnfreeze: freeze carries its unfreezeTimeout to the VMI's node;
+// a VMI without a guest agent, one not running, a missing or negative
+// timeout are refused before the node is asked.
+func TestFreezeUnfreeze(t *testing.T) {
+	setup(t)
+	ctx := context.Background()
+	ns := controlplane.Shared(t).Namespace(t)
+	c := adminIn(t, ns)
+	newVMI(t, ns, "agent", kubevirtv1.Running, kubevirtv1.VirtualMachineInstanceAgentConnected)
+	newVMI(t, ns, "noagent", kubevirtv1.Running)
+	newVMI(t, ns, "pending", kubevirtv1.Pending, kubevirtv1.VirtualMachineInstanceAgentConnected)
+	timeout := func(d string) *kubevirtv1.FreezeUnfreezeTimeout {
+		dur, err := time.ParseDuration(d)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return &kubevirtv1.FreezeUnfreezeTimeout{UnfreezeTimeout: &metav1.Duration{Duration: dur}}
+	}
+	if err := c.VMI(ctx, "agent", "freeze", timeout("90s")); err != nil {
+		t.Fatalf("freeze: %v", err)
+	}
+	if err := c.VMI(ctx, "agent", "unfreeze", nil); err != nil {
+		t.Fatalf("unfreeze: %v", err)
+	}
+	calls := strings.Join(env.node.called(), ",")
+	for _, want := range []string{"PUT " + ns + "/agent/freeze", "PUT " + ns + "/agent/unfreeze"} {
+		if !strings.Contains(calls, want) {
+			t.Errorf("node saw %s, missing %s", calls, want)
+		}
+	}
+	env.node.mu.Lock()
+	bodies := strings.Join(env.node.bodies, ",")
+	env.node.mu.Unlock()
+	if !strings.Contains(bodies, ns+`/agent/freeze {"unfreezeTimeout":"1m30s"}`) {
+		t.Errorf("node got freeze bodies %s", bodies)
+	}
+	wantStatus(t, "no timeout", c.VMI(ctx, "agent", "freeze", &kubevirtv1.FreezeUnfreezeTimeout{}), http.StatusBadRequest, "unfreezeTimeout")
+	wantStatus(t, "negative", c.VMI(ctx, "agent", "freeze", timeout("-1s")), http.StatusBadRequest, "negative")
+	wantStatus(t, "no agent", c.VMI(ctx, "noagent", "freeze", timeout("1m")), http.StatusConflict, "VMI does not have guest agent connected")
+	wantStatus(t, "not running", c.VMI(ctx, "pending", "unfreeze", nil), http.StatusConflict, "VMI is not running")
+	if strings.Contains(strings.Join(env.node.called(), ","), "/noagent/freeze") {
+		t.Error("a refused freeze reached the node")
+	}
 }

@@ -220,7 +220,8 @@ func TestDiscoveryAndVersion(t *testing.T) {
 		for _, want := range []string{"virtualmachines/start", "virtualmachines/stop", "virtualmachineinstances/console",
 			"virtualmachineinstances/vnc", "virtualmachineinstances/guestosinfo", "expand-vm-spec",
 			"virtualmachineinstances/portforward", "virtualmachines/portforward", "virtualmachineinstances/reset",
-			"virtualmachines/addvolume", "virtualmachines/removevolume", "virtualmachineinstances/addvolume", "virtualmachineinstances/removevolume"} {
+			"virtualmachines/addvolume", "virtualmachines/removevolume", "virtualmachineinstances/addvolume", "virtualmachineinstances/removevolume",
+			"virtualmachineinstances/freeze", "virtualmachineinstances/unfreeze"} {
 			if !names[want] {
 				t.Errorf("%s discovery lacks %s", v, want)
 			}
