@@ -175,9 +175,6 @@ func specPatch(prefix string, old, cur *kubevirtv1.VirtualMachineInstanceSpec) (
 	}
 	ops = append(ops, patchOp{Op: verb(len(old.Volumes)), Path: volumes, Value: cur.Volumes},
 		patchOp{Op: verb(len(old.Domain.Devices.Disks)), Path: disks, Value: cur.Domain.Devices.Disks})
-	if old.Volumes == nil {
-		ops[0] = testOp{"test", volumes, nil}
-	}
 	return json.Marshal(ops)
 }
 
