@@ -184,6 +184,9 @@ func (s *Server) patchVMIVolumes(ctx context.Context, vmi *kubevirtv1.VirtualMac
 	if !vmi.IsRunning() {
 		return apierrors.NewConflict(vmiResource, vmi.Name, errors.New(msgVMINotRunning))
 	}
+	if m := vmi.Status.MigrationState; m != nil && !m.Completed && !m.Failed {
+		return apierrors.NewConflict(vmiResource, vmi.Name, errors.New("a migration of the VMI is in progress: volumes cannot be hotplugged meanwhile"))
+	}
 	spec, err := v.apply(&vmi.Spec)
 	if err != nil {
 		return apierrors.NewConflict(vmiResource, vmi.Name, err)
