@@ -181,11 +181,8 @@ func specPatch(prefix string, old, cur *kubevirtv1.VirtualMachineInstanceSpec) (
 // patchVMIVolumes applies v to the running vmi (after placing an added
 // volume on its node).
 func (s *Server) patchVMIVolumes(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance, v volumeRequest) error {
-	if !vmi.IsRunning() {
-		return apierrors.NewConflict(vmiResource, vmi.Name, errors.New(msgVMINotRunning))
-	}
-	if m := vmi.Status.MigrationState; m != nil && !m.Completed && !m.Failed {
-		return apierrors.NewConflict(vmiResource, vmi.Name, errors.New("a migration of the VMI is in progress: volumes cannot be hotplugged meanwhile"))
+	if err := hotpluggableNow(vmi); err != nil {
+		return err
 	}
 	spec, err := v.apply(&vmi.Spec)
 	if err != nil {
@@ -202,6 +199,18 @@ func (s *Server) patchVMIVolumes(ctx context.Context, vmi *kubevirtv1.VirtualMac
 	}
 	_, err = s.cfg.Virt.VMIs.Patch(ctx, vmi.Namespace, vmi.Name, types.JSONPatchType, data, metav1.PatchOptions{DryRun: v.dryRun()})
 	return patchError(vmi.Name, err)
+}
+
+// hotpluggableNow says why vmi cannot take a volume change now: it is
+// not running, or it is migrating.
+func hotpluggableNow(vmi *kubevirtv1.VirtualMachineInstance) error {
+	if !vmi.IsRunning() {
+		return apierrors.NewConflict(vmiResource, vmi.Name, errors.New(msgVMINotRunning))
+	}
+	if m := vmi.Status.MigrationState; m != nil && !m.Completed && !m.Failed {
+		return apierrors.NewConflict(vmiResource, vmi.Name, errors.New("a migration of the VMI is in progress: volumes cannot be hotplugged meanwhile"))
+	}
+	return nil
 }
 
 // patchError maps a failed VMI patch: a failed test is a conflict (the
@@ -342,8 +351,13 @@ func (s *Server) volumeVM(add bool) handler {
 			return err
 		}
 		running := vmi != nil && !vmi.IsFinal() && vmi.DeletionTimestamp == nil && vmi.IsRunning()
-		if running && v.add != nil {
+		if running {
 			// Refused before the template changes.
+			if err := hotpluggableNow(vmi); err != nil {
+				return err
+			}
+		}
+		if running && v.add != nil {
 			if _, err := v.apply(&vmi.Spec); err != nil {
 				return apierrors.NewConflict(vmiResource, vmi.Name, err)
 			}
