@@ -88,9 +88,9 @@ func TestUpstreamVirtctlHotplug(t *testing.T) {
 		if n.inTemplate(vm, dv) != persist {
 			t.Errorf("VM template has %s: %v, want %v", dv, !persist, persist)
 		}
-		// A SCSI disk of 64 MiB (131072 sectors of 512 bytes) appears in
-		// the guest (its name there is the guest's own).
-		c.send("until grep -qx 131072 /sys/block/sd*/size 2>/dev/null; do sleep 1; done; echo PLUGGED-$((6*7))\r")
+		// A SCSI disk appears in the guest, which has none of its own
+		// (its root disk is virtio).
+		c.send("until ls /sys/block | grep -q ^sd; do sleep 1; done; echo PLUGGED-$((6*7))\r")
 		c.expect(`PLUGGED-42`, time.Minute)
 		n.waitVMI(vm, time.Minute, "LiveMigratable False", func(v *kubevirtv1.VirtualMachineInstance) bool {
 			for _, cond := range v.Status.Conditions {
@@ -108,7 +108,7 @@ func TestUpstreamVirtctlHotplug(t *testing.T) {
 		n.waitVMI(vm, 2*time.Minute, dv+" unplugged", func(v *kubevirtv1.VirtualMachineInstance) bool {
 			return v != nil && volumeStatus(v, dv) == nil
 		})
-		c.send("while grep -qx 131072 /sys/block/sd*/size 2>/dev/null; do sleep 1; done; echo UNPLUGGED-$((6*7))\r")
+		c.send("while ls /sys/block | grep -q ^sd; do sleep 1; done; echo UNPLUGGED-$((6*7))\r")
 		c.expect(`UNPLUGGED-42`, time.Minute)
 		if n.inTemplate(vm, dv) {
 			t.Errorf("VM template keeps %s after removevolume", dv)
