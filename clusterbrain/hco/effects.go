@@ -59,7 +59,7 @@ var (
 		"spec.featureGates.alignCPUs":                                  "emulator thread alignment is not applied",
 		"spec.featureGates.enableMultiArchBootImageImport":             "boot sources are amd64 only",
 		"spec.featureGates.decentralizedLiveMigration":                 "only the brain-driven migration exists",
-		"spec.featureGates.declarativeHotplugVolumes":                  "volume hotplug is not supported",
+		"spec.featureGates.declarativeHotplugVolumes":                  "declarative hotplug (template edits) is not acted on; addvolume/removevolume are served either way",
 		"spec.featureGates.objectGraph":                                "the object graph subresource is not served",
 		"spec.featureGates.incrementalBackup":                          "backups are not supported",
 		"spec.featureGates.containerPathVolumes":                       "container path volumes are not supported",

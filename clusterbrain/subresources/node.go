@@ -30,7 +30,8 @@ import (
 // server: HTTPS with mutual TLS on the node, paths
 // /v1/namespaces/{namespace}/virtualmachineinstances/{name}/{action}, with
 //
-//	PUT  pause | unpause | softreboot        → 2xx, empty body
+//	PUT  pause | unpause | softreboot | unfreeze → 2xx, empty body
+//	PUT  freeze (body: FreezeUnfreezeTimeout) → 2xx
 //	GET  guestosinfo | userlist | filesystemlist → 200, JSON
 //	GET  console | vnc (websocket, subprotocol plain.kubevirt.io, binary
 //	     frames carrying the raw serial or RFB bytes)

@@ -29,6 +29,7 @@ type standin struct {
 
 	mu       sync.Mutex
 	calls    []string // "PUT ns/name/pause"
+	bodies   []string // "ns/name/freeze {...}": the bodies of PUTs that have one
 	consoles int      // console connections accepted
 	peers    []string // client certificate names seen
 }
@@ -91,10 +92,15 @@ func (s *standin) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	ns, name, action := p[2], p[4], p[5]
 	s.record(r, ns+"/"+name+"/"+action)
 	switch action {
-	case "pause", "unpause", "softreboot":
+	case "pause", "unpause", "softreboot", "freeze", "unfreeze":
 		if r.Method != http.MethodPut {
 			http.Error(w, "method", http.StatusMethodNotAllowed)
 			return
+		}
+		if body, _ := io.ReadAll(r.Body); len(body) > 0 {
+			s.mu.Lock()
+			s.bodies = append(s.bodies, ns+"/"+name+"/"+action+" "+string(body))
+			s.mu.Unlock()
 		}
 		if name == "broken" {
 			w.Header().Set("Content-Type", "application/json")

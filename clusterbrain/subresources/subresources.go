@@ -1,8 +1,10 @@
 // Package subresources serves subresources.kubevirt.io (v1 and v1alpha3) as
 // an aggregated API behind kube-apiserver, the virt-api role: VM start,
-// stop, restart, migrate and expand-spec act on the API objects; VMI pause,
-// unpause, softreboot, guest-agent reads and the console and VNC streams are
-// forwarded to the nodeagent running the VMI (see NodeClient). Every request
+// stop, restart, migrate and expand-spec act on the API objects, and so do
+// addvolume and removevolume on VMs and VMIs (hotplug.go); VMI pause,
+// unpause, softreboot, freeze, unfreeze, guest-agent reads and the console
+// and VNC streams are forwarded to the nodeagent running the VMI (see
+// NodeClient). Every request
 // is authorized by a SubjectAccessReview on the subresource, as KubeVirt's
 // roles expect (see package rbac).
 package subresources
@@ -194,6 +196,8 @@ func (s *Server) routes() []route {
 		{"virtualmachines", "migrate", http.MethodPut, s.migrateVM},
 		{"virtualmachines", "expand-spec", http.MethodGet, s.expandVMSpec},
 		{"virtualmachines", portForwardSub + "/", http.MethodGet, s.portForward},
+		{"virtualmachines", "addvolume", http.MethodPut, s.volumeVM(true)},
+		{"virtualmachines", "removevolume", http.MethodPut, s.volumeVM(false)},
 		{"virtualmachineinstances", "pause", http.MethodPut, s.pauseVMI},
 		{"virtualmachineinstances", "unpause", http.MethodPut, s.unpauseVMI},
 		{"virtualmachineinstances", "softreboot", http.MethodPut, s.softRebootVMI},
@@ -205,6 +209,10 @@ func (s *Server) routes() []route {
 		{"virtualmachineinstances", "vnc", http.MethodGet, s.stream("vnc")},
 		{"virtualmachineinstances", "vnc/screenshot", http.MethodGet, s.screenshot},
 		{"virtualmachineinstances", portForwardSub + "/", http.MethodGet, s.portForward},
+		{"virtualmachineinstances", "addvolume", http.MethodPut, s.volumeVMI(true)},
+		{"virtualmachineinstances", "removevolume", http.MethodPut, s.volumeVMI(false)},
+		{"virtualmachineinstances", "freeze", http.MethodPut, s.freezeVMI},
+		{"virtualmachineinstances", "unfreeze", http.MethodPut, s.unfreezeVMI},
 		{"expand-vm-spec", "", http.MethodPut, s.expandSpecBody},
 	}
 }

@@ -215,7 +215,9 @@ func TestDiscoveryAndVersion(t *testing.T) {
 		}
 		for _, want := range []string{"virtualmachines/start", "virtualmachines/stop", "virtualmachineinstances/console",
 			"virtualmachineinstances/vnc", "virtualmachineinstances/guestosinfo", "expand-vm-spec",
-			"virtualmachineinstances/portforward", "virtualmachines/portforward", "virtualmachineinstances/reset"} {
+			"virtualmachineinstances/portforward", "virtualmachines/portforward", "virtualmachineinstances/reset",
+			"virtualmachines/addvolume", "virtualmachines/removevolume", "virtualmachineinstances/addvolume", "virtualmachineinstances/removevolume",
+			"virtualmachineinstances/freeze", "virtualmachineinstances/unfreeze"} {
 			if !names[want] {
 				t.Errorf("%s discovery lacks %s", v, want)
 			}

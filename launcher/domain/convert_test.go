@@ -234,9 +234,6 @@ func TestRefusals(t *testing.T) {
 			v.Spec.Domain.Firmware = &v1.Firmware{Bootloader: &v1.Bootloader{EFI: &v1.EFI{}}}
 			v.Spec.Domain.Features = &v1.Features{SMM: &v1.FeatureState{Enabled: &f}}
 		}, "spec.domain.features.smm: EFI secure boot needs SMM", false},
-		{"hotplug", func(v *v1.VirtualMachineInstance) {
-			v.Spec.Volumes[0].PersistentVolumeClaim.Hotpluggable = true
-		}, "spec.volumes[0].persistentVolumeClaim.hotpluggable: volume hotplug is not supported", true},
 		{"unused volume", func(v *v1.VirtualMachineInstance) {
 			v.Spec.Volumes = append(v.Spec.Volumes, v1.Volume{Name: "x", VolumeSource: v1.VolumeSource{
 				EmptyDisk: &v1.EmptyDiskSource{Capacity: resource.MustParse("1Mi")}}})

@@ -75,16 +75,10 @@ func (c *converter) volumeSource(i int, vol *v1.Volume) (volumeSource, bool) {
 	s := &vol.VolumeSource
 	switch {
 	case s.PersistentVolumeClaim != nil:
-		if s.PersistentVolumeClaim.Hotpluggable {
-			c.refuse(path+".persistentVolumeClaim.hotpluggable", "volume hotplug is not supported")
-		}
 		vs, ok := c.nodeDisk(path+".persistentVolumeClaim", vol.Name)
 		vs.readOnly = s.PersistentVolumeClaim.ReadOnly
 		return vs, ok
 	case s.DataVolume != nil:
-		if s.DataVolume.Hotpluggable {
-			c.refuse(path+".dataVolume.hotpluggable", "volume hotplug is not supported")
-		}
 		return c.nodeDisk(path+".dataVolume", vol.Name)
 	case s.Ephemeral != nil:
 		backing, ok := c.nodeDisk(path+".ephemeral", vol.Name)
@@ -161,7 +155,6 @@ func (c *converter) disks(d *libvirtxml.Domain) {
 	}
 	used := map[string]bool{}
 	next := map[string]int{} // target prefix -> next index
-	scsi := false
 	for i := range devs.Disks {
 		disk := &devs.Disks[i]
 		path := fmt.Sprintf("spec.domain.devices.disks[%d]", i)
@@ -253,7 +246,6 @@ func (c *converter) disks(d *libvirtxml.Domain) {
 			}
 		case v1.DiskBusSATA, v1.DiskBusUSB:
 		case v1.DiskBusSCSI:
-			scsi = true
 		default:
 			c.invalid(path, "unknown bus %q", bus)
 		}
@@ -320,16 +312,17 @@ func (c *converter) disks(d *libvirtxml.Domain) {
 			c.invalid(fmt.Sprintf("spec.volumes[%d]", i), "volume %q is not used by any disk", v.Name)
 		}
 	}
-	if scsi {
-		idx := uint(0)
-		model := "virtio-scsi"
-		if transitional {
-			model = "virtio-transitional"
-		}
-		d.Devices.Controllers = append(d.Devices.Controllers, libvirtxml.DomainController{
-			Type: "scsi", Index: &idx, Model: model,
-		})
+	// Every domain gets the virtio-scsi controller, as KubeVirt's do: a
+	// volume hotplugged later goes onto it (a disk on a controller that
+	// exists needs no free PCI slot).
+	idx := uint(0)
+	model := "virtio-scsi"
+	if transitional {
+		model = "virtio-transitional"
 	}
+	d.Devices.Controllers = append(d.Devices.Controllers, libvirtxml.DomainController{
+		Type: "scsi", Index: &idx, Model: model,
+	})
 }
 
 // containerDisk checks the fields of a containerDisk volume; the node

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
@@ -104,11 +106,11 @@ type freezeBackend struct{ agentBackend }
 
 var _ FreezeBackend = freezeBackend{}
 
-func (b freezeBackend) Freeze(_ context.Context, ns, name string) error {
+func (b freezeBackend) Freeze(_ context.Context, ns, name string, unfreezeTimeout time.Duration) error {
 	if err := b.check(ns, name); err != nil {
 		return err
 	}
-	b.calls <- "freeze " + ns + "/" + name
+	b.calls <- fmt.Sprintf("freeze %s/%s %s", ns, name, unfreezeTimeout)
 	return nil
 }
 
@@ -141,12 +143,12 @@ func TestFreezeActions(t *testing.T) {
 	c, stop := run(freezeBackend{agentBackend{&echoBackend{calls: calls}}})
 	defer stop()
 	ctx := context.Background()
-	for _, a := range []string{"freeze", "unfreeze"} {
+	for a, want := range map[string]string{"freeze": "freeze ns/vm 5m0s", "unfreeze": "unfreeze ns/vm"} {
 		if err := c.Do(ctx, "ns", "vm", a); err != nil {
 			t.Fatalf("%s: %v", a, err)
 		}
-		if got := <-calls; got != a+" ns/vm" {
-			t.Errorf("backend got %q for %s", got, a)
+		if got := <-calls; got != want {
+			t.Errorf("backend got %q for %s, want %q", got, a, want)
 		}
 	}
 	if err := c.Do(ctx, "ns", "noagent", "freeze"); err == nil || !strings.Contains(err.Error(), "409") || !strings.Contains(err.Error(), "guest agent") {
@@ -156,5 +158,22 @@ func TestFreezeActions(t *testing.T) {
 	defer stopPlain()
 	if err := plain.Do(ctx, "ns", "vm", "freeze"); err == nil || !strings.Contains(err.Error(), "501") {
 		t.Errorf("freeze on a backend without freeze: %v, want 501", err)
+	}
+}
+
+// A freeze's body is KubeVirt's FreezeUnfreezeTimeout: absent, the default;
+// given, its value (0: never thawed by the node); a negative or missing
+// timeout in a body is refused.
+func TestUnfreezeTimeoutBody(t *testing.T) {
+	for body, want := range map[string]string{"": "5m0s", `{"unfreezeTimeout":"30s"}`: "30s", `{"unfreezeTimeout":"0s"}`: "0s",
+		`{"unfreezeTimeout":"-1s"}`: "error", `{}`: "error", `{`: "error"} {
+		d, err := unfreezeTimeout(httptest.NewRequest(http.MethodPut, "/", strings.NewReader(body)))
+		got := d.String()
+		if err != nil {
+			got = "error"
+		}
+		if got != want {
+			t.Errorf("body %q: %s (%v), want %s", body, got, err, want)
+		}
 	}
 }

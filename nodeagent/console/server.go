@@ -46,10 +46,13 @@
 //	PUT /v1/namespaces/{namespace}/virtualmachineinstances/{name}/reset        hard reset
 //	PUT /v1/namespaces/{namespace}/virtualmachineinstances/{name}/shutdown     ACPI power button, destroyed after the grace period
 //
-// Guest file system freeze and thaw (online snapshots), when the Backend
-// implements FreezeBackend, each a PUT with an empty body answered 200:
+// Guest file system freeze and thaw (online snapshots and the freeze
+// subresource), when the Backend implements FreezeBackend, each a PUT
+// answered 200:
 //
 //	PUT /v1/namespaces/{namespace}/virtualmachineinstances/{name}/freeze
+//	    (optional body: KubeVirt's FreezeUnfreezeTimeout; without one the
+//	    guest is thawed after DefaultUnfreezeTimeout)
 //	PUT /v1/namespaces/{namespace}/virtualmachineinstances/{name}/unfreeze
 //
 // Guest agent information, when the Backend implements GuestAgentBackend,
@@ -72,6 +75,7 @@
 package console
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -123,8 +127,34 @@ type GuestAgentBackend interface {
 // FreezeBackend freezes and thaws a running VMI's file systems through its
 // guest agent. A Backend without it answers freeze and unfreeze 501.
 type FreezeBackend interface {
-	Freeze(ctx context.Context, namespace, name string) error
+	// Freeze freezes the guest; the backend thaws it by itself after
+	// unfreezeTimeout (never when 0).
+	Freeze(ctx context.Context, namespace, name string, unfreezeTimeout time.Duration) error
 	Unfreeze(ctx context.Context, namespace, name string) error
+}
+
+// DefaultUnfreezeTimeout is how long a freeze without a body (an online
+// snapshot's) lasts unless thawed, as KubeVirt's snapshot controller asks.
+const DefaultUnfreezeTimeout = 5 * time.Minute
+
+// unfreezeTimeout reads a freeze's optional body, KubeVirt's
+// FreezeUnfreezeTimeout; without one the default applies.
+func unfreezeTimeout(r *http.Request) (time.Duration, error) {
+	data, err := io.ReadAll(io.LimitReader(r.Body, 1<<16))
+	if err != nil {
+		return 0, httperr.BadRequest("read freeze body: %v", err)
+	}
+	if len(bytes.TrimSpace(data)) == 0 {
+		return DefaultUnfreezeTimeout, nil
+	}
+	var body kubevirtv1.FreezeUnfreezeTimeout
+	if err := json.Unmarshal(data, &body); err != nil {
+		return 0, httperr.BadRequest("freeze body: %v", err)
+	}
+	if body.UnfreezeTimeout == nil || body.UnfreezeTimeout.Duration < 0 {
+		return 0, httperr.BadRequest("freeze body: unfreezeTimeout must be set and not negative")
+	}
+	return body.UnfreezeTimeout.Duration, nil
 }
 
 // The errors a Backend returns (wrapped or not) for the answers they name;
@@ -300,7 +330,14 @@ func (s *Server) control(w http.ResponseWriter, r *http.Request) error {
 		"reset": s.backend.Reset, "shutdown": s.backend.Shutdown,
 	}
 	if fb, ok := s.backend.(FreezeBackend); ok {
-		ops["freeze"], ops["unfreeze"] = fb.Freeze, fb.Unfreeze
+		ops["freeze"] = func(ctx context.Context, ns, name string) error {
+			d, err := unfreezeTimeout(r)
+			if err != nil {
+				return err
+			}
+			return fb.Freeze(ctx, ns, name, d)
+		}
+		ops["unfreeze"] = fb.Unfreeze
 	} else if action == "freeze" || action == "unfreeze" {
 		return httperr.NotImplemented("guest freeze is not served by this node")
 	}

@@ -204,14 +204,11 @@ func (h *Handler) FileSystemList(ctx context.Context, namespace, name string) (*
 	return &v1.VirtualMachineInstanceFileSystemList{Items: fss}, nil
 }
 
-// FreezeTimeout is how long a guest stays frozen when nobody thaws it:
-// the handler thaws it then, as KubeVirt's unfreezeTimeout does.
-const FreezeTimeout = 5 * time.Minute
-
 // Freeze freezes the guest's file systems through its agent (the first
-// step of an online snapshot); they are thawed by Unfreeze or after
-// FreezeTimeout.
-func (h *Handler) Freeze(ctx context.Context, namespace, name string) error {
+// step of an online snapshot, or the freeze subresource); they are thawed
+// by Unfreeze or, as KubeVirt's unfreezeTimeout does, after
+// unfreezeTimeout (never when 0).
+func (h *Handler) Freeze(ctx context.Context, namespace, name string, unfreezeTimeout time.Duration) error {
 	lv, dom, err := h.agentDomain(ctx, namespace, name)
 	if err != nil {
 		return err
@@ -224,11 +221,17 @@ func (h *Handler) Freeze(ctx context.Context, namespace, name string) error {
 	h.mu.Lock()
 	if t := h.thaws[key]; t != nil {
 		t.Stop()
+		delete(h.thaws, key)
 	}
 	if h.thaws == nil {
 		h.thaws = map[string]*time.Timer{}
 	}
-	h.thaws[key] = time.AfterFunc(FreezeTimeout, func() {
+	if unfreezeTimeout <= 0 {
+		h.mu.Unlock()
+		h.log.Info("guest file systems frozen", "vmi", key, "filesystems", frozen, "unfreezeTimeout", "none")
+		return nil
+	}
+	h.thaws[key] = time.AfterFunc(unfreezeTimeout, func() {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
 		if err := h.Unfreeze(ctx, namespace, name); err != nil {
@@ -236,7 +239,7 @@ func (h *Handler) Freeze(ctx context.Context, namespace, name string) error {
 		}
 	})
 	h.mu.Unlock()
-	h.log.Info("guest file systems frozen", "vmi", key, "filesystems", frozen)
+	h.log.Info("guest file systems frozen", "vmi", key, "filesystems", frozen, "unfreezeTimeout", unfreezeTimeout)
 	return nil
 }
 

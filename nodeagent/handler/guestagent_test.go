@@ -23,6 +23,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
 	"github.com/nodevirt/nodevirt/nodeagent/console"
 	"github.com/nodevirt/nodevirt/test/guest"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // osRelease parses an os-release file.
@@ -161,6 +162,30 @@ func TestGuestAgent(t *testing.T) {
 		if err := json.Unmarshal(data, &anyJSON); err != nil || len(anyJSON) == 0 {
 			t.Errorf("brain client %s: %q %v", what, data, err)
 		}
+	}
+
+	// The freeze subresource's call: the guest's file systems freeze, and
+	// the node thaws them by itself after the body's unfreezeTimeout.
+	fsStatus := func() string {
+		var st string
+		if err := n.lv.AgentCommand(ctx, n.ns+"_agent", "guest-fsfreeze-status", nil, &st); err != nil {
+			t.Fatalf("guest-fsfreeze-status: %v", err)
+		}
+		return st
+	}
+	if _, err := brain.Call(ctx, got, http.MethodPut, "freeze", []byte(`{"unfreezeTimeout":"10s"}`)); err != nil {
+		t.Fatalf("brain client freeze: %v", err)
+	}
+	frozenAt := time.Now()
+	if st := fsStatus(); st != "frozen" {
+		t.Errorf("after freeze the guest says %q", st)
+	}
+	testkit.Poll(t, 60*time.Second, "the guest thawed after its unfreezeTimeout", func() (bool, error) {
+		st := fsStatus()
+		return st == "thawed", fmt.Errorf("guest-fsfreeze-status %q", st)
+	})
+	if d := time.Since(frozenAt); d < 5*time.Second {
+		t.Errorf("thawed after %v, well before the 10 s unfreezeTimeout", d)
 	}
 
 	// qemu-ga stops: the condition goes while the guest runs on, and the

@@ -247,7 +247,7 @@ type Handler struct {
 	// asked.
 	agentPolled map[string]agentPoll
 	// thaws thaw the guests frozen for a snapshot (by namespace/name)
-	// that nobody thawed within FreezeTimeout.
+	// that nobody thawed within its unfreeze timeout.
 	thaws map[string]*time.Timer
 	bg    sync.WaitGroup // graceful shutdowns under way
 	ready chan struct{}

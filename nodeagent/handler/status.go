@@ -34,6 +34,7 @@ func (h *Handler) observe(ctx context.Context, lv *launcher.Manager, vmi *v1.Vir
 	out := vmi.DeepCopy()
 	out.Status.NodeName = h.cfg.NodeName
 	removeCondition(out, v1.VirtualMachineInstanceSynchronized)
+	var hotplugErr error
 	if out.Annotations == nil {
 		out.Annotations = map[string]string{}
 	}
@@ -67,7 +68,14 @@ func (h *Handler) observe(ctx context.Context, lv *launcher.Manager, vmi *v1.Vir
 			removeCondition(out, v1.VirtualMachineInstancePaused)
 			setCondition(out, v1.VirtualMachineInstanceReady, true, "", "")
 		}
-		if conditionOf(out, v1.VirtualMachineInstanceIsMigratable) == nil {
+		hotplugErr = h.syncHotplug(ctx, lv, vmi, out, xml)
+		switch c := conditionOf(out, v1.VirtualMachineInstanceIsMigratable); {
+		case hasHotplug(out):
+			// The target would have to resolve and attach the same
+			// volumes: not done yet, so refused as such.
+			setCondition(out, v1.VirtualMachineInstanceIsMigratable, false, v1.VirtualMachineInstanceReasonHotplugNotMigratable,
+				"nodevirt does not migrate VMIs with hotplugged volumes yet")
+		case c == nil || c.Reason == v1.VirtualMachineInstanceReasonHotplugNotMigratable:
 			ok, reason, msg, err := h.migratable(ctx, vmi)
 			if err != nil {
 				return err
@@ -87,8 +95,10 @@ func (h *Handler) observe(ctx context.Context, lv *launcher.Manager, vmi *v1.Vir
 			h.log.Warn("vmi failed", "vmi", vmi.Namespace+"/"+vmi.Name, "reason", reason, "message", msg)
 		}
 	}
-	_, err := h.write(ctx, vmi, out)
-	return err
+	if _, err := h.write(ctx, vmi, out); err != nil {
+		return err
+	}
+	return hotplugErr
 }
 
 // stoppedPhase is the final phase of a VMI whose domain is not active.
