@@ -84,6 +84,12 @@ type Config struct {
 	// method, status code and duration (the nodeagent makes a latency
 	// histogram of it).
 	ObserveCall func(method string, code codes.Code, took time.Duration)
+	// SharePools makes each pool's volumes directory a mount point of its
+	// own with shared propagation (as kubelet does for its root), so a
+	// volume mounted after a guest started reaches QEMU's private mount
+	// namespace. The node agent sets it; the mount stays when the driver
+	// stops (running guests need it).
+	SharePools bool
 }
 
 func (c *Config) defaults() {
@@ -212,7 +218,7 @@ func New(cfg Config) (*Driver, error) {
 		onlineResize:  canResizeOnline(),
 	}
 	for _, pc := range cfg.Pools {
-		p, err := openPool(pc)
+		p, err := openPool(pc, cfg.SharePools)
 		if err != nil {
 			return nil, err
 		}

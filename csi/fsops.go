@@ -51,6 +51,29 @@ func unmountIfMounted(path string) error {
 	return nil
 }
 
+// makeShared makes dir a mount point of its own (a recursive bind onto
+// itself, carrying any volume already mounted below it, unless it already
+// is one) and gives it and the mounts below it shared propagation.
+// QEMU runs in a mount namespace libvirt makes a recursive slave of the
+// host's when the guest starts; a mount made later under a shared mount
+// reaches it, under a private one (a host whose / is not shared) it does
+// not. Calling it again changes nothing.
+func makeShared(dir string) error {
+	mounted, err := isMountpoint(dir)
+	if err != nil {
+		return err
+	}
+	if !mounted {
+		if err := unix.Mount(dir, dir, "", unix.MS_BIND|unix.MS_REC, ""); err != nil {
+			return fmt.Errorf("bind %s onto itself: %w", dir, err)
+		}
+	}
+	if err := unix.Mount("", dir, "", unix.MS_SHARED|unix.MS_REC, ""); err != nil {
+		return fmt.Errorf("make %s shared: %w", dir, err)
+	}
+	return nil
+}
+
 // mountExt4 mounts the ext4 filesystem on dev at dir.
 func mountExt4(dev, dir string) error {
 	if err := unix.Mount(dev, dir, "ext4", 0, ""); err != nil {

@@ -24,7 +24,7 @@ func (d *Driver) AddPool(pc PoolConfig) error {
 	}
 	unlock := d.locks.lock("pool/" + pc.Name)
 	defer unlock()
-	p, err := openPool(pc)
+	p, err := openPool(pc, d.cfg.SharePools)
 	if err != nil {
 		return err
 	}

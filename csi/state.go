@@ -97,7 +97,7 @@ type pool struct {
 	path string
 }
 
-func openPool(pc PoolConfig) (*pool, error) {
+func openPool(pc PoolConfig, share bool) (*pool, error) {
 	// Directories are traversable by everyone (not listable): QEMU runs as
 	// its own user and must reach a VM's disk.img by its path.
 	for _, dir := range []string{pc.Path, filepath.Join(pc.Path, "volumes"), filepath.Join(pc.Path, "snapshots")} {
@@ -109,6 +109,11 @@ func openPool(pc PoolConfig) (*pool, error) {
 	real, err := filepath.EvalSymlinks(pc.Path)
 	if err != nil {
 		return nil, fmt.Errorf("pool %s: %w", pc.Name, err)
+	}
+	if share {
+		if err := makeShared(filepath.Join(real, "volumes")); err != nil {
+			return nil, fmt.Errorf("pool %s: %w", pc.Name, err)
+		}
 	}
 	return &pool{name: pc.Name, path: real}, nil
 }

@@ -397,7 +397,7 @@ func newVolumes(cfg Config) (*csi.Driver, error) {
 	}
 	return csi.New(csi.Config{NodeID: cfg.NodeName, Endpoint: cfg.CSISocket,
 		StateRoot: filepath.Join(cfg.StateDir, "csi"), Pools: pools, DefaultPool: def,
-		Logger: cfg.Log.With("role", "csi"), ObserveCall: observeCSICall})
+		Logger: cfg.Log.With("role", "csi"), ObserveCall: observeCSICall, SharePools: true})
 }
 
 // csiDuration times the CSI driver's calls, served by the node's /metrics.

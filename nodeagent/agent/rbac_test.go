@@ -104,6 +104,8 @@ func TestAgentUnderNodeRole(t *testing.T) {
 		t.Fatal(err)
 	}
 	state := t.TempDir()
+	// The agent's pools get shared bind mounts of their volumes directories.
+	testkit.UnmountBelowAtCleanup(t, state)
 	consoleAddr, healthAddr := freePort(t), freePort(t)
 	a, err := New(Config{Kubeconfig: kc, NodeName: node, StateDir: state, HealthAddr: healthAddr,
 		Emulation: EmulationOn, LibvirtURI: libvirttest.Ensure(t), CSISocket: filepath.Join(state, "csi.sock"),

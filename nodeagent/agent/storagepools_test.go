@@ -66,6 +66,9 @@ func TestAgentServesHostPathProvisionerPools(t *testing.T) {
 		t.Fatal(err)
 	}
 	state, hostDirs := t.TempDir(), t.TempDir()
+	// The agent's pools get shared bind mounts of their volumes directories.
+	testkit.UnmountBelowAtCleanup(t, state)
+	testkit.UnmountBelowAtCleanup(t, hostDirs)
 	flagPool := filepath.Join(state, "pools", "default")
 	a, err := New(Config{Kubeconfig: kc, NodeName: node, StateDir: state, HealthAddr: freePort(t),
 		Emulation: EmulationOn, LibvirtURI: libvirttest.Ensure(t), CSISocket: filepath.Join(state, "csi.sock"),

@@ -103,8 +103,11 @@ func newNode(t *testing.T) *node {
 		t.Fatal(err)
 	}
 	n.csiRoot = reachableDir(t, "nodevirt-handler-csi-")
+	// The pool's volumes directory becomes a shared mount, as the node
+	// agent has it: detached before the directory goes.
+	testkit.UnmountBelowAtCleanup(t, n.csiRoot)
 	n.csi, err = csi.New(csi.Config{NodeID: n.name, StateRoot: n.csiRoot, Endpoint: n.csiRoot + "/csi.sock",
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), SharePools: true})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -22,8 +22,8 @@ func hotplugStatus(vmi *v1.VirtualMachineInstance, name string) *v1.VolumeStatus
 	return volumeStatusOf(vmi, name)
 }
 
-// TestHotplugVolume plugs a filesystem volume of the hostpath CSI driver
-// into a running guest the way the addvolume subresource asks for it (a
+// TestHotplugVolume plugs a filesystem volume of the hostpath CSI driver,
+// created and mounted after the guest started, into the running guest the way the addvolume subresource asks for it (a
 // hotpluggable claim volume and a SCSI disk added to the VMI's spec): the
 // guest sees sda appear with the volume's size, volumeStatus says Ready
 // with its target, and LiveMigratable turns False. A volume whose claim
@@ -35,7 +35,6 @@ func TestHotplugVolume(t *testing.T) {
 	defer cancel()
 	n := newNode(t)
 	n.bootVolume(ctx, "boot")
-	dataSize := n.bootVolume(ctx, "data")
 	h, _ := n.handler(true)
 
 	vmi := &v1.VirtualMachineInstance{
@@ -68,6 +67,10 @@ func TestHotplugVolume(t *testing.T) {
 	}
 	log.ExpectExact(t, "NODEVIRT-GUEST-READY", bootTimeout)
 	log.Login(t, conn, 30*time.Second)
+	// The data volume is made and mounted by the pool only now, after
+	// QEMU started in its own mount namespace: the pool's shared volumes
+	// directory carries the mount there.
+	dataSize := n.bootVolume(ctx, "data")
 	say := func(cmd string) {
 		t.Helper()
 		if _, err := conn.Write([]byte(cmd + "\n")); err != nil {
