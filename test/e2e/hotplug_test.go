@@ -40,7 +40,7 @@ func (n *testNS) inTemplate(vm, volume string) bool {
 }
 
 // TestUpstreamVirtctlHotplug plugs a blank DataVolume of the node-local
-// hostpath-csi class (provisioned before the VM starts) into a running VM
+// hostpath-csi class (provisioned after the VM started) into a running VM
 // with upstream virtctl: a dry run changes nothing; addvolume (ephemeral):
 // the guest sees a new SCSI disk of the volume's size, the
 // VMI reports it Ready and refuses a migration; removevolume takes it
@@ -51,17 +51,17 @@ func TestUpstreamVirtctlHotplug(t *testing.T) {
 	n := e.namespace(t)
 	u := n.upstreamVirtctl()
 	const vm, dv = "hotplug", "hotplug-data"
-	// Provisioned (bound at once) before the VM starts: QEMU's private
-	// mount namespace does not see a volume mounted after it started
-	// (README, "Volume hotplug, what is left").
+	n.createVM(n.newVM(vm, kubevirtv1.RunStrategyAlways))
+	vmi := n.waitVMIOfVM(vm, 2*time.Minute)
+	n.waitBooted(vm)
+	// Provisioned only now: the pool mounts the volume after QEMU started
+	// in libvirt's mount namespace; the pool's shared mount carries it
+	// there.
 	if _, err := e.virt.DataVolumes.Create(context.Background(),
 		immediateDV(n.name, dv, &cdiv1.DataVolumeSource{Blank: &cdiv1.DataVolumeBlankImage{}})); err != nil {
 		t.Fatal(err)
 	}
 	n.waitDataVolumeSucceeded(dv)
-	n.createVM(n.newVM(vm, kubevirtv1.RunStrategyAlways))
-	vmi := n.waitVMIOfVM(vm, 2*time.Minute)
-	n.waitBooted(vm)
 
 	u.run(time.Minute, "addvolume", vm, "--volume-name="+dv, "--dry-run")
 	if got, err := n.getVMI(vm); err != nil || volumeStatus(got, dv) != nil || len(got.Spec.Volumes) != len(vmi.Spec.Volumes) {
