@@ -18,6 +18,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -452,4 +453,42 @@ func freePort() (int, error) {
 	}
 	defer l.Close()
 	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+// RestartAPIServer kills kube-apiserver with SIGKILL, as a crash does,
+// leaves the API away for down, then starts it again on the same port and
+// waits until it is ready: an API server outage for the clients (etcd and
+// the controller manager keep running).
+func (c *ControlPlane) RestartAPIServer(ctx context.Context, down time.Duration) error {
+	const name = "kube-apiserver"
+	pid, ok := alivePid(filepath.Join(c.cfg.Dir, name+".pid"))
+	if !ok {
+		return fmt.Errorf("%s does not run", name)
+	}
+	if i := slices.IndexFunc(c.procs, func(p *exec.Cmd) bool { return p.Process.Pid == pid }); i >= 0 {
+		p := c.procs[i]
+		_ = p.Process.Kill()
+		_ = p.Wait()
+		c.procs = slices.Delete(c.procs, i, i+1)
+	} else if err := TerminatePid(pid, 0); err != nil {
+		return fmt.Errorf("kill %s: %w", name, err)
+	}
+	c.cfg.Log.Info("killed", "component", name, "pid", pid)
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-time.After(down):
+	}
+	bins, err := EnsureBinaries(ctx, c.cfg.CacheDir)
+	if err != nil {
+		return err
+	}
+	ports, err := c.ports()
+	if err != nil {
+		return err
+	}
+	if err := c.run(ctx, name, bins.APIServer, c.apiserverArgs(ports)...); err != nil {
+		return err
+	}
+	return c.waitReady(ctx, 90*time.Second)
 }
