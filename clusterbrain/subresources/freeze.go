@@ -29,11 +29,8 @@ func (s *Server) freezeVMI(w http.ResponseWriter, r *http.Request, req request, 
 	if err != nil {
 		return err
 	}
-	if vmi.Status.Phase != kubevirtv1.Running {
-		return apierrors.NewConflict(vmiResource, vmi.Name, errors.New(msgVMNotRunning))
-	}
-	if !hasCondition(vmi, kubevirtv1.VirtualMachineInstanceAgentConnected) {
-		return apierrors.NewConflict(vmiResource, vmi.Name, errors.New(msgNoGuestAgent))
+	if err := agentReachable(vmi, msgVMNotRunning); err != nil {
+		return err
 	}
 	body, err := json.Marshal(opts)
 	if err != nil {
@@ -51,12 +48,18 @@ func (s *Server) freezeVMI(w http.ResponseWriter, r *http.Request, req request, 
 // not frozen succeeds.
 func (s *Server) unfreezeVMI(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger) error {
 	return s.forward(r, req, log, func(vmi *kubevirtv1.VirtualMachineInstance) error {
-		if vmi.Status.Phase != kubevirtv1.Running {
-			return apierrors.NewConflict(vmiResource, vmi.Name, errors.New(msgVMINotRunning))
-		}
-		if !hasCondition(vmi, kubevirtv1.VirtualMachineInstanceAgentConnected) {
-			return apierrors.NewConflict(vmiResource, vmi.Name, errors.New(msgNoGuestAgent))
-		}
-		return nil
+		return agentReachable(vmi, msgVMINotRunning)
 	}, false)
+}
+
+// agentReachable refuses (409) a VMI that is not Running, answering
+// notRunning, or whose guest agent is not connected.
+func agentReachable(vmi *kubevirtv1.VirtualMachineInstance, notRunning string) error {
+	if vmi.Status.Phase != kubevirtv1.Running {
+		return apierrors.NewConflict(vmiResource, vmi.Name, errors.New(notRunning))
+	}
+	if !hasCondition(vmi, kubevirtv1.VirtualMachineInstanceAgentConnected) {
+		return apierrors.NewConflict(vmiResource, vmi.Name, errors.New(msgNoGuestAgent))
+	}
+	return nil
 }

@@ -146,11 +146,8 @@ func (s *Server) guestAgentGet(action string) handler {
 		if err != nil {
 			return err
 		}
-		if vmi.Status.Phase != kubevirtv1.Running {
-			return apierrors.NewConflict(vmiResource, vmi.Name, errors.New(msgVMINotRunning))
-		}
-		if !hasCondition(vmi, kubevirtv1.VirtualMachineInstanceAgentConnected) {
-			return apierrors.NewConflict(vmiResource, vmi.Name, errors.New(msgNoGuestAgent))
+		if err := agentReachable(vmi, msgVMINotRunning); err != nil {
+			return err
 		}
 		data, err := s.cfg.Node.Call(ctx, vmi, http.MethodGet, action, nil)
 		if err != nil {

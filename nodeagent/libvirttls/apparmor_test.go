@@ -43,15 +43,7 @@ func TestAppArmorAllowsQEMUDir(t *testing.T) {
 	if err := os.WriteFile(profile, []byte(strings.Replace(string(tmpl), "LIBVIRT_TEMPLATE", "libvirt-"+uuid, 1)), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	pki := filepath.Join(dir, "pki")
-	if err := os.MkdirAll(pki, 0o700); err != nil {
-		t.Fatal(err)
-	}
-	for _, f := range []string{"cacert.pem", "servercert.pem", "serverkey.pem"} {
-		if err := os.WriteFile(filepath.Join(pki, f), []byte(f), 0o600); err != nil {
-			t.Fatal(err)
-		}
-	}
+	pki := fakePKI(t, dir)
 	loads := filepath.Join(dir, "loads")
 	qemuDir := "/var/lib/nodevirt/qemu-tls"
 	cfg := libvirttls.Config{ConfDir: dir, PKIDir: pki, QEMUDir: qemuDir, ServerRoot: filepath.Join(dir, "etc-pki"),

@@ -63,15 +63,7 @@ func TestApplyRestartsOnlyOnChange(t *testing.T) {
 		}
 	}
 	marks := filepath.Join(dir, "restarts")
-	pki := filepath.Join(dir, "pki")
-	if err := os.MkdirAll(pki, 0o700); err != nil {
-		t.Fatal(err)
-	}
-	for _, f := range []string{"cacert.pem", "servercert.pem", "serverkey.pem"} {
-		if err := os.WriteFile(filepath.Join(pki, f), []byte(f), 0o600); err != nil {
-			t.Fatal(err)
-		}
-	}
+	pki := fakePKI(t, dir)
 	root := filepath.Join(dir, "etc-pki")
 	c := libvirttls.New(libvirttls.Config{ConfDir: dir, PKIDir: pki, QEMUDir: "/qemu", ServerRoot: root, Restart: "echo restarted >> " + marks,
 		AdminURI: "libvirtd:///system?socket=" + filepath.Join(dir, "no-such-socket")})
@@ -101,4 +93,20 @@ func TestApplyRestartsOnlyOnChange(t *testing.T) {
 	if err := (libvirttls.New(libvirttls.Config{ConfDir: dir, PKIDir: pki, ServerRoot: root, QEMUDir: "/other", Restart: "exit 3"})).Apply(ctx); err == nil {
 		t.Error("a failing restart command: no error")
 	}
+}
+
+// fakePKI writes stand-in node credentials (each file holds its own name)
+// into dir/pki and returns that directory.
+func fakePKI(t *testing.T, dir string) string {
+	t.Helper()
+	pki := filepath.Join(dir, "pki")
+	if err := os.MkdirAll(pki, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range []string{"cacert.pem", "servercert.pem", "serverkey.pem"} {
+		if err := os.WriteFile(filepath.Join(pki, f), []byte(f), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return pki
 }

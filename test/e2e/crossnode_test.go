@@ -42,11 +42,7 @@ func TestCrossNodePlacement(t *testing.T) {
 	e := require(t)
 	node2 := e.secondNode(t)
 	n := e.namespace(t)
-	ctx := context.Background()
-	n.eventually(2*time.Minute, "node "+node2.Name+" Ready", func() (bool, string) {
-		node, err := e.kube.CoreV1().Nodes().Get(ctx, node2.Name, metav1.GetOptions{})
-		return err == nil && nodeReady(node), fmt.Sprint("not Ready ", err)
-	})
+	n.waitNodeReady(node2.Name)
 
 	// Steps in order, not subtests: the namespace's helpers fail the
 	// test itself.

@@ -60,6 +60,12 @@ func qemuPID(ns, name string) int {
 	if err != nil {
 		return 0
 	}
+	return livePID(data)
+}
+
+// livePID is the pid a pid file's content names if that process is alive
+// (not a zombie), else 0.
+func livePID(data []byte) int {
 	pid, err := strconv.Atoi(strings.TrimSpace(string(data)))
 	if err != nil || !processAlive(pid) {
 		return 0

@@ -208,6 +208,15 @@ func (n *testNS) eventually(timeout time.Duration, what string, cond func() (boo
 	})
 }
 
+// waitNodeReady waits up to 2 minutes until the Node is Ready.
+func (n *testNS) waitNodeReady(name string) {
+	n.t.Helper()
+	n.eventually(2*time.Minute, "node "+name+" Ready", func() (bool, string) {
+		node, err := n.e.kube.CoreV1().Nodes().Get(context.Background(), name, metav1.GetOptions{})
+		return err == nil && nodeReady(node), fmt.Sprint("not Ready ", err)
+	})
+}
+
 // waitVMI waits until the VMI satisfies ok and returns it; on timeout the
 // failure names the component whose step did not happen.
 func (n *testNS) waitVMI(name string, timeout time.Duration, what string, ok func(*kubevirtv1.VirtualMachineInstance) bool) *kubevirtv1.VirtualMachineInstance {

@@ -345,10 +345,7 @@ func TestLiveMigration(t *testing.T) {
 	n := e.namespace(t)
 	ctx := context.Background()
 	for _, nd := range []lab.Node{node2, node3} {
-		n.eventually(2*time.Minute, "node "+nd.Name+" Ready", func() (bool, string) {
-			node, err := e.kube.CoreV1().Nodes().Get(ctx, nd.Name, metav1.GetOptions{})
-			return err == nil && nodeReady(node), fmt.Sprint("not Ready ", err)
-		})
+		n.waitNodeReady(nd.Name)
 	}
 	br := e.fabric().LabBridge
 	conf, _ := json.Marshal(map[string]any{"cniVersion": "0.3.1", "name": "mig", "type": "cnv-bridge", "bridge": br, "macspoofchk": true})

@@ -417,10 +417,7 @@ func TestNodePartition(t *testing.T) {
 func (n *testNS) startOnSecondNode(name string) *kubevirtv1.VirtualMachineInstance {
 	n.t.Helper()
 	e, node2, ctx := n.e, n.e.node2(), context.Background()
-	n.eventually(2*time.Minute, "node "+node2.Name+" Ready", func() (bool, string) {
-		node, err := e.kube.CoreV1().Nodes().Get(ctx, node2.Name, metav1.GetOptions{})
-		return err == nil && nodeReady(node), fmt.Sprint("not Ready ", err)
-	})
+	n.waitNodeReady(node2.Name)
 	cordon := func(on bool) {
 		patch := fmt.Sprintf(`{"spec":{"unschedulable":%v}}`, on)
 		if _, err := e.kube.CoreV1().Nodes().Patch(ctx, e.nodeName, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {

@@ -2,9 +2,7 @@ package e2e
 
 import (
 	"context"
-	"fmt"
 	"net"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -36,10 +34,7 @@ func TestCrossNodeRestartsKeepGuests(t *testing.T) {
 	node2 := e.secondNode(t)
 	n := e.namespace(t)
 	ctx := context.Background()
-	n.eventually(2*time.Minute, "node "+node2.Name+" Ready", func() (bool, string) {
-		node, err := e.kube.CoreV1().Nodes().Get(ctx, node2.Name, metav1.GetOptions{})
-		return err == nil && nodeReady(node), fmt.Sprint("not Ready ", err)
-	})
+	n.waitNodeReady(node2.Name)
 
 	guests := []struct{ name, node string }{{"keep-first", e.nodeName}, {"keep-second", node2.Name}}
 	for _, g := range guests {
@@ -178,9 +173,5 @@ func (e *env) qemuPIDOn(node2 lab.Node, ns, vmi, node string) int {
 	if err != nil {
 		return 0
 	}
-	pid, err := strconv.Atoi(strings.TrimSpace(string(data)))
-	if err != nil || !processAlive(pid) {
-		return 0
-	}
-	return pid
+	return livePID(data)
 }
