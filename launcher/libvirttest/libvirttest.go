@@ -91,18 +91,33 @@ func ensure() error {
 		if answers(d.socket) {
 			continue
 		}
-		if out, err := exec.Command(d.bin, "-d").CombinedOutput(); err != nil {
+		// Its errors go to a file: a daemon that exits at start (a
+		// configuration it refuses) says why there.
+		logFile := filepath.Join(filepath.Dir(lockFile), "nodevirt-"+d.bin+".log")
+		cmd := exec.Command(d.bin, "-d")
+		cmd.Env = append(os.Environ(), "LIBVIRT_LOG_OUTPUTS=4:file:"+logFile)
+		if out, err := cmd.CombinedOutput(); err != nil {
 			return fmt.Errorf("start %s: %w: %s", d.bin, err, out)
 		}
 		deadline := time.Now().Add(startTimeout)
 		for !answers(d.socket) {
 			if time.Now().After(deadline) {
-				return fmt.Errorf("%s started but %s does not answer after %s", d.bin, d.socket, startTimeout)
+				return fmt.Errorf("%s started but %s does not answer after %s; its errors (%s):\n%s",
+					d.bin, d.socket, startTimeout, logFile, tail(logFile, 2048))
 			}
 			time.Sleep(50 * time.Millisecond)
 		}
 	}
 	return nil
+}
+
+// tail is the last n bytes of file.
+func tail(file string, n int64) string {
+	b, err := os.ReadFile(file)
+	if err != nil {
+		return err.Error()
+	}
+	return string(b[max(0, int64(len(b))-n):])
 }
 
 // KVMDeviceAccess gives /dev/kvm the group and mode Debian's udev rule gives

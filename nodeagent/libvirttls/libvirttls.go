@@ -128,6 +128,45 @@ func SetBlock(file, tag string, kv map[string]string) (bool, error) {
 	return setBlock(file, tag, body.String())
 }
 
+// RemoveBlocks takes the agent's blocks (Tag) out of libvirtd.conf and
+// qemu.conf in confDir, for uninstalling (`nodeagent
+// --teardown-libvirt-tls`): the files they name go with the agent's state,
+// and a qemu.conf naming a missing migrate_tls_x509_cert_dir stops
+// libvirtd from starting at all.
+func RemoveBlocks(confDir string) error {
+	var errs []error
+	for _, file := range []string{"libvirtd.conf", "qemu.conf"} {
+		if _, err := removeBlock(filepath.Join(confDir, file), Tag); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// removeBlock deletes the block marked tag from file, reporting whether
+// there was one; a missing file has none.
+func removeBlock(file, tag string) (bool, error) {
+	data, err := os.ReadFile(file)
+	if errors.Is(err, os.ErrNotExist) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	begin, end := "# --- BEGIN "+tag+" ---\n", "# --- END "+tag+" ---\n"
+	old := string(data)
+	i := strings.Index(old, begin)
+	if i < 0 {
+		return false, nil
+	}
+	rest := old[i+len(begin):]
+	after := ""
+	if j := strings.Index(rest, end); j >= 0 {
+		after = rest[j+len(end):]
+	}
+	return true, writeAtomic(file, old[:i]+after)
+}
+
 // setBlock makes body (whole lines) the block marked tag in file.
 func setBlock(file, tag, body string) (bool, error) {
 	data, err := os.ReadFile(file)
@@ -158,11 +197,16 @@ func setBlock(file, tag, body string) (bool, error) {
 	if text == string(data) {
 		return false, nil
 	}
+	return true, writeAtomic(file, text)
+}
+
+// writeAtomic replaces file with text through a rename.
+func writeAtomic(file, text string) error {
 	tmp := file + ".tmp"
 	if err := os.WriteFile(tmp, []byte(text), 0o644); err != nil {
-		return false, err
+		return err
 	}
-	return true, os.Rename(tmp, file)
+	return os.Rename(tmp, file)
 }
 
 // Config configures a Configurer.

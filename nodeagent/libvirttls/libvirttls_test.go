@@ -40,6 +40,38 @@ func TestSetBlockReplacesOnlyItsBlock(t *testing.T) {
 	}
 }
 
+func TestRemoveBlocksLeavesTheRest(t *testing.T) {
+	dir := t.TempDir()
+	head := "# the admin's\nlisten_tcp = 0\n"
+	for _, f := range []string{"libvirtd.conf", "qemu.conf"} {
+		if err := os.WriteFile(filepath.Join(dir, f), []byte(head), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		for _, tag := range []string{libvirttls.Tag, "lab"} {
+			if _, err := libvirttls.SetBlock(filepath.Join(dir, f), tag, map[string]string{"x": "1"}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	for range 2 { // the second removal finds nothing to do
+		if err := libvirttls.RemoveBlocks(dir); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, f := range []string{"libvirtd.conf", "qemu.conf"} {
+		data, err := os.ReadFile(filepath.Join(dir, f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := head + "# --- BEGIN lab ---\nx = 1\n# --- END lab ---\n"; string(data) != want {
+			t.Errorf("%s:\n%s\nwant:\n%s", f, data, want)
+		}
+	}
+	if err := libvirttls.RemoveBlocks(filepath.Join(dir, "missing")); err != nil {
+		t.Errorf("missing directory: %v", err)
+	}
+}
+
 func TestSettings(t *testing.T) {
 	l := libvirttls.LibvirtdSettings("/etc/pki")
 	if l["tls_allowed_dn_list"] != `["O=nodevirt:nodes,CN=system:node:*"]` || l["cert_file"] != `"/etc/pki/libvirt/servercert.pem"` ||

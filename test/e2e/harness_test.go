@@ -31,6 +31,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/cni/bridge"
+	"github.com/nodevirt/nodevirt/launcher/libvirttest"
 	"github.com/nodevirt/nodevirt/nodeagent/agent"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 	"github.com/nodevirt/nodevirt/test/lab"
@@ -180,7 +181,7 @@ func (e *env) setup(ctx context.Context) error {
 	if e.virt, err = client.NewSet(e.rest); err != nil {
 		return err
 	}
-	if err := ensureLibvirt(); err != nil {
+	if err := libvirttest.Start(); err != nil {
 		return err
 	}
 	if err := e.startDaemons(); err != nil {
@@ -272,38 +273,6 @@ func freeAddr() string {
 	}
 	defer l.Close()
 	return l.Addr().String()
-}
-
-// ensureLibvirt starts virtlogd and libvirtd when their sockets do not
-// answer, as launcher/libvirttest does for every test binary: daemons it
-// starts are shared with the other test binaries of the run and stay up.
-func ensureLibvirt() error {
-	for _, d := range []struct{ bin, socket string }{
-		{"virtlogd", "/run/libvirt/virtlogd-sock"},
-		{"libvirtd", "/run/libvirt/libvirt-sock"},
-	} {
-		if answers(d.socket) {
-			continue
-		}
-		if out, err := exec.Command(d.bin, "-d").CombinedOutput(); err != nil {
-			return fmt.Errorf("start %s: %w: %s", d.bin, err, out)
-		}
-		if err := testkit.Wait(testkit.Interval, 30*time.Second, d.socket+" to answer", func() (bool, error) {
-			return answers(d.socket), nil
-		}); err != nil {
-			return fmt.Errorf("%s started: %w", d.bin, err)
-		}
-	}
-	return nil
-}
-
-func answers(socket string) bool {
-	c, err := net.DialTimeout("unix", socket, time.Second)
-	if err != nil {
-		return false
-	}
-	c.Close()
-	return true
 }
 
 // createHCO creates the HyperConverged with emulation, retrying while the

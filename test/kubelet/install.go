@@ -148,8 +148,12 @@ func Uninstall(kubeconfig string, b Build) error {
 		errs = append(errs, err)
 	}
 	bin := filepath.Join(b.Dir, "bin", "nodeagent")
-	if out, err := exec.Command(bin, "--teardown-podnet", "--state-dir=/var/lib/nodevirt").CombinedOutput(); err != nil {
-		errs = append(errs, fmt.Errorf("teardown pod network: %w: %s", err, out))
+	// The host's libvirt configuration loses the agent's TLS blocks: the
+	// directories they name go with /var/lib/nodevirt, and libvirtd does
+	// not start while qemu.conf names a missing one.
+	if out, err := exec.Command(bin, "--teardown-podnet", "--state-dir=/var/lib/nodevirt",
+		"--teardown-libvirt-tls", "--libvirt-conf-dir=/etc/libvirt").CombinedOutput(); err != nil {
+		errs = append(errs, fmt.Errorf("teardown pod network and libvirt TLS: %w: %s", err, out))
 	}
 	return errors.Join(errs...)
 }

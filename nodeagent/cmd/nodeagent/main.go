@@ -16,13 +16,14 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon/buildinfo"
 	"github.com/nodevirt/nodevirt/nodeagent/agent"
 	"github.com/nodevirt/nodevirt/nodeagent/hostdisk"
+	"github.com/nodevirt/nodevirt/nodeagent/libvirttls"
 	nodemetrics "github.com/nodevirt/nodevirt/nodeagent/metrics"
 )
 
 func main() {
 	var cfg agent.Config
 	var pools, consoleClients string
-	var teardownPodnet bool
+	var teardownPodnet, teardownLibvirtTLS bool
 	var gcPercent int
 	var memoryLimit string
 	flag.StringVar(&cfg.Kubeconfig, "kubeconfig", os.Getenv("KUBECONFIG"), "kubeconfig path")
@@ -59,6 +60,7 @@ func main() {
 	flag.IntVar(&gcPercent, "gc-percent", 50, "Go GC target: heap growth in percent of the live heap before a collection (GOGC, which wins when set)")
 	flag.StringVar(&memoryLimit, "memory-limit", "0", "soft limit of the Go runtime's memory, e.g. 64Mi (GOMEMLIMIT, which wins when set); 0 for none")
 	flag.BoolVar(&teardownPodnet, "teardown-podnet", false, "remove the pod network (bridge, taps, nftables tables, state) and exit; for uninstalling")
+	flag.BoolVar(&teardownLibvirtTLS, "teardown-libvirt-tls", false, "remove the agent's blocks from libvirtd.conf and qemu.conf in --libvirt-conf-dir and exit; for uninstalling (libvirtd serves them until its next start)")
 	showVersion := flag.Bool("version", false, buildinfo.FlagUsage)
 	flag.Parse()
 	if *showVersion {
@@ -82,6 +84,19 @@ func main() {
 				os.Exit(2)
 			}
 			cfg.Pools[name] = path
+		}
+	}
+	if teardownLibvirtTLS {
+		if cfg.LibvirtConfDir == "" {
+			fmt.Fprintln(os.Stderr, "nodeagent: --teardown-libvirt-tls needs --libvirt-conf-dir")
+			os.Exit(2)
+		}
+		if err := libvirttls.RemoveBlocks(cfg.LibvirtConfDir); err != nil {
+			fmt.Fprintln(os.Stderr, "nodeagent:", err)
+			os.Exit(1)
+		}
+		if !teardownPodnet {
+			return
 		}
 	}
 	if teardownPodnet {
