@@ -20,6 +20,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/capacitypods"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
+	"github.com/nodevirt/nodevirt/nodeagent/libvirttls"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 	"github.com/nodevirt/nodevirt/test/guest"
 )
@@ -120,6 +121,12 @@ func TestKubeletInstall(t *testing.T) {
 	t.Cleanup(func() {
 		if err := Uninstall(cp.Kubeconfig, build); err != nil {
 			t.Errorf("uninstall: %v", err)
+		}
+		// The host's libvirtd must start again after nodevirt went.
+		for _, f := range []string{"/etc/libvirt/libvirtd.conf", "/etc/libvirt/qemu.conf"} {
+			if b, err := os.ReadFile(f); err == nil && strings.Contains(string(b), "BEGIN "+libvirttls.Tag) {
+				t.Errorf("uninstall left the agent's block in %s", f)
+			}
 		}
 	})
 	if err := Install(ctx, node, build, step); err != nil {
