@@ -19,7 +19,7 @@ import (
 var (
 	// effective fields: path → the package that acts on it.
 	effective = map[string]string{
-		"spec.workloads":                                             "hostpathprovisioner (placement of the storage pools; VM placement does not follow it)",
+		"spec.workloads":                                             "scheduler (VMIs and migration targets only on the nodes it admits, as virt-handler's placement), hostpathprovisioner (the storage pools)",
 		"spec.featureGates.videoConfig":                              "launcher/domain (VideoConfig gate)",
 		"spec.liveMigrationConfig.parallelMigrationsPerCluster":      "migration",
 		"spec.liveMigrationConfig.parallelOutboundMigrationsPerNode": "migration",

@@ -1,10 +1,10 @@
 // Package scheduler is the brain's placement role: it puts every pending
 // VirtualMachineInstance on a registered node that satisfies it (resources,
 // node selection, VMI (anti-)affinity, taints, bridge resources of its
-// networks, volume locality, KVM) and binds it by writing status.nodeName,
-// which the node's agent watches. Decisions are taken one at a time against
-// an assume cache, so bursts never double-book a node; bindings run in
-// parallel.
+// networks, volume locality, KVM, the KubeVirt CR's workloads placement)
+// and binds it by writing status.nodeName, which the node's agent watches.
+// Decisions are taken one at a time against an assume cache, so bursts
+// never double-book a node; bindings run in parallel.
 package scheduler
 
 import (
@@ -221,6 +221,13 @@ func New(cfg Config) (*Scheduler, error) {
 		UpdateFunc: func(any, any) { s.retryWaiting() },
 	}
 	_, _ = s.nodes.AddEventHandler(retry)
+	_, _ = s.kvs.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		// Emulation, the workloads placement, and the memory overcommit
+		// (part of the memoised demands).
+		AddFunc:    func(any) { s.forgetPlacements(); s.retryWaiting() },
+		UpdateFunc: func(any, any) { s.forgetPlacements(); s.retryWaiting() },
+		DeleteFunc: func(any) { s.forgetPlacements(); s.retryWaiting() },
+	})
 	// A pod that ends or goes frees its node's capacity.
 	_, _ = s.pods.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		UpdateFunc: func(any, any) { s.retryWaiting() },
@@ -398,11 +405,11 @@ func (s *Scheduler) decide(vmi *kubevirtv1.VirtualMachineInstance, snaps snapsho
 	fail := func(prefix string, reasons map[string]int) (string, []*corev1.PersistentVolumeClaim, placed, error) {
 		return "", nil, placed{}, &FitError{msg: nodeplacement.FitMessage(len(states), reasons, prefix)}
 	}
-	d, err := demandOf(vmi, s.nadResource)
+	d, err := demandOf(vmi, s.memoryOvercommit(), s.nadResource)
 	if err != nil {
 		return fail(err.Error(), nil)
 	}
-	req := &request{vmi: vmi, demand: d, allowEmul: s.allowEmulation()}
+	req := &request{vmi: vmi, demand: d, allowEmul: s.allowEmulation(), workloads: s.workloadPlacement()}
 	for _, st := range states {
 		if st.anti > 0 {
 			req.placedAnti = true
@@ -484,7 +491,7 @@ func (s *Scheduler) placedOfLocked(vmi *kubevirtv1.VirtualMachineInstance) place
 	if ok && m.rv == vmi.ResourceVersion {
 		return m.p
 	}
-	d, err := demandOf(vmi, s.nadResource)
+	d, err := demandOf(vmi, s.memoryOvercommit(), s.nadResource)
 	p := placed{uid: vmi.UID, ns: vmi.Namespace, labels: labels.Set(vmi.Labels), demand: d}
 	if a := vmi.Spec.Affinity; a != nil && a.PodAntiAffinity != nil {
 		p.anti = a.PodAntiAffinity.RequiredDuringSchedulingIgnoredDuringExecution
