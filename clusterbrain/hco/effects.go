@@ -45,6 +45,7 @@ var (
 		"spec.obsoleteCPUs":                                          "admission, vmcontroller (api/cpumodel: VMIs and VMs naming an obsolete model refused)",
 		"spec.tektonPipelinesNamespace":                              "ssp (where the pipeline Tasks and Pipelines go, with featureGates.deployTektonTaskResources)",
 		"spec.tektonTasksNamespace":                                  "ssp (where the pipeline Tasks go, with featureGates.deployTektonTaskResources)",
+		"spec.higherWorkloadDensity":                                 "admission, vmcontroller, scheduler (api/overcommit: the memory request of VMIs that give only their guest memory)",
 		"spec.tlsSecurityProfile":                                    "api/tlsprofile (from the KubeVirt and CDI CRs: the brain's webhooks, aggregated APIs, upload API and proxy, the node agents' console and upload servers, live)",
 	}
 	// inert fields: path → why nodevirt does not act on it.
@@ -78,7 +79,6 @@ var (
 		"spec.virtualMachineOptions":                                   "free page reporting and the serial console log are not configurable",
 		"spec.ksmConfiguration":                                        "KSM is not managed",
 		"spec.networkBinding":                                          "network binding plugins are not supported",
-		"spec.higherWorkloadDensity":                                   "memory overcommit is not applied",
 		"spec.deployVmConsoleProxy":                                    "no VM console proxy is deployed",
 		"spec.enableApplicationAwareQuota":                             "application aware quota is not deployed",
 		"spec.instancetypeConfig":                                      "the instance type reference policy is not applied",

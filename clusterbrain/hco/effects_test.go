@@ -50,15 +50,14 @@ func TestInertFieldsAreWarnedAbout(t *testing.T) {
 	}
 	all := strings.Join(warnings, "\n")
 	for _, want := range []string{"spec.vmStateStorageClass has no effect in nodevirt: ", "spec.featureGates.alignCPUs has no effect",
-		"spec.liveMigrationConfig.network has no effect",
-		"spec.higherWorkloadDensity has no effect"} {
+		"spec.liveMigrationConfig.network has no effect"} {
 		if !strings.Contains(all, want) {
 			t.Errorf("no warning %q in:\n%s", want, all)
 		}
 	}
 	// Effective fields and inert ones left at their default draw nothing.
 	for _, quiet := range []string{"tlsSecurityProfile", "defaultCPUModel", "downwardMetrics", "videoConfig", "bandwidthPerMigration", "kubeMacPoolConfiguration",
-		"storagePools", "evictionStrategy", "certConfig", "workloadUpdateStrategy", "uninstallStrategy"} {
+		"storagePools", "evictionStrategy", "higherWorkloadDensity", "certConfig", "workloadUpdateStrategy", "uninstallStrategy"} {
 		if strings.Contains(all, quiet) {
 			t.Errorf("warning about %s:\n%s", quiet, all)
 		}

@@ -164,3 +164,44 @@ func TestWorkloadsPlacement(t *testing.T) {
 		return nil
 	})
 }
+
+// TestMemoryOvercommitCounts: with the HyperConverged's
+// higherWorkloadDensity at 200 percent, a VMI that reaches the scheduler
+// with its guest memory and no request (as the brain's replica sets create
+// them) takes half its guest memory from its node: a 4Gi node holds four
+// 2Gi guests, not a fifth.
+func TestMemoryOvercommitCounts(t *testing.T) {
+	e := setup(t)
+	pool := map[string]string{"oc/pool": "yes"}
+	e.node("oc-1", nodeSpec{cpu: "8", mem: "4Gi", labels: map[string]string{"oc/pool": "yes", KVMLabel: "true"}})
+	guest := func(size string) func(*kubevirtv1.VirtualMachineInstance) {
+		return func(v *kubevirtv1.VirtualMachineInstance) {
+			q := resource.MustParse(size)
+			v.Spec.Domain.Resources.Requests = nil
+			v.Spec.Domain.Memory = &kubevirtv1.Memory{Guest: &q}
+			v.Spec.NodeSelector = pool
+		}
+	}
+	probe := &kubevirtv1.VirtualMachineInstance{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "oc-probe"}}
+	guest("6Gi")(probe)
+	if n, err := e.sched.Decide(probe); err == nil {
+		t.Fatalf("a 6Gi guest fits a 4Gi node without overcommit: %s", n)
+	}
+
+	e.applyHyperConverged(`{"higherWorkloadDensity": {"memoryOvercommitPercentage": 200}}`)
+	testkit.Eventually(t, time.Minute, "the scheduler follows the memory overcommit", func() error {
+		if n, err := e.sched.Decide(probe); err != nil || n != "oc-1" {
+			return fmt.Errorf("a 6Gi guest at 200%%: node %q, err %v", n, err)
+		}
+		return nil
+	})
+	for i := 1; i <= 4; i++ {
+		name := fmt.Sprintf("oc-%d", i)
+		e.vmi(name, "1Mi", guest("2Gi")) // the request dropped
+		e.wantNode(name, "oc-1")
+	}
+	e.vmi("oc-5", "1Mi", guest("2Gi"))
+	if n, msg := e.outcome("oc-5"); n != "" || !strings.Contains(msg, "1 insufficient memory") {
+		t.Errorf("a fifth 2Gi guest: node %q, message %q, want insufficient memory", n, msg)
+	}
+}
