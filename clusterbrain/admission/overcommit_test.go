@@ -19,12 +19,13 @@ import (
 // memoryOvercommit at 150, a VMI created through the API server that gives
 // only its guest memory gets the request guest × 100 / 150 from the
 // mutating webhook; a VMI's own request, and one with only a limit, are
-// kept as KubeVirt keeps them.
+// kept as KubeVirt keeps them. The CR's default CPU model is given too.
 func TestMemoryOvercommitThroughTheAPIServer(t *testing.T) {
 	e := setup(t)
 	ctx := context.Background()
 	kv := &kubevirtv1.KubeVirt{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "kubevirt"}}
 	kv.Spec.Configuration.DeveloperConfiguration = &kubevirtv1.DeveloperConfiguration{MemoryOvercommit: 150}
+	kv.Spec.Configuration.CPUModel = "Haswell-noTSX"
 	if _, err := e.virt.KubeVirts.Create(ctx, kv); err != nil {
 		t.Fatal(err)
 	}
@@ -59,8 +60,12 @@ func TestMemoryOvercommitThroughTheAPIServer(t *testing.T) {
 	n := 0
 	testkit.Eventually(t, time.Minute, "a guest-only VMI requesting 2Gi of its 3Gi", func() error {
 		n++
-		if g, r := memory(create(fmt.Sprintf("dense-%d", n), nil)); g != "3Gi" || r != "2Gi" {
+		v := create(fmt.Sprintf("dense-%d", n), nil)
+		if g, r := memory(v); g != "3Gi" || r != "2Gi" {
 			return fmt.Errorf("guest only: guest %s request %s, want 3Gi and 2Gi", g, r)
+		}
+		if v.Spec.Domain.CPU == nil || v.Spec.Domain.CPU.Model != "Haswell-noTSX" {
+			return fmt.Errorf("cpu %+v, want the default model", v.Spec.Domain.CPU)
 		}
 		return nil
 	})
