@@ -28,6 +28,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/cpumodel"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/crwatch"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/fencing"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/logverbosity"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/overcommit"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/tlsprofile"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
@@ -84,6 +85,9 @@ type Config struct {
 	CapacityPodImage string
 	// Log receives structured logs.
 	Log *slog.Logger
+	// LogLevel, when set, is Log's level, which then follows the KubeVirt
+	// CR's logVerbosity (package logverbosity).
+	LogLevel *slog.LevelVar
 }
 
 func (c *Config) defaults() {
@@ -198,6 +202,9 @@ func New(cfg Config) (*Brain, error) {
 		KubeVirtTLS: tlsprofile.NewLive(), CDITLS: tlsprofile.NewLive(), CPUModels: &cpumodel.Live{},
 		MemoryOvercommit: &overcommit.Live{}}
 	tlsprofile.Follow(d.ClusterConfig, d.KubeVirtTLS, d.CDITLS, d.Log)
+	if cfg.LogLevel != nil {
+		logverbosity.Follow(d.ClusterConfig, cfg.LogLevel, logverbosity.Brain, d.Log)
+	}
 	d.ClusterConfig.OnKubeVirt(func(kv *kubevirtv1.KubeVirt) {
 		d.CPUModels.Set(cpumodel.FromKubeVirt(kv))
 		d.MemoryOvercommit.Set(overcommit.FromKubeVirt(kv))
