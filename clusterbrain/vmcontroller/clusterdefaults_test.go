@@ -1,9 +1,6 @@
 package vmcontroller
 
 import (
-	"context"
-	"log/slog"
-	"os"
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
@@ -11,7 +8,6 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/cpumodel"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/overcommit"
-	"github.com/nodevirt/nodevirt/test/controlplane"
 )
 
 // TestVMIsGetTheKubeVirtCRsDefaults: the VMIs the controller creates get
@@ -19,19 +15,10 @@ import (
 // it): the default CPU model, and the memory request of a guest-only
 // template overcommitted; a changed percentage applies to the next VMI.
 func TestVMIsGetTheKubeVirtCRsDefaults(t *testing.T) {
-	e := newEnv(t)
 	cpu, mem := &cpumodel.Live{}, &overcommit.Live{}
 	cpu.Set(cpumodel.Cluster{Default: "Haswell-noTSX", Obsolete: map[string]bool{}})
 	mem.Set(200)
-	c, err := New(Config{RestConfig: controlplane.Shared(t).RestConfig, CPUModels: cpu, MemoryOvercommit: mem,
-		Log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); _ = c.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
+	e := setupWith(t, func(c *Config) { c.CPUModels, c.MemoryOvercommit = cpu, mem })
 
 	created := func(vmi *kubevirtv1.VirtualMachineInstance) string {
 		r := vmi.Spec.Domain.Resources.Requests[corev1.ResourceMemory]
