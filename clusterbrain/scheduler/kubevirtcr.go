@@ -1,6 +1,7 @@
 package scheduler
 
 import (
+	"k8s.io/client-go/tools/cache"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/crwatch"
@@ -8,6 +9,10 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/overcommit"
 )
 
+// What the scheduler takes from the KubeVirt CR: whether software
+// emulation is allowed, the memory overcommit (demandOf), and the
+// workloads placement.
+//
 // The KubeVirt CR's spec.workloads.nodePlacement (HCO renders its own
 // spec.workloads into it) is where KubeVirt runs virt-handler, and a VMI
 // runs only where virt-handler does: its launcher pod needs the node's
@@ -18,7 +23,35 @@ import (
 // virt-handler's DaemonSet pods read it: its node selector, required node
 // affinity and tolerations, the node.kubernetes.io/ condition taints
 // tolerated anyway. VMIs already running on a node the placement leaves
-// out keep running (KubeVirt neither evicts them).
+// out keep running (KubeVirt does not evict them either).
+
+// watchKubeVirt reacts to KubeVirt CR changes: emulation, the workloads
+// placement and the memory overcommit (part of the memoised demands) may
+// have changed.
+func (s *Scheduler) watchKubeVirt() {
+	changed := func() { s.forgetPlacements(); s.retryWaiting() }
+	_, _ = s.kvs.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(any) { changed() },
+		UpdateFunc: func(any, any) { changed() },
+		DeleteFunc: func(any) { changed() },
+	})
+}
+
+// allowEmulation is true unless a KubeVirt CR exists and none of them
+// allows software emulation.
+func (s *Scheduler) allowEmulation() bool {
+	kvs := s.kvs.GetStore().List()
+	if len(kvs) == 0 {
+		return true
+	}
+	for _, o := range kvs {
+		kv := o.(*kubevirtv1.KubeVirt)
+		if c := kv.Spec.Configuration.DeveloperConfiguration; c != nil && c.UseEmulation {
+			return true
+		}
+	}
+	return false
+}
 
 // workloadsField names the placement in Unschedulable messages: the same
 // path in the HyperConverged and the KubeVirt CR.

@@ -221,13 +221,7 @@ func New(cfg Config) (*Scheduler, error) {
 		UpdateFunc: func(any, any) { s.retryWaiting() },
 	}
 	_, _ = s.nodes.AddEventHandler(retry)
-	_, _ = s.kvs.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		// Emulation, the workloads placement, and the memory overcommit
-		// (part of the memoised demands).
-		AddFunc:    func(any) { s.forgetPlacements(); s.retryWaiting() },
-		UpdateFunc: func(any, any) { s.forgetPlacements(); s.retryWaiting() },
-		DeleteFunc: func(any) { s.forgetPlacements(); s.retryWaiting() },
-	})
+	s.watchKubeVirt()
 	// A pod that ends or goes frees its node's capacity.
 	_, _ = s.pods.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		UpdateFunc: func(any, any) { s.retryWaiting() },
@@ -523,22 +517,6 @@ func (s *Scheduler) nadResource(ns, name string) (string, error) {
 		return "", fmt.Errorf("network-attachment-definition %s/%s not found", ns, name)
 	}
 	return obj.(*nadv1.NetworkAttachmentDefinition).Annotations[NADResourceName], nil
-}
-
-// allowEmulation is true unless a KubeVirt CR exists and none of them
-// allows software emulation.
-func (s *Scheduler) allowEmulation() bool {
-	kvs := s.kvs.GetStore().List()
-	if len(kvs) == 0 {
-		return true
-	}
-	for _, o := range kvs {
-		kv := o.(*kubevirtv1.KubeVirt)
-		if c := kv.Spec.Configuration.DeveloperConfiguration; c != nil && c.UseEmulation {
-			return true
-		}
-	}
-	return false
 }
 
 func podScheduled(status corev1.ConditionStatus, reason, msg string) kubevirtv1.VirtualMachineInstanceCondition {
