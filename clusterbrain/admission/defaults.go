@@ -11,13 +11,18 @@ import (
 )
 
 // mutateVMI applies the defaults KubeVirt applies when a VMI is created,
-// the KubeVirt CR's default CPU model among them.
+// the KubeVirt CR's default CPU model and memory overcommit among them.
 func (k *kubevirtWebhooks) mutateVMI(ctx context.Context, req *admissionv1.AdmissionRequest) *admissionv1.AdmissionResponse {
 	var vmi kubevirtv1.VirtualMachineInstance
 	if err := json.Unmarshal(req.Object.Raw, &vmi); err != nil {
 		return Denyf("decode virtualmachineinstance: %v", err)
 	}
-	changed := defaultVMISpec(&vmi.Spec)
+	// The overcommitted request first: defaultVMISpec makes the request
+	// the guest's size.
+	changed := k.cfg.memoryOvercommit(ctx).Apply(&vmi.Spec)
+	if defaultVMISpec(&vmi.Spec) {
+		changed = true
+	}
 	if k.cfg.cpuModels(ctx).Apply(&vmi.Spec) {
 		changed = true
 	}

@@ -14,6 +14,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/cpumodel"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/featuregate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/overcommit"
 )
 
 // defaultCPUAllocationRatio is KubeVirt's developerConfiguration
@@ -118,6 +119,16 @@ func (c *clusterConfig) cpuModels(ctx context.Context) cpumodel.Cluster {
 		kv = kvs[0]
 	}
 	return cpumodel.FromKubeVirt(kv)
+}
+
+// memoryOvercommit is the KubeVirt CR's memoryOvercommit (package
+// overcommit), or KubeVirt's default.
+func (c *clusterConfig) memoryOvercommit(ctx context.Context) overcommit.Memory {
+	var kv *kubevirtv1.KubeVirt
+	if kvs := c.kubeVirts(ctx); len(kvs) > 0 {
+		kv = kvs[0]
+	}
+	return overcommit.FromKubeVirt(kv)
 }
 
 // sameCPUModel reports whether the VM in old (JSON) has the model of cpu.

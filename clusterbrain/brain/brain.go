@@ -28,6 +28,8 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/cpumodel"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/crwatch"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/fencing"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/logverbosity"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/overcommit"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/tlsprofile"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon"
@@ -83,6 +85,9 @@ type Config struct {
 	CapacityPodImage string
 	// Log receives structured logs.
 	Log *slog.Logger
+	// LogLevel, when set, is Log's level, which then follows the KubeVirt
+	// CR's logVerbosity (package logverbosity).
+	LogLevel *slog.LevelVar
 }
 
 func (c *Config) defaults() {
@@ -140,6 +145,9 @@ type Deps struct {
 	// CPUModels are the KubeVirt CR's default and obsolete CPU models, for
 	// the VMIs the VM controller creates.
 	CPUModels *cpumodel.Live
+	// MemoryOvercommit is the KubeVirt CR's memory overcommit, for the
+	// VMIs the VM controller creates.
+	MemoryOvercommit *overcommit.Live
 
 	// scheduler is the leader's scheduler once built, for the VM
 	// controller's placements before creation.
@@ -191,9 +199,16 @@ func New(cfg Config) (*Brain, error) {
 	}
 	d := &Deps{Config: cfg, RestConfig: rc, Kube: kube, Virt: virt, Log: cfg.Log,
 		Health: daemon.NewHealth("api-installed"), ClusterConfig: crwatch.New(virt, cfg.Namespace),
-		KubeVirtTLS: tlsprofile.NewLive(), CDITLS: tlsprofile.NewLive(), CPUModels: &cpumodel.Live{}}
+		KubeVirtTLS: tlsprofile.NewLive(), CDITLS: tlsprofile.NewLive(), CPUModels: &cpumodel.Live{},
+		MemoryOvercommit: &overcommit.Live{}}
 	tlsprofile.Follow(d.ClusterConfig, d.KubeVirtTLS, d.CDITLS, d.Log)
-	d.ClusterConfig.OnKubeVirt(func(kv *kubevirtv1.KubeVirt) { d.CPUModels.Set(cpumodel.FromKubeVirt(kv)) })
+	if cfg.LogLevel != nil {
+		logverbosity.Follow(d.ClusterConfig, cfg.LogLevel, logverbosity.Brain, d.Log)
+	}
+	d.ClusterConfig.OnKubeVirt(func(kv *kubevirtv1.KubeVirt) {
+		d.CPUModels.Set(cpumodel.FromKubeVirt(kv))
+		d.MemoryOvercommit.Set(overcommit.FromKubeVirt(kv))
+	})
 	b := &Brain{cfg: cfg, deps: d}
 	if b.always, err = build(everyBrainRoles, d); err != nil {
 		return nil, err

@@ -145,7 +145,8 @@ var leaderRoles = []RoleFactory{
 		// The scheduler places each VMI before it is created, so the VMI is
 		// created with its node label and bound by one status write.
 		return vmcontroller.New(vmcontroller.Config{RestConfig: d.RestConfig, Log: d.Log.With("role", "vm-controller"), Placer: d.scheduler,
-			VMInformer: d.vms, VMIInformer: d.vmis, CPUModels: d.CPUModels})
+			VMInformer: d.vms, VMIInformer: d.vmis, CPUModels: d.CPUModels,
+			MemoryOvercommit: d.MemoryOvercommit})
 	},
 	func(d *Deps) (Role, error) {
 		// Nodes' certificates, signed with the node CA only the brain reads.

@@ -19,7 +19,7 @@ import (
 var (
 	// effective fields: path → the package that acts on it.
 	effective = map[string]string{
-		"spec.workloads":                                             "hostpathprovisioner (placement of the storage pools; VM placement does not follow it)",
+		"spec.workloads":                                             "scheduler (VMIs and migration targets only on the nodes it admits, as virt-handler's placement), hostpathprovisioner (the storage pools)",
 		"spec.featureGates.videoConfig":                              "launcher/domain (VideoConfig gate)",
 		"spec.liveMigrationConfig.parallelMigrationsPerCluster":      "migration",
 		"spec.liveMigrationConfig.parallelOutboundMigrationsPerNode": "migration",
@@ -45,6 +45,8 @@ var (
 		"spec.obsoleteCPUs":                                          "admission, vmcontroller (api/cpumodel: VMIs and VMs naming an obsolete model refused)",
 		"spec.tektonPipelinesNamespace":                              "ssp (where the pipeline Tasks and Pipelines go, with featureGates.deployTektonTaskResources)",
 		"spec.tektonTasksNamespace":                                  "ssp (where the pipeline Tasks go, with featureGates.deployTektonTaskResources)",
+		"spec.higherWorkloadDensity":                                 "admission, vmcontroller, scheduler (api/overcommit: the memory request of VMIs that give only their guest memory)",
+		"spec.logVerbosityConfig.kubevirt":                           "api/logverbosity (the brain's and node agents' log levels, live)",
 		"spec.tlsSecurityProfile":                                    "api/tlsprofile (from the KubeVirt and CDI CRs: the brain's webhooks, aggregated APIs, upload API and proxy, the node agents' console and upload servers, live)",
 	}
 	// inert fields: path → why nodevirt does not act on it.
@@ -72,13 +74,12 @@ var (
 		"spec.vddkInitImage":                                           "VDDK imports are not supported",
 		"spec.defaultRuntimeClass":                                     "VMs are not pods: no runtime class",
 		"spec.workloadUpdateStrategy":                                  "running VMs are not updated on upgrades",
-		"spec.logVerbosityConfig":                                      "log levels are set by the daemons' flags",
+		"spec.logVerbosityConfig.cdi":                                  "the import and upload roles log at their daemon's level, which the KubeVirt verbosities set",
 		"spec.kubeSecondaryDNSNameServerIP":                            "no secondary DNS is deployed",
 		"spec.vmStateStorageClass":                                     "there is no persistent VM state (TPM/EFI) volume",
 		"spec.virtualMachineOptions":                                   "free page reporting and the serial console log are not configurable",
 		"spec.ksmConfiguration":                                        "KSM is not managed",
 		"spec.networkBinding":                                          "network binding plugins are not supported",
-		"spec.higherWorkloadDensity":                                   "memory overcommit is not applied",
 		"spec.deployVmConsoleProxy":                                    "no VM console proxy is deployed",
 		"spec.enableApplicationAwareQuota":                             "application aware quota is not deployed",
 		"spec.instancetypeConfig":                                      "the instance type reference policy is not applied",

@@ -42,7 +42,8 @@ func TestInertFieldsAreWarnedAbout(t *testing.T) {
 	  "higherWorkloadDensity": {"memoryOvercommitPercentage": 150},
 	  "kubeMacPoolConfiguration": {"rangeStart": "02:aa:00:00:00:00", "rangeEnd": "02:aa:00:00:ff:ff"},
 	  "storagePools": [{"name": "local", "path": "/var/pools/local"}],
-	  "evictionStrategy": "LiveMigrate"
+	  "evictionStrategy": "LiveMigrate",
+	  "logVerbosityConfig": {"kubevirt": {"virtHandler": 4}, "cdi": 3}
 	}`)
 	warnings, err := Validate(hc, nil)
 	if err != nil {
@@ -50,15 +51,14 @@ func TestInertFieldsAreWarnedAbout(t *testing.T) {
 	}
 	all := strings.Join(warnings, "\n")
 	for _, want := range []string{"spec.vmStateStorageClass has no effect in nodevirt: ", "spec.featureGates.alignCPUs has no effect",
-		"spec.liveMigrationConfig.network has no effect",
-		"spec.higherWorkloadDensity has no effect"} {
+		"spec.liveMigrationConfig.network has no effect", "spec.logVerbosityConfig.cdi has no effect"} {
 		if !strings.Contains(all, want) {
 			t.Errorf("no warning %q in:\n%s", want, all)
 		}
 	}
 	// Effective fields and inert ones left at their default draw nothing.
 	for _, quiet := range []string{"tlsSecurityProfile", "defaultCPUModel", "downwardMetrics", "videoConfig", "bandwidthPerMigration", "kubeMacPoolConfiguration",
-		"storagePools", "evictionStrategy", "certConfig", "workloadUpdateStrategy", "uninstallStrategy"} {
+		"storagePools", "evictionStrategy", "higherWorkloadDensity", "logVerbosityConfig.kubevirt", "certConfig", "workloadUpdateStrategy", "uninstallStrategy"} {
 		if strings.Contains(all, quiet) {
 			t.Errorf("warning about %s:\n%s", quiet, all)
 		}

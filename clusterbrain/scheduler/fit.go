@@ -9,6 +9,9 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/api/nodeplacement"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/overcommit"
 )
 
 // Names the nodeagents and KubeVirt use on Nodes.
@@ -29,18 +32,20 @@ type demand struct {
 	kvm      bool
 }
 
-// demandOf computes a VMI's requests: memory from requests, guest memory
-// or limits; CPU from requests, else 100m per vCPU (KubeVirt's default
+// demandOf computes a VMI's requests: memory from requests, else guest
+// memory overcommitted by over (the request admission would have given it:
+// the VMIs the brain creates for replica sets and pools skip it), else
+// limits; CPU from requests, else 100m per vCPU (KubeVirt's default
 // allocation ratio of 10); one unit of each NAD's resourceName per
 // interface on it.
-func demandOf(vmi *kubevirtv1.VirtualMachineInstance, nadResource func(ns, name string) (string, error)) (demand, error) {
+func demandOf(vmi *kubevirtv1.VirtualMachineInstance, over overcommit.Memory, nadResource func(ns, name string) (string, error)) (demand, error) {
 	d := demand{ext: map[corev1.ResourceName]int64{}}
 	dom := vmi.Spec.Domain
 	switch {
 	case !dom.Resources.Requests.Memory().IsZero():
 		d.mem = dom.Resources.Requests.Memory().Value()
 	case dom.Memory != nil && dom.Memory.Guest != nil:
-		d.mem = dom.Memory.Guest.Value()
+		d.mem = over.Request(dom.Memory.Guest.Value())
 	case !dom.Resources.Limits.Memory().IsZero():
 		d.mem = dom.Resources.Limits.Memory().Value()
 	}
@@ -133,6 +138,9 @@ type request struct {
 	pinned    string // a PVC already selected this node
 	pinnedBy  string // the volume that pinned it
 	allowEmul bool
+	// workloads is the KubeVirt CR's workloads placement (nil: none),
+	// where virt-handler runs and so where VMIs may (workloads.go).
+	workloads *nodeplacement.Placement
 	// placedAnti: some placed VMI has required anti-affinity (else the
 	// walk over placed VMIs is skipped for VMIs without affinity terms).
 	placedAnti bool
@@ -149,6 +157,11 @@ func filter(req *request, st *nodeState, all []*nodeState) []string {
 	for _, c := range n.Status.Conditions {
 		if c.Type == corev1.NodeReady && c.Status != corev1.ConditionTrue {
 			return []string{"not ready"}
+		}
+	}
+	if req.workloads != nil {
+		if why := nodeplacement.Admits(*req.workloads, n); why != "" {
+			return []string{why}
 		}
 	}
 	for _, t := range n.Spec.Taints {

@@ -9,6 +9,9 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/api/nodeplacement"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/overcommit"
 )
 
 func TestDemandOf(t *testing.T) {
@@ -58,7 +61,7 @@ func TestDemandOf(t *testing.T) {
 			if tc.edit != nil {
 				tc.edit(vmi)
 			}
-			d, err := demandOf(vmi, nads)
+			d, err := demandOf(vmi, overcommit.Default, nads)
 			if (err != nil) != tc.err {
 				t.Fatalf("err = %v, want error %v", err, tc.err)
 			}
@@ -99,7 +102,9 @@ func TestFilter(t *testing.T) {
 		demand demand
 		used   demand // already placed on the node
 		noEmul bool
-		want   string // reasons joined by ", "; "" fits
+		// workloads is the KubeVirt CR's workloads placement.
+		workloads *nodeplacement.Placement
+		want      string // reasons joined by ", "; "" fits
 	}{
 		{name: "fits", demand: demand{cpu: 1000, mem: 1 << 30}},
 		{name: "exactly full fits", demand: demand{cpu: 2000, mem: 4 << 30}},
@@ -133,6 +138,30 @@ func TestFilter(t *testing.T) {
 			n.Status.Allocatable[KVMResource] = resource.MustParse("1k")
 		}, noEmul: true},
 		{name: "emulation allowed", node: func(n *corev1.Node) { delete(n.Labels, KVMLabel) }},
+		{name: "inside the workloads placement", workloads: &nodeplacement.Placement{NodeSelector: map[string]string{"zone": "a"},
+			Field: workloadsField, DaemonLike: true}},
+		{name: "outside the workloads placement's selector", workloads: &nodeplacement.Placement{NodeSelector: map[string]string{"zone": "b"},
+			Field: workloadsField, DaemonLike: true}, want: "spec.workloads.nodePlacement.nodeSelector zone=b does not match"},
+		{name: "outside the workloads placement's affinity", workloads: &nodeplacement.Placement{Affinity: &corev1.Affinity{
+			NodeAffinity: &corev1.NodeAffinity{RequiredDuringSchedulingIgnoredDuringExecution: &corev1.NodeSelector{
+				NodeSelectorTerms: []corev1.NodeSelectorTerm{{MatchExpressions: []corev1.NodeSelectorRequirement{
+					{Key: "zone", Operator: corev1.NodeSelectorOpIn, Values: []string{"b", "c"}}}}}}}},
+			Field: workloadsField, DaemonLike: true}, want: "spec.workloads.nodePlacement.affinity does not match"},
+		{name: "a taint the VMI tolerates but the workloads placement does not", node: func(n *corev1.Node) { n.Spec.Taints = []corev1.Taint{taint} },
+			vmi: func(v *kubevirtv1.VirtualMachineInstance) {
+				v.Spec.Tolerations = []corev1.Toleration{{Key: "dedicated", Operator: corev1.TolerationOpExists}}
+			},
+			workloads: &nodeplacement.Placement{NodeSelector: map[string]string{"zone": "a"}, Field: workloadsField, DaemonLike: true},
+			want:      "taint dedicated:NoSchedule not tolerated by spec.workloads.nodePlacement.tolerations"},
+		{name: "a taint the workloads placement tolerates but the VMI does not", node: func(n *corev1.Node) { n.Spec.Taints = []corev1.Taint{taint} },
+			workloads: &nodeplacement.Placement{Tolerations: []corev1.Toleration{{Key: "dedicated", Operator: corev1.TolerationOpExists}},
+				Field: workloadsField, DaemonLike: true},
+			want: "untolerated taint {dedicated: db}"},
+		{name: "condition taints do not keep virt-handler off", node: func(n *corev1.Node) {
+			n.Spec.Taints = []corev1.Taint{{Key: corev1.TaintNodeDiskPressure, Effect: corev1.TaintEffectNoSchedule}}
+		}, vmi: func(v *kubevirtv1.VirtualMachineInstance) {
+			v.Spec.Tolerations = []corev1.Toleration{{Key: corev1.TaintNodeDiskPressure, Operator: corev1.TolerationOpExists}}
+		}, workloads: &nodeplacement.Placement{NodeSelector: map[string]string{"zone": "a"}, Field: workloadsField, DaemonLike: true}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			vmi := &kubevirtv1.VirtualMachineInstance{ObjectMeta: metav1.ObjectMeta{Namespace: "vms", Name: "v"}}
@@ -147,7 +176,7 @@ func TestFilter(t *testing.T) {
 				tc.used.ext = map[corev1.ResourceName]int64{}
 			}
 			st.add(placed{uid: "other", ns: "vms", demand: tc.used})
-			req := &request{vmi: vmi, demand: tc.demand, allowEmul: !tc.noEmul}
+			req := &request{vmi: vmi, demand: tc.demand, allowEmul: !tc.noEmul, workloads: tc.workloads}
 			if got := strings.Join(filter(req, st, []*nodeState{st}), ", "); got != tc.want {
 				t.Errorf("filter = %q, want %q", got, tc.want)
 			}

@@ -10,6 +10,8 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/nodevirt/nodevirt/clusterbrain/api/overcommit"
 )
 
 // Pods share nodes with VMs where a kubelet runs: a node's CPU and memory
@@ -97,8 +99,9 @@ func (s *Scheduler) addPods(st *nodeState) {
 const CapacityPodLabel = "nodevirt.io/vmi-capacity"
 
 // Requests is the CPU (millicores) and memory (bytes) a VMI takes from its
-// node, as the scheduler counts it.
+// node, as the scheduler counts it (a guest without a memory request
+// counted whole, not overcommitted).
 func Requests(vmi *kubevirtv1.VirtualMachineInstance) (cpu, mem int64) {
-	d, _ := demandOf(vmi, func(string, string) (string, error) { return "", nil })
+	d, _ := demandOf(vmi, overcommit.Default, func(string, string) (string, error) { return "", nil })
 	return d.cpu, d.mem
 }

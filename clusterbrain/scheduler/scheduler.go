@@ -1,10 +1,10 @@
 // Package scheduler is the brain's placement role: it puts every pending
 // VirtualMachineInstance on a registered node that satisfies it (resources,
 // node selection, VMI (anti-)affinity, taints, bridge resources of its
-// networks, volume locality, KVM) and binds it by writing status.nodeName,
-// which the node's agent watches. Decisions are taken one at a time against
-// an assume cache, so bursts never double-book a node; bindings run in
-// parallel.
+// networks, volume locality, KVM, the KubeVirt CR's workloads placement)
+// and binds it by writing status.nodeName, which the node's agent watches.
+// Decisions are taken one at a time against an assume cache, so bursts
+// never double-book a node; bindings run in parallel.
 package scheduler
 
 import (
@@ -221,6 +221,7 @@ func New(cfg Config) (*Scheduler, error) {
 		UpdateFunc: func(any, any) { s.retryWaiting() },
 	}
 	_, _ = s.nodes.AddEventHandler(retry)
+	s.watchKubeVirt()
 	// A pod that ends or goes frees its node's capacity.
 	_, _ = s.pods.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		UpdateFunc: func(any, any) { s.retryWaiting() },
@@ -398,11 +399,11 @@ func (s *Scheduler) decide(vmi *kubevirtv1.VirtualMachineInstance, snaps snapsho
 	fail := func(prefix string, reasons map[string]int) (string, []*corev1.PersistentVolumeClaim, placed, error) {
 		return "", nil, placed{}, &FitError{msg: nodeplacement.FitMessage(len(states), reasons, prefix)}
 	}
-	d, err := demandOf(vmi, s.nadResource)
+	d, err := demandOf(vmi, s.memoryOvercommit(), s.nadResource)
 	if err != nil {
 		return fail(err.Error(), nil)
 	}
-	req := &request{vmi: vmi, demand: d, allowEmul: s.allowEmulation()}
+	req := &request{vmi: vmi, demand: d, allowEmul: s.allowEmulation(), workloads: s.workloadPlacement()}
 	for _, st := range states {
 		if st.anti > 0 {
 			req.placedAnti = true
@@ -484,7 +485,7 @@ func (s *Scheduler) placedOfLocked(vmi *kubevirtv1.VirtualMachineInstance) place
 	if ok && m.rv == vmi.ResourceVersion {
 		return m.p
 	}
-	d, err := demandOf(vmi, s.nadResource)
+	d, err := demandOf(vmi, s.memoryOvercommit(), s.nadResource)
 	p := placed{uid: vmi.UID, ns: vmi.Namespace, labels: labels.Set(vmi.Labels), demand: d}
 	if a := vmi.Spec.Affinity; a != nil && a.PodAntiAffinity != nil {
 		p.anti = a.PodAntiAffinity.RequiredDuringSchedulingIgnoredDuringExecution
@@ -516,22 +517,6 @@ func (s *Scheduler) nadResource(ns, name string) (string, error) {
 		return "", fmt.Errorf("network-attachment-definition %s/%s not found", ns, name)
 	}
 	return obj.(*nadv1.NetworkAttachmentDefinition).Annotations[NADResourceName], nil
-}
-
-// allowEmulation is true unless a KubeVirt CR exists and none of them
-// allows software emulation.
-func (s *Scheduler) allowEmulation() bool {
-	kvs := s.kvs.GetStore().List()
-	if len(kvs) == 0 {
-		return true
-	}
-	for _, o := range kvs {
-		kv := o.(*kubevirtv1.KubeVirt)
-		if c := kv.Spec.Configuration.DeveloperConfiguration; c != nil && c.UseEmulation {
-			return true
-		}
-	}
-	return false
 }
 
 func podScheduled(status corev1.ConditionStatus, reason, msg string) kubevirtv1.VirtualMachineInstanceCondition {

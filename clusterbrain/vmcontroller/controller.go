@@ -28,6 +28,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/cpumodel"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/overcommit"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/metrics"
 )
@@ -54,6 +55,9 @@ type Config struct {
 	// CPUModels is the KubeVirt CR's default and obsolete CPU models,
 	// applied to the VMIs the controller creates (nil: none).
 	CPUModels *cpumodel.Live
+	// MemoryOvercommit is the KubeVirt CR's memory overcommit, applied to
+	// the VMIs the controller creates (nil: none).
+	MemoryOvercommit *overcommit.Live
 	// BackoffBase and BackoffMax bound the delay before a failed VMI is
 	// started again: base·2^(failures-1), at most max (default 10s, 5m,
 	// like KubeVirt).

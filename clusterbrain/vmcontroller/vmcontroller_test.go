@@ -34,11 +34,18 @@ type env struct {
 	ns   string
 }
 
-func setup(t *testing.T) env {
+func setup(t *testing.T) env { t.Helper(); return setupWith(t, nil) }
+
+// setupWith is setup with edit applied to the controller's Config.
+func setupWith(t *testing.T, edit func(*Config)) env {
 	t.Helper()
 	e := newEnv(t)
-	c, err := New(Config{RestConfig: controlplane.Shared(t).RestConfig, BackoffBase: time.Second, BackoffMax: 2 * time.Second,
-		Log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
+	cfg := Config{RestConfig: controlplane.Shared(t).RestConfig, BackoffBase: time.Second, BackoffMax: 2 * time.Second,
+		Log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
+	if edit != nil {
+		edit(&cfg)
+	}
+	c, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -23,6 +23,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/crwatch"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/fencing"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/logverbosity"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/nodereads"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/tlsprofile"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon"
@@ -135,6 +136,9 @@ type Config struct {
 	// (10 s when zero); the fencing window must span at least two.
 	Heartbeat time.Duration
 	Log       *slog.Logger
+	// LogLevel, when set, is Log's level, which then follows the KubeVirt
+	// CR's logVerbosity for this node (package logverbosity).
+	LogLevel *slog.LevelVar
 }
 
 func (c *Config) defaults() {
@@ -353,6 +357,9 @@ func New(cfg Config) (*Agent, error) {
 		ClusterConfig: crwatch.New(virt, cfg.BrainNamespace), KubeVirtTLS: tlsprofile.NewLive(), CDITLS: tlsprofile.NewLive()}
 	d.Config.Console.TLSProfile = d.KubeVirtTLS
 	tlsprofile.Follow(d.ClusterConfig, d.KubeVirtTLS, d.CDITLS, d.Log)
+	if cfg.LogLevel != nil {
+		logverbosity.Follow(d.ClusterConfig, cfg.LogLevel, logverbosity.Node(cfg.NodeName), d.Log)
+	}
 	if d.PodNetwork, d.PodNetworkErr, err = setupPodNetwork(cfg); err != nil {
 		return nil, err
 	}

@@ -45,7 +45,8 @@ func main() {
 		fmt.Println(buildinfo.Line("clusterbrain"))
 		return
 	}
-	cfg.Log = slog.New(slog.NewTextHandler(os.Stderr, nil))
+	cfg.LogLevel = new(slog.LevelVar) // follows the KubeVirt CR's logVerbosity
+	cfg.Log = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: cfg.LogLevel}))
 	if *installRoles {
 		if err := installDaemonRoles(cfg.Kubeconfig); err != nil {
 			fmt.Fprintln(os.Stderr, "clusterbrain:", err)

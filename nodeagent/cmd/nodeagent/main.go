@@ -74,7 +74,8 @@ func main() {
 	if consoleClients != "" {
 		cfg.Console.AllowedClients = strings.Split(consoleClients, ",")
 	}
-	cfg.Log = slog.New(slog.NewTextHandler(os.Stderr, nil))
+	cfg.LogLevel = new(slog.LevelVar) // follows the KubeVirt CR's logVerbosity
+	cfg.Log = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: cfg.LogLevel}))
 	if pools != "" {
 		cfg.Pools = map[string]string{}
 		for _, p := range strings.Split(pools, ",") {
