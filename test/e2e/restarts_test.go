@@ -108,9 +108,11 @@ func TestCrossNodeRestartsKeepGuests(t *testing.T) {
 		logs[d] = logSize(d.logPath)
 	}
 	t.Logf("kube-apiserver away for %s", apiOutage)
+	down := time.Now()
 	if err := e.cp.RestartAPIServer(ctx, apiOutage); err != nil {
 		t.Fatalf("API server outage: %v", err)
 	}
+	t.Logf("kube-apiserver ready again %s after it was killed (fencing window %s)", time.Since(down).Round(100*time.Millisecond), fencingWindow)
 	n.settle("the API server outage")
 	for d, from := range logs {
 		if fenced := logLinesSince(d.logPath, from, "self-fencing"); fenced != "" {
