@@ -184,10 +184,16 @@ func (e *env) setup(ctx context.Context) error {
 	if err := libvirttest.Start(); err != nil {
 		return err
 	}
+	// The fabric comes up before the first agent, whose console server
+	// listens on the fabric's gateway (startDaemons).
+	e.node2Err = e.upFabric()
 	if err := e.startDaemons(); err != nil {
 		return err
 	}
-	if e.node2Err = e.startSecondNode(); e.node2Err != nil {
+	if e.node2Err == nil {
+		e.node2Err = e.startSecondNode()
+	}
+	if e.node2Err != nil {
 		fmt.Fprintf(os.Stderr, "e2e: second node: %v\n", e.node2Err)
 	}
 	if err := e.createHCO(ctx); err != nil {
@@ -238,9 +244,17 @@ func (e *env) startDaemons() error {
 		"--csi-socket=" + filepath.Join(agentDir, "csi", "csi.sock"),
 		"--pools=" + poolName() + "=" + e.path("pools", poolName()), "--host-disk-root=" + e.path("disks")}
 	// The console server defaults to virt-handler's port 8186, which a lab
-	// on the same host holds: give it a free loopback port (the agent
-	// advertises it on its Node for the brain).
-	agentArgs = append(agentArgs, optionalAddrFlags(filepath.Join(e.bin, "nodeagent"), "127.0.0.1", "console-addr")...)
+	// on the same host holds: give it a free port. The agent advertises
+	// it on its Node, for the brain and as this node's peer address, which
+	// the other nodes dial from their namespaces before they fence
+	// themselves (nodeagent/agent/fence.go): it listens on the fabric's
+	// gateway, the host's address they reach, and on loopback only when
+	// the fabric did not come up (then no other node runs).
+	consoleHost := "127.0.0.1"
+	if e.node2Err == nil {
+		consoleHost = e.fabric().Gateway()
+	}
+	agentArgs = append(agentArgs, optionalAddrFlags(filepath.Join(e.bin, "nodeagent"), consoleHost, "console-addr")...)
 	agentArgs = append(agentArgs, optionalAddrFlags(filepath.Join(e.bin, "nodeagent"), "", "upload-addr", "metrics-addr")...)
 	// Its own pod network bridge and subnet, so a lab's pod network on the
 	// same host is left alone (teardown removes this one).

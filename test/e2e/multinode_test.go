@@ -72,15 +72,23 @@ func (e *env) secondNode(t *testing.T) lab.Node {
 	return e.node2()
 }
 
-// startSecondNode brings the second node up with its agent.
-func (e *env) startSecondNode() error {
-	f, n := e.fabric(), e.node2()
+// upFabric brings the run's fabric up on the host, its state kept in the
+// second node's directory (removeSecondNode takes it down).
+func (e *env) upFabric() error {
+	n := e.node2()
 	if err := os.MkdirAll(n.Dir, 0o755); err != nil {
 		return err
 	}
-	if err := f.Up(n.Dir); err != nil {
+	if err := e.fabric().Up(n.Dir); err != nil {
 		return fmt.Errorf("fabric: %w", err)
 	}
+	return nil
+}
+
+// startSecondNode brings the second node up with its agent, on the fabric
+// upFabric brought up.
+func (e *env) startSecondNode() error {
+	f, n := e.fabric(), e.node2()
 	if err := lab.StartNode(n, []lab.Node{n}); err != nil {
 		return err
 	}
