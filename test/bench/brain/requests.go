@@ -4,114 +4,29 @@ import (
 	"bufio"
 	"context"
 	"fmt"
-	"io"
 	"os"
 	"sort"
 	"strconv"
 	"strings"
 
 	"k8s.io/client-go/kubernetes"
+
+	"github.com/nodevirt/nodevirt/test/bench/measure"
 )
-
-// requestCounts reads the API server's apiserver_request_total counters,
-// keyed "VERB resource[/subresource] code", so a run can show how many
-// round trips each object cost.
-func requestCounts(ctx context.Context, kube kubernetes.Interface) (map[string]float64, error) {
-	body, err := kube.CoreV1().RESTClient().Get().AbsPath("/metrics").Stream(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("read apiserver metrics: %w", err)
-	}
-	defer body.Close()
-	return parseRequestCounts(body)
-}
-
-func parseRequestCounts(r io.Reader) (map[string]float64, error) {
-	out := map[string]float64{}
-	sc := bufio.NewScanner(r)
-	sc.Buffer(make([]byte, 1<<20), 1<<20)
-	for sc.Scan() {
-		line := sc.Text()
-		if !strings.HasPrefix(line, "apiserver_request_total{") {
-			continue
-		}
-		end := strings.LastIndexByte(line, '}')
-		if end < 0 {
-			continue
-		}
-		v, err := strconv.ParseFloat(strings.TrimSpace(line[end+1:]), 64)
-		if err != nil {
-			continue
-		}
-		labels := map[string]string{}
-		for _, kv := range strings.Split(line[len("apiserver_request_total{"):end], ",") {
-			k, val, ok := strings.Cut(kv, "=")
-			if ok {
-				labels[k] = strings.Trim(val, `"`)
-			}
-		}
-		res := labels["resource"]
-		if sub := labels["subresource"]; sub != "" {
-			res += "/" + sub
-		}
-		out[labels["verb"]+" "+res+" "+labels["code"]] += v
-	}
-	return out, sc.Err()
-}
 
 // printRequestDelta writes the requests made between before and after,
 // per object created, to stderr (watches left out).
-func printRequestDelta(before, after map[string]float64, perObjects int) {
-	type row struct {
-		key string
-		n   float64
-	}
-	var rows []row
-	var writes float64
-	for k, v := range after {
-		d := v - before[k]
-		verb := strings.Fields(k)[0]
-		if d <= 0 || verb == "WATCH" {
-			continue
-		}
-		rows = append(rows, row{k, d})
-		if verb != "GET" && verb != "LIST" {
-			writes += d
-		}
-	}
-	sort.Slice(rows, func(i, j int) bool { return rows[i].n > rows[j].n })
+func printRequestDelta(before, after measure.Requests, perObjects int) {
+	rows, writes := measure.Delta(before, after)
 	fmt.Fprintf(os.Stderr, "api writes during the burst: %.0f (%.2f per vm)\n", writes, writes/float64(perObjects))
 	for _, r := range rows {
-		fmt.Fprintf(os.Stderr, "  %-60s %6.0f  %.2f/vm\n", r.key, r.n, r.n/float64(perObjects))
+		fmt.Fprintf(os.Stderr, "  %-60s %6.0f  %.2f/vm\n", r.Key, r.N, r.N/float64(perObjects))
 	}
 }
 
 // apiserverPid finds the kube-apiserver whose command line mentions dir
 // (the control plane started for this run), or 0.
-func apiserverPid(dir string) int { return controlPlanePid("kube-apiserver", dir) }
-
-// controlPlanePid finds the process of the binary named name whose
-// command line mentions dir, or 0.
-func controlPlanePid(name, dir string) int {
-	entries, err := os.ReadDir("/proc")
-	if err != nil {
-		return 0
-	}
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		cmd, err := os.ReadFile("/proc/" + e.Name() + "/cmdline")
-		if err != nil {
-			continue
-		}
-		args := strings.Split(string(cmd), "\x00")
-		if strings.HasSuffix(args[0], name) && strings.Contains(string(cmd), dir) {
-			return pid
-		}
-	}
-	return 0
-}
+func apiserverPid(dir string) int { return measure.ControlPlanePid("kube-apiserver", dir) }
 
 // latencySums reads the API server's histograms of admission webhook
 // calls (per webhook) and of request handling (per verb and resource) as
