@@ -208,7 +208,7 @@ func bench(ctx context.Context, nVMs, nNodes int, share bool) error {
 	if err != nil {
 		return err
 	}
-	latBefore, _ := latencySums(ctx, kube)
+	latBefore, _ := measure.Latencies(ctx, kube)
 	stopPerf := perfRecord(apiPid)
 	apiCPU1 := measure.CPUTime(apiPid)
 	etcdPid := measure.ControlPlanePid("etcd", dir)
@@ -287,8 +287,8 @@ func bench(ctx context.Context, nVMs, nNodes int, share bool) error {
 	if countsAfter, err := measure.RequestCounts(ctx, kube); err == nil {
 		printRequestDelta(countsBefore, countsAfter, nVMs)
 	}
-	if latAfter, err := latencySums(ctx, kube); err == nil {
-		printLatencyDelta(latBefore, latAfter)
+	if latAfter, err := measure.Latencies(ctx, kube); err == nil {
+		measure.WriteLatencyDelta(os.Stderr, latBefore, latAfter)
 	}
 	if err := verify(ctx, virt, kube, nVMs); err != nil {
 		return err

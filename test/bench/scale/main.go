@@ -121,6 +121,7 @@ func describe(p point) {
 			fmt.Fprintf(os.Stderr, "      %-60s %8.0f  %.2f/vm\n", r.Key, r.N, r.N/float64(p.VMs))
 		}
 	}
+	fmt.Fprint(os.Stderr, p.Latencies)
 }
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }

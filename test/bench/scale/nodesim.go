@@ -154,10 +154,11 @@ func (s *nodeSim) renewLease(ctx context.Context, name string) error {
 }
 
 // run beats every node once per heartbeat, one node every
-// heartbeat/len(names), on a few workers so a slow API server delays the
-// beats (as it would an agent's) without piling them up.
+// heartbeat/len(names), on up to 32 workers at once (a fleet of agents
+// writes in parallel), so a slow API server delays the beats as it would
+// an agent's, and drops a beat only when all 32 are still waiting.
 func (s *nodeSim) run(ctx context.Context) {
-	const workers = 8
+	const workers = 32
 	queue := make(chan string, workers)
 	var wg sync.WaitGroup
 	for w := 0; w < workers; w++ {

@@ -37,6 +37,9 @@ type point struct {
 	// simulator's heartbeats; Requests their breakdown.
 	Writes   float64
 	Requests []measure.Count
+	// Latencies are the API server's mean latencies per webhook and
+	// request kind over the same span, as text.
+	Latencies string
 	// IdleBefore and IdleAfter are the brain's CPU use (fraction of a
 	// core) over the idle window with no VM and with every VMI placed.
 	IdleBefore, IdleAfter float64
@@ -71,7 +74,7 @@ func (c *cluster) run(ctx context.Context, nVMs int, t timing) (point, error) {
 	pid := c.brain.Process.Pid
 	// The brain's start-up work (the HyperConverged's children, common
 	// templates, the nodes' first leases) is over before the idle window.
-	if err := sleep(ctx, t.settle); err != nil {
+	if err := c.settle(ctx, t.settle); err != nil {
 		return p, err
 	}
 	var err error
@@ -111,6 +114,10 @@ func (c *cluster) run(ctx context.Context, nVMs int, t timing) (point, error) {
 	if err != nil {
 		return p, err
 	}
+	latBefore, err := measure.Latencies(ctx, c.kube)
+	if err != nil {
+		return p, err
+	}
 	simWrites0 := c.sim.writes.Load()
 	c.sim.maxGap.Store(0)
 	skipped0, failed0 := c.sim.skipped.Load(), c.sim.failed.Load()
@@ -145,7 +152,7 @@ func (c *cluster) run(ctx context.Context, nVMs int, t timing) (point, error) {
 	p.PeakRSS = measure.MemMiB(pid, "VmHWM")
 
 	// The brain's work that follows the bindings (VM status) counts too.
-	if err := sleep(ctx, t.settle); err != nil {
+	if err := c.settle(ctx, t.settle); err != nil {
 		return p, err
 	}
 	p.BrainCPU, p.APICPU, p.EtcdCPU = measure.CPUTime(pid)-brain0, measure.CPUTime(c.apiPid)-api0, measure.CPUTime(c.etcdPid)-etcd0
@@ -154,6 +161,11 @@ func (c *cluster) run(ctx context.Context, nVMs int, t timing) (point, error) {
 		return p, err
 	}
 	rows, writes := measure.Delta(before, after)
+	if latAfter, err := measure.Latencies(ctx, c.kube); err == nil {
+		var b strings.Builder
+		measure.WriteLatencyDelta(&b, latBefore, latAfter)
+		p.Latencies = b.String()
+	}
 	p.Requests, p.Writes = rows, writes-float64(c.sim.writes.Load()-simWrites0)
 	if err := c.brainAlive(); err != nil {
 		return p, err
@@ -174,6 +186,23 @@ func (c *cluster) run(ctx context.Context, nVMs int, t timing) (point, error) {
 	p.SimSkipped, p.SimFailed = c.sim.skipped.Load()-skipped0, c.sim.failed.Load()-failed0
 	p.LoadAfter = loadavg()
 	return p, nil
+}
+
+// settle waits at least d, and then until the brain uses less than a
+// fifth of a core over two seconds (at most 6×d in all): the work that
+// follows a burst is over before an idle window starts.
+func (c *cluster) settle(ctx context.Context, d time.Duration) error {
+	start := time.Now()
+	if err := sleep(ctx, d); err != nil {
+		return err
+	}
+	for time.Since(start) < 6*d {
+		busy, err := c.idleCPU(ctx, 2*time.Second)
+		if err != nil || busy < 0.2 {
+			return err
+		}
+	}
+	return nil
 }
 
 // idleCPU is the brain's CPU use over d, as a fraction of one core.
