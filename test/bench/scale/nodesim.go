@@ -40,10 +40,9 @@ type nodeSim struct {
 	// last is when each node's previous heartbeat finished.
 	last map[string]time.Time
 
-	writes  atomic.Int64 // API writes made (node status patches, lease writes)
-	failed  atomic.Int64 // heartbeats that returned an error
-	skipped atomic.Int64 // heartbeats dropped: all workers busy (the API server too slow)
-	maxGap  atomic.Int64 // longest time between two heartbeats of a node, ns
+	writes atomic.Int64 // API writes made (node status patches, lease writes)
+	failed atomic.Int64 // heartbeats that returned an error
+	maxGap atomic.Int64 // longest time between two heartbeats of a node, ns
 }
 
 // simCapacity is what each simulated node offers: a large host, and the
@@ -153,40 +152,34 @@ func (s *nodeSim) renewLease(ctx context.Context, name string) error {
 	return nil
 }
 
-// run beats every node once per heartbeat, one node every
-// heartbeat/len(names), on up to 32 workers at once (a fleet of agents
-// writes in parallel), so a slow API server delays the beats as it would
-// an agent's, and drops a beat only when all 32 are still waiting.
+// run beats every node once per heartbeat until ctx ends, each node on a
+// goroutine of its own started heartbeat/len(names) after the previous one,
+// as a fleet of agents does: a slow API server delays a node's beats (its
+// ticker drops the ticks it misses) without holding up the others'.
 func (s *nodeSim) run(ctx context.Context) {
-	const workers = 32
-	queue := make(chan string, workers)
 	var wg sync.WaitGroup
-	for w := 0; w < workers; w++ {
+	defer wg.Wait()
+	step := s.heartbeat / time.Duration(len(s.names))
+	for i, name := range s.names {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			for name := range queue {
+			if sleep(ctx, time.Duration(i)*step) != nil {
+				return
+			}
+			t := time.NewTicker(s.heartbeat)
+			defer t.Stop()
+			for {
 				if err := s.beat(ctx, name); err != nil && ctx.Err() == nil {
 					s.failed.Add(1)
 				}
+				select {
+				case <-ctx.Done():
+					return
+				case <-t.C:
+				}
 			}
 		}()
-	}
-	defer wg.Wait()
-	defer close(queue)
-	t := time.NewTicker(s.heartbeat / time.Duration(len(s.names)))
-	defer t.Stop()
-	for i := 0; ; i = (i + 1) % len(s.names) {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-		select {
-		case queue <- s.names[i]:
-		default:
-			s.skipped.Add(1)
-		}
 	}
 }
 
