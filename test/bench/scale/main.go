@@ -41,7 +41,7 @@ func main() {
 	vms := flag.String("vms", "1000,5000", "comma-separated VM counts, each run against every node count (10000 for the issue's target)")
 	heartbeat := flag.Duration("heartbeat", 10*time.Second, "how often each simulated node renews its Lease and Ready condition (the node agent's default)")
 	settle := flag.Duration("settle", 10*time.Second, "wait after the last binding before the idle window (its work counts in the burst)")
-	idle := flag.Duration("idle", 20*time.Second, "idle window the brain's CPU is measured over, before and after the burst")
+	idle := flag.Duration("idle", 15*time.Second, "idle window the brain's CPU is measured over, before and after the burst")
 	png := flag.String("png", ".lab/scale.png", "where to draw the curve (empty: no picture)")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
