@@ -176,7 +176,13 @@ func (c *Controller) Run(ctx context.Context) error {
 	}
 	nodes := informers.NewSharedInformerFactoryWithOptions(c.cfg.Kube, rs,
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = schedulableLabel })).Core().V1().Nodes().Informer()
-	if _, err := nodes.AddEventHandler(toSingleton); err != nil {
+	onNodes := toSingleton
+	onNodes.UpdateFunc = func(old, obj any) {
+		if nodeHealthChanged(old, obj) {
+			c.queue.Add(c.singletonKey())
+		}
+	}
+	if _, err := nodes.AddEventHandler(onNodes); err != nil {
 		return err
 	}
 	infs = append(infs, nodes)

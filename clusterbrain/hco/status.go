@@ -2,6 +2,7 @@ package hco
 
 import (
 	"fmt"
+	"reflect"
 	"runtime"
 	"sort"
 	"strings"
@@ -99,6 +100,19 @@ func nodeHealthOf(nodes []corev1.Node) nodeHealth {
 	sort.Strings(h.Ready)
 	sort.Strings(h.Failing)
 	return h
+}
+
+// nodeHealthChanged says whether a Node update changes what nodeHealthOf
+// reads of it. A node agent's heartbeat (every node, every 10 s) changes
+// nothing of it; were each one a sync, a few hundred nodes would keep the
+// HyperConverged syncing back to back, listing every Node each time.
+func nodeHealthChanged(old, cur any) bool {
+	o, ok1 := old.(*corev1.Node)
+	n, ok2 := cur.(*corev1.Node)
+	if !ok1 || !ok2 {
+		return true
+	}
+	return !reflect.DeepEqual(nodeHealthOf([]corev1.Node{*o}), nodeHealthOf([]corev1.Node{*n}))
 }
 
 // judge decides each child's health from what it stands for: the parts

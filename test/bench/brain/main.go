@@ -18,7 +18,6 @@ import (
 	"runtime"
 	"runtime/pprof"
 	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -43,6 +42,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 	"github.com/nodevirt/nodevirt/clusterbrain/vmcontroller"
+	"github.com/nodevirt/nodevirt/test/bench/measure"
 	"github.com/nodevirt/nodevirt/test/bench/report"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
@@ -203,16 +203,16 @@ func bench(ctx context.Context, nVMs, nNodes int, share bool) error {
 	if err := waitBrain(ctx, virt); err != nil {
 		return err
 	}
-	baseRSS := rssMiB(child.Process.Pid, "VmRSS")
-	countsBefore, err := requestCounts(ctx, kube)
+	baseRSS := measure.MemMiB(child.Process.Pid, "VmRSS")
+	countsBefore, err := measure.RequestCounts(ctx, kube)
 	if err != nil {
 		return err
 	}
-	latBefore, _ := latencySums(ctx, kube)
+	latBefore, _ := measure.Latencies(ctx, kube)
 	stopPerf := perfRecord(apiPid)
-	apiCPU1 := cpuTime(apiPid)
-	etcdPid := controlPlanePid("etcd", dir)
-	etcdCPU1, selfCPU1, brainCPU1 := cpuTime(etcdPid), cpuTime(os.Getpid()), cpuTime(child.Process.Pid)
+	apiCPU1 := measure.CPUTime(apiPid)
+	etcdPid := measure.ControlPlanePid("etcd", dir)
+	etcdCPU1, selfCPU1, brainCPU1 := measure.CPUTime(etcdPid), measure.CPUTime(os.Getpid()), measure.CPUTime(child.Process.Pid)
 
 	// Bindings are observed through a watch started before the burst, not
 	// by listing every VMI over and over, which would load the API server
@@ -277,24 +277,24 @@ func bench(ctx context.Context, nVMs, nNodes int, share bool) error {
 	}
 	bound := int(boundN.Load())
 	wall := time.Since(start)
-	brainAPICPU := cpuTime(apiPid) - apiCPU1
-	etcdCPU, selfCPU, brainCPU := cpuTime(etcdPid)-etcdCPU1, cpuTime(os.Getpid())-selfCPU1, cpuTime(child.Process.Pid)-brainCPU1
+	brainAPICPU := measure.CPUTime(apiPid) - apiCPU1
+	etcdCPU, selfCPU, brainCPU := measure.CPUTime(etcdPid)-etcdCPU1, measure.CPUTime(os.Getpid())-selfCPU1, measure.CPUTime(child.Process.Pid)-brainCPU1
 	stopPerf()
-	peak := rssMiB(child.Process.Pid, "VmHWM")
+	peak := measure.MemMiB(child.Process.Pid, "VmHWM")
 	if bound != nVMs {
 		return fmt.Errorf("only %d of %d vmis bound after %s", bound, nVMs, wall)
 	}
-	if countsAfter, err := requestCounts(ctx, kube); err == nil {
+	if countsAfter, err := measure.RequestCounts(ctx, kube); err == nil {
 		printRequestDelta(countsBefore, countsAfter, nVMs)
 	}
-	if latAfter, err := latencySums(ctx, kube); err == nil {
-		printLatencyDelta(latBefore, latAfter)
+	if latAfter, err := measure.Latencies(ctx, kube); err == nil {
+		measure.WriteLatencyDelta(os.Stderr, latBefore, latAfter)
 	}
 	if err := verify(ctx, virt, kube, nVMs); err != nil {
 		return err
 	}
 	fmt.Fprintf(os.Stderr, "created %d vms in %s, all bound in %s; brain rss %.1f MiB idle, %.1f MiB peak, cpu %s\n",
-		nVMs, created, wall, baseRSS, peak, cpuTime(child.Process.Pid))
+		nVMs, created, wall, baseRSS, peak, measure.CPUTime(child.Process.Pid))
 	fmt.Fprintf(os.Stderr, "cpu during the burst: kube-apiserver %s, etcd %s, brain %s, this client %s; %.2f cores of %d on average\n",
 		brainAPICPU, etcdCPU, brainCPU, selfCPU, (brainAPICPU+etcdCPU+brainCPU+selfCPU).Seconds()/wall.Seconds(), runtime.NumCPU())
 	fmt.Fprintf(os.Stderr, "anchor: the same %d VMs, VMIs and bindings written with no brain took %s\n", nVMs, anchor)
@@ -440,38 +440,6 @@ func perfRecord(pid int) func() {
 	return func() { _ = cmd.Process.Signal(syscall.SIGINT); _ = cmd.Wait() }
 }
 
-// rssMiB reads a memory figure (VmRSS, VmHWM) of a process.
-func rssMiB(pid int, field string) float64 {
-	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-	if err != nil {
-		return 0
-	}
-	for _, line := range strings.Split(string(data), "\n") {
-		if strings.HasPrefix(line, field+":") {
-			f := strings.Fields(line)
-			kb, _ := strconv.ParseFloat(f[1], 64)
-			return kb / 1024
-		}
-	}
-	return 0
-}
-
-// cpuTime reads the user+system CPU time a process used.
-func cpuTime(pid int) time.Duration {
-	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return 0
-	}
-	s := string(data)
-	f := strings.Fields(s[strings.LastIndex(s, ")")+2:])
-	if len(f) < 13 {
-		return 0
-	}
-	u, _ := strconv.ParseInt(f[11], 10, 64)
-	k, _ := strconv.ParseInt(f[12], 10, 64)
-	return time.Duration(u+k) * time.Second / 100 // USER_HZ
-}
-
 // bareWrites is the anchor: the writes any brain must cause for n VMs
 // (create the VM, create its VMI, bind it), done directly with no webhook
 // and no controller, in a namespace deleted afterwards.
@@ -489,7 +457,7 @@ func bareWrites(ctx context.Context, kube kubernetes.Interface, virt *client.Set
 	var mu sync.Mutex
 	var wg sync.WaitGroup
 	start := time.Now()
-	cpu0 := cpuTime(apiPid)
+	cpu0 := measure.CPUTime(apiPid)
 	for w := 0; w < 64; w++ {
 		wg.Add(1)
 		go func() {
@@ -519,7 +487,7 @@ func bareWrites(ctx context.Context, kube kubernetes.Interface, virt *client.Set
 	}
 	wg.Wait()
 	took := time.Since(start)
-	cpu := cpuTime(apiPid) - cpu0
+	cpu := measure.CPUTime(apiPid) - cpu0
 	if firstErr != nil {
 		return 0, 0, firstErr
 	}
