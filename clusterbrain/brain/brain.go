@@ -28,6 +28,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/cpumodel"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/crwatch"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/fencing"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/rollout"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/tlsprofile"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon"
@@ -140,6 +141,9 @@ type Deps struct {
 	// CPUModels are the KubeVirt CR's default and obsolete CPU models, for
 	// the VMIs the VM controller creates.
 	CPUModels *cpumodel.Live
+	// Rollout is the KubeVirt CR's VM rollout strategy and hotplug gates,
+	// for the VM controller and the subresources.
+	Rollout *rollout.Live
 
 	// scheduler is the leader's scheduler once built, for the VM
 	// controller's placements before creation.
@@ -191,9 +195,12 @@ func New(cfg Config) (*Brain, error) {
 	}
 	d := &Deps{Config: cfg, RestConfig: rc, Kube: kube, Virt: virt, Log: cfg.Log,
 		Health: daemon.NewHealth("api-installed"), ClusterConfig: crwatch.New(virt, cfg.Namespace),
-		KubeVirtTLS: tlsprofile.NewLive(), CDITLS: tlsprofile.NewLive(), CPUModels: &cpumodel.Live{}}
+		KubeVirtTLS: tlsprofile.NewLive(), CDITLS: tlsprofile.NewLive(), CPUModels: &cpumodel.Live{}, Rollout: &rollout.Live{}}
 	tlsprofile.Follow(d.ClusterConfig, d.KubeVirtTLS, d.CDITLS, d.Log)
-	d.ClusterConfig.OnKubeVirt(func(kv *kubevirtv1.KubeVirt) { d.CPUModels.Set(cpumodel.FromKubeVirt(kv)) })
+	d.ClusterConfig.OnKubeVirt(func(kv *kubevirtv1.KubeVirt) {
+		d.CPUModels.Set(cpumodel.FromKubeVirt(kv))
+		d.Rollout.Set(rollout.FromKubeVirt(kv))
+	})
 	b := &Brain{cfg: cfg, deps: d}
 	if b.always, err = build(everyBrainRoles, d); err != nil {
 		return nil, err

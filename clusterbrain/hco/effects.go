@@ -21,6 +21,7 @@ var (
 	effective = map[string]string{
 		"spec.workloads":                                             "hostpathprovisioner (placement of the storage pools; VM placement does not follow it)",
 		"spec.featureGates.videoConfig":                              "launcher/domain (VideoConfig gate)",
+		"spec.featureGates.declarativeHotplugVolumes":                "vmcontroller, subresources (DeclarativeHotplugVolumes or HotplugVolumes gate)",
 		"spec.liveMigrationConfig.parallelMigrationsPerCluster":      "migration",
 		"spec.liveMigrationConfig.parallelOutboundMigrationsPerNode": "migration",
 		"spec.liveMigrationConfig.bandwidthPerMigration":             "migration, nodeagent/handler",
@@ -59,7 +60,6 @@ var (
 		"spec.featureGates.alignCPUs":                                  "emulator thread alignment is not applied",
 		"spec.featureGates.enableMultiArchBootImageImport":             "boot sources are amd64 only",
 		"spec.featureGates.decentralizedLiveMigration":                 "only the brain-driven migration exists",
-		"spec.featureGates.declarativeHotplugVolumes":                  "declarative hotplug (template edits) is not acted on; addvolume/removevolume are served either way",
 		"spec.featureGates.objectGraph":                                "the object graph subresource is not served",
 		"spec.featureGates.incrementalBackup":                          "backups are not supported",
 		"spec.featureGates.containerPathVolumes":                       "container path volumes are not supported",

@@ -34,11 +34,15 @@ type env struct {
 	ns   string
 }
 
-func setup(t *testing.T) env {
+func setup(t *testing.T, edits ...func(*Config)) env {
 	t.Helper()
 	e := newEnv(t)
-	c, err := New(Config{RestConfig: controlplane.Shared(t).RestConfig, BackoffBase: time.Second, BackoffMax: 2 * time.Second,
-		Log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
+	cfg := Config{RestConfig: controlplane.Shared(t).RestConfig, BackoffBase: time.Second, BackoffMax: 2 * time.Second,
+		Log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
+	for _, edit := range edits {
+		edit(&cfg)
+	}
+	c, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
