@@ -141,8 +141,8 @@ type Deps struct {
 	// CPUModels are the KubeVirt CR's default and obsolete CPU models, for
 	// the VMIs the VM controller creates.
 	CPUModels *cpumodel.Live
-	// Rollout is the KubeVirt CR's VM rollout strategy and hotplug gates,
-	// for the VM controller and the subresources.
+	// Rollout is the KubeVirt CR's hotplug gates, for the VM controller
+	// and the subresources.
 	Rollout *rollout.Live
 
 	// scheduler is the leader's scheduler once built, for the VM

@@ -232,7 +232,7 @@ func TestFreezeUnfreeze(t *testing.T) {
 // ephemeral volumes.
 func TestAddVolumeDeclarative(t *testing.T) {
 	setup(t)
-	env.rollout.Set(rollout.Cluster{LiveUpdate: true, DeclarativeHotplug: true})
+	env.rollout.Set(rollout.Cluster{DeclarativeHotplug: true})
 	t.Cleanup(func() { env.rollout.Set(rollout.FromKubeVirt(nil)) })
 	ctx := context.Background()
 	cp := controlplane.Shared(t)

@@ -62,7 +62,8 @@ type Config struct {
 	TLSProfile *tlsprofile.Live
 	// Rollout is the KubeVirt CR's hotplug gates: with declarative
 	// hotplug, a VM's VMI takes no ephemeral volume and a VM's addvolume
-	// changes only its template (nil: KubeVirt's defaults).
+	// changes only its template (nil: no KubeVirt CR, no declarative
+	// hotplug).
 	Rollout *rollout.Live
 	Log     *slog.Logger
 }

@@ -55,9 +55,9 @@ type Config struct {
 	// CPUModels is the KubeVirt CR's default and obsolete CPU models,
 	// applied to the VMIs the controller creates (nil: none).
 	CPUModels *cpumodel.Live
-	// Rollout is the KubeVirt CR's rollout strategy and hotplug gates:
-	// how changes to a running VM's template reach its VMI (nil:
-	// KubeVirt's defaults, see rollout.FromKubeVirt).
+	// Rollout is the KubeVirt CR's hotplug gates: whether hotpluggable
+	// volume changes of a running VM's template reach its VMI (nil: no
+	// KubeVirt CR, see rollout.FromKubeVirt).
 	Rollout *rollout.Live
 	// BackoffBase and BackoffMax bound the delay before a failed VMI is
 	// started again: base·2^(failures-1), at most max (default 10s, 5m,

@@ -97,7 +97,7 @@ const (
 // cannot hotplug, sets RestartRequired, which a restart clears.
 func TestDeclarativeHotplugAndRestartRequired(t *testing.T) {
 	live := &rollout.Live{}
-	live.Set(rollout.Cluster{LiveUpdate: true, DeclarativeHotplug: true})
+	live.Set(rollout.Cluster{DeclarativeHotplug: true})
 	e := setup(t, func(c *Config) { c.Rollout = live })
 	e.boundClaim("data")
 	first := e.runningVM("decl")
@@ -179,7 +179,7 @@ func TestDeclarativeHotplugAndRestartRequired(t *testing.T) {
 // plugged, and no RestartRequired.
 func TestTemplateHotplugStagedWithoutDeclarativeGate(t *testing.T) {
 	live := &rollout.Live{}
-	live.Set(rollout.Cluster{LiveUpdate: true})
+	live.Set(rollout.Cluster{})
 	e := setup(t, func(c *Config) { c.Rollout = live })
 	e.boundClaim("data")
 	e.runningVM("staged")

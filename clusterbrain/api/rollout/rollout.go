@@ -1,10 +1,12 @@
 // Package rollout says how the KubeVirt CR wants changes to a running
 // VM's spec.template carried to its VMI, as KubeVirt's virt-controller
-// reads it: spec.configuration.vmRolloutStrategy (LiveUpdate, KubeVirt's
-// default, or Stage: everything waits for a restart) and the
-// DeclarativeHotplugVolumes gate (hotpluggable volumes added to or removed
-// from the template are plugged into or out of the VMI, unless the older
-// HotplugVolumes gate is listed too, which takes precedence).
+// reads it: the DeclarativeHotplugVolumes gate (hotpluggable volumes added
+// to or removed from the template are plugged into or out of the VMI,
+// unless the older HotplugVolumes gate is listed too, which takes
+// precedence). KubeVirt applies declarative volume hotplug whatever
+// spec.configuration.vmRolloutStrategy says; that strategy only decides
+// whether CPU, memory and placement changes are live-updated, which
+// nodevirt does not do yet (they always need a restart), so it is not read.
 //
 // The brain's VM controller acts on it; the subresource API refuses
 // ephemeral (VMI-only) hotplug into a VM's VMI when declarative hotplug is
@@ -21,25 +23,18 @@ import (
 
 // Cluster is what the KubeVirt CR says about rolling VM changes out.
 type Cluster struct {
-	// LiveUpdate: template changes that can be applied to a running VMI
-	// are; false (Stage) leaves every change for the next start.
-	LiveUpdate bool
 	// DeclarativeHotplug: hotpluggable volume changes of the template are
 	// plugged into the running VMI.
 	DeclarativeHotplug bool
 }
 
-// FromKubeVirt reads kv. Without a CR (nil) or a strategy, the strategy is
-// KubeVirt's default, LiveUpdate; declarative hotplug is on only when the
-// CR lists its gate (an alpha gate in the KubeVirt release whose API
-// nodevirt serves).
+// FromKubeVirt reads kv. Declarative hotplug is on only when the CR lists
+// its gate (an alpha gate in the KubeVirt release whose API nodevirt
+// serves): never without a CR (nil).
 func FromKubeVirt(kv *kubevirtv1.KubeVirt) Cluster {
-	c := Cluster{LiveUpdate: true}
+	var c Cluster
 	if kv == nil {
 		return c
-	}
-	if s := kv.Spec.Configuration.VMRolloutStrategy; s != nil {
-		c.LiveUpdate = *s == kubevirtv1.VMRolloutStrategyLiveUpdate
 	}
 	c.DeclarativeHotplug = featuregate.KubeVirtEnabled(kv, featuregate.DeclarativeHotplugVolumes) &&
 		!featuregate.KubeVirtEnabled(kv, featuregate.HotplugVolumes)

@@ -17,11 +17,11 @@ func TestFromKubeVirt(t *testing.T) {
 		kv   *kubevirtv1.KubeVirt
 		want Cluster
 	}{
-		{"no CR", nil, Cluster{LiveUpdate: true}},
-		{"no strategy", kv(nil), Cluster{LiveUpdate: true}},
+		{"no CR", nil, Cluster{}},
+		{"no gate", kv(nil), Cluster{}},
 		{"stage", kv(&stage, "DeclarativeHotplugVolumes"), Cluster{DeclarativeHotplug: true}},
-		{"live, declarative", kv(&live, "DeclarativeHotplugVolumes"), Cluster{LiveUpdate: true, DeclarativeHotplug: true}},
-		{"older gate wins", kv(&live, "DeclarativeHotplugVolumes", "HotplugVolumes"), Cluster{LiveUpdate: true}},
+		{"live update", kv(&live, "DeclarativeHotplugVolumes"), Cluster{DeclarativeHotplug: true}},
+		{"older gate wins", kv(&live, "DeclarativeHotplugVolumes", "HotplugVolumes"), Cluster{}},
 	} {
 		if got := FromKubeVirt(c.kv); got != c.want {
 			t.Errorf("%s: %+v, want %+v", c.name, got, c.want)
