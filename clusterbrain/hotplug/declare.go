@@ -33,6 +33,9 @@ type Plan struct {
 // change to them needs a restart.
 func Declare(template *kubevirtv1.VirtualMachineInstanceSpec, vmi *kubevirtv1.VirtualMachineInstance) Plan {
 	var p Plan
+	if !slices.ContainsFunc(template.Volumes, Hotpluggable) && !slices.ContainsFunc(vmi.Spec.Volumes, Hotpluggable) {
+		return p // nothing hotplugged either side: the common case, without a copy
+	}
 	want := map[string]kubevirtv1.Volume{}
 	for _, v := range template.Volumes {
 		if Hotpluggable(v) {

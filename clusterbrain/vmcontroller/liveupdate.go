@@ -35,6 +35,10 @@ import (
 // restart-only settings when the VMI was created.
 const AnnStartSpec = "nodevirt.io/vm-start-spec"
 
+// annVMGeneration is KubeVirt's VMI annotation naming the generation of
+// the VM it was created from.
+const annVMGeneration = "kubevirt.io/vm-generation"
+
 // msgRestartRequired is KubeVirt's RestartRequired message for a
 // template change that is not live-updatable.
 const msgRestartRequired = "a non-live-updatable field was changed in the template spec"
@@ -75,7 +79,8 @@ func (c *Controller) liveUpdate(ctx context.Context, st *state) (time.Duration, 
 	var why []string
 	if d, ok := vmi.Annotations[AnnStartSpec]; ok {
 		st.restartKnown = true
-		if d != startDigest(vm) {
+		// The generation the VMI was created from: no spec change since.
+		if vmi.Annotations[annVMGeneration] != fmt.Sprint(vm.Generation) && d != startDigest(vm) {
 			why = append(why, msgRestartRequired)
 		}
 	}
@@ -107,9 +112,6 @@ func migrating(vmi *kubevirtv1.VirtualMachineInstance) bool {
 func (c *Controller) declareVolumes(ctx context.Context, vm *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance) ([]string, time.Duration, error) {
 	plan := hotplug.Declare(&vm.Spec.Template.Spec, vmi)
 	notLive := plan.NotLive
-	for _, v := range plan.NotLive {
-		c.recorder.Eventf(vm, corev1.EventTypeWarning, "HotplugNotLive", "Cannot hotplug %s", v)
-	}
 	if plan.Spec == nil {
 		return notLive, 0, nil
 	}
