@@ -30,6 +30,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/fencing"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/logverbosity"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/overcommit"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/rollout"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/tlsprofile"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon"
@@ -148,6 +149,9 @@ type Deps struct {
 	// MemoryOvercommit is the KubeVirt CR's memory overcommit, for the
 	// VMIs the VM controller creates.
 	MemoryOvercommit *overcommit.Live
+	// Rollout is the KubeVirt CR's hotplug gates, for the VM controller
+	// and the subresources.
+	Rollout *rollout.Live
 
 	// scheduler is the leader's scheduler once built, for the VM
 	// controller's placements before creation.
@@ -200,7 +204,7 @@ func New(cfg Config) (*Brain, error) {
 	d := &Deps{Config: cfg, RestConfig: rc, Kube: kube, Virt: virt, Log: cfg.Log,
 		Health: daemon.NewHealth("api-installed"), ClusterConfig: crwatch.New(virt, cfg.Namespace),
 		KubeVirtTLS: tlsprofile.NewLive(), CDITLS: tlsprofile.NewLive(), CPUModels: &cpumodel.Live{},
-		MemoryOvercommit: &overcommit.Live{}}
+		MemoryOvercommit: &overcommit.Live{}, Rollout: &rollout.Live{}}
 	tlsprofile.Follow(d.ClusterConfig, d.KubeVirtTLS, d.CDITLS, d.Log)
 	if cfg.LogLevel != nil {
 		logverbosity.Follow(d.ClusterConfig, cfg.LogLevel, logverbosity.Brain, d.Log)
@@ -208,6 +212,7 @@ func New(cfg Config) (*Brain, error) {
 	d.ClusterConfig.OnKubeVirt(func(kv *kubevirtv1.KubeVirt) {
 		d.CPUModels.Set(cpumodel.FromKubeVirt(kv))
 		d.MemoryOvercommit.Set(overcommit.FromKubeVirt(kv))
+		d.Rollout.Set(rollout.FromKubeVirt(kv))
 	})
 	b := &Brain{cfg: cfg, deps: d}
 	if b.always, err = build(everyBrainRoles, d); err != nil {

@@ -48,7 +48,7 @@ var everyBrainRoles = []RoleFactory{
 			TLSProfile: d.CDITLS, Log: d.Log})
 	},
 	func(d *Deps) (Role, error) {
-		return subresources.ForBrain(d.RestConfig, d.Kube, d.Virt, d.Config.Namespace, d.Config.SubresourcesAddr, d.KubeVirtTLS, d.Log.With("role", "subresources"))
+		return subresources.ForBrain(d.RestConfig, d.Kube, d.Virt, d.Config.Namespace, d.Config.SubresourcesAddr, d.KubeVirtTLS, d.Rollout, d.Log.With("role", "subresources"))
 	},
 	func(d *Deps) (Role, error) {
 		dyn, err := dynamic.NewForConfig(d.RestConfig)
@@ -146,7 +146,7 @@ var leaderRoles = []RoleFactory{
 		// created with its node label and bound by one status write.
 		return vmcontroller.New(vmcontroller.Config{RestConfig: d.RestConfig, Log: d.Log.With("role", "vm-controller"), Placer: d.scheduler,
 			VMInformer: d.vms, VMIInformer: d.vmis, CPUModels: d.CPUModels,
-			MemoryOvercommit: d.MemoryOvercommit})
+			MemoryOvercommit: d.MemoryOvercommit, Rollout: d.Rollout})
 	},
 	func(d *Deps) (Role, error) {
 		// Nodes' certificates, signed with the node CA only the brain reads.

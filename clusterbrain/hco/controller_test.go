@@ -95,10 +95,14 @@ func TestEmptyCRGetsUpstreamDefaultsAndEveryChild(t *testing.T) {
 	// Upstream's defaults ask for these; nodevirt implements none of them,
 	// so the KubeVirt CR does not advertise them.
 	for _, g := range []string{"CPUManager", "Snapshot", "HostDevices", "HypervStrictCheck", "DecentralizedLiveMigration",
-		"DeclarativeHotplugVolumes", "HotplugVolumes", "KubevirtSeccompProfile", featuregate.HostDisk} {
+		"HotplugVolumes", "KubevirtSeccompProfile", featuregate.HostDisk} {
 		if slices.Contains(gates, g) {
 			t.Errorf("kubevirt feature gates %v advertise %s", gates, g)
 		}
+	}
+	// HCO's default declarativeHotplugVolumes: true, which nodevirt acts on.
+	if !slices.Contains(gates, featuregate.DeclarativeHotplugVolumes) {
+		t.Errorf("kubevirt feature gates %v lack %s", gates, featuregate.DeclarativeHotplugVolumes)
 	}
 	if kv.Spec.UninstallStrategy != kubevirtv1.KubeVirtUninstallStrategyBlockUninstallIfWorkloadsExist {
 		t.Errorf("kubevirt uninstallStrategy = %q", kv.Spec.UninstallStrategy)

@@ -21,6 +21,7 @@ var (
 	effective = map[string]string{
 		"spec.workloads":                                             "scheduler (VMIs and migration targets only on the nodes it admits, as virt-handler's placement), hostpathprovisioner (the storage pools)",
 		"spec.featureGates.videoConfig":                              "launcher/domain (VideoConfig gate)",
+		"spec.featureGates.declarativeHotplugVolumes":                "vmcontroller, subresources (DeclarativeHotplugVolumes or HotplugVolumes gate)",
 		"spec.liveMigrationConfig.parallelMigrationsPerCluster":      "migration",
 		"spec.liveMigrationConfig.parallelOutboundMigrationsPerNode": "migration",
 		"spec.liveMigrationConfig.bandwidthPerMigration":             "migration, nodeagent/handler",
@@ -61,7 +62,6 @@ var (
 		"spec.featureGates.alignCPUs":                                  "emulator thread alignment is not applied",
 		"spec.featureGates.enableMultiArchBootImageImport":             "boot sources are amd64 only",
 		"spec.featureGates.decentralizedLiveMigration":                 "only the brain-driven migration exists",
-		"spec.featureGates.declarativeHotplugVolumes":                  "declarative hotplug (template edits) is not acted on; addvolume/removevolume are served either way",
 		"spec.featureGates.objectGraph":                                "the object graph subresource is not served",
 		"spec.featureGates.incrementalBackup":                          "backups are not supported",
 		"spec.featureGates.containerPathVolumes":                       "container path volumes are not supported",

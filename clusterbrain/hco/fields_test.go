@@ -61,10 +61,11 @@ func TestDocumentedFieldsReachTheirChildren(t *testing.T) {
 	if !c.DeveloperConfiguration.UseEmulation {
 		t.Error("use-emulation annotation did not reach developerConfiguration.useEmulation")
 	}
-	// downwardMetrics and (not declarative) hotplug are asked for, but
-	// nodevirt implements neither: no gate says otherwise.
+	// downwardMetrics is asked for but not implemented: no gate says
+	// otherwise. declarativeHotplugVolumes false asks for the older
+	// HotplugVolumes gate.
 	if slices.Contains(gates, "HypervStrictCheck") || slices.Contains(gates, "DownwardMetrics") ||
-		slices.Contains(gates, "HotplugVolumes") || slices.Contains(gates, "DeclarativeHotplugVolumes") {
+		!slices.Contains(gates, "HotplugVolumes") || slices.Contains(gates, "DeclarativeHotplugVolumes") {
 		t.Errorf("feature gates = %v", gates)
 	}
 	if *c.MigrationConfiguration.ParallelMigrationsPerCluster != 3 || c.MigrationConfiguration.BandwidthPerMigration.String() != "64Mi" ||

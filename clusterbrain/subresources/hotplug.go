@@ -10,27 +10,27 @@ import (
 	"slices"
 	"strings"
 
-	corev1 "k8s.io/api/core/v1"
-	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
-	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/hotplug"
 )
 
-// Volume hotplug, as virt-api serves it with KubeVirt's HotplugVolumes
-// gate: addvolume and removevolume on a VMI change the running VMI only
-// (virtctl addvolume); on a VM (virtctl addvolume --persist) they change
-// spec.template and, when the VM runs, its VMI as well. The node agent
+// Volume hotplug, as virt-api serves it. With KubeVirt's HotplugVolumes
+// gate (or neither gate): addvolume and removevolume on a VMI change the
+// running VMI only (virtctl addvolume); on a VM (virtctl addvolume
+// --persist) they change spec.template and, when the VM runs, its VMI as
+// well. With DeclarativeHotplugVolumes (rollout.Cluster): a VMI a VM owns
+// takes no ephemeral volume (400), and a VM's addvolume changes its
+// template only, which the VM controller carries to the VMI. The node agent
 // running the VMI attaches and detaches the disks (SCSI, KubeVirt's
 // default bus) and reports them in status.volumeStatus. A dry run checks
 // everything and changes nothing.
 
-// hotplugBus is the one bus hotplugged disks may use here: the node puts
-// them on the domain's virtio-scsi controller.
-const hotplugBus = kubevirtv1.DiskBusSCSI
+// hotplugBus is the one bus hotplugged disks may use here.
+const hotplugBus = hotplug.Bus
 
 // volumeRequest is one addvolume or removevolume request.
 type volumeRequest struct {
@@ -100,22 +100,6 @@ func decodeRemoveVolume(r *http.Request) (volumeRequest, error) {
 	return volumeRequest{remove: opts}, nil
 }
 
-// sourceName is the claim or DataVolume a volume names ("" for others).
-func sourceName(vol kubevirtv1.Volume) string {
-	switch {
-	case vol.DataVolume != nil:
-		return vol.DataVolume.Name
-	case vol.PersistentVolumeClaim != nil:
-		return vol.PersistentVolumeClaim.ClaimName
-	}
-	return ""
-}
-
-func hotpluggable(vol kubevirtv1.Volume) bool {
-	return (vol.DataVolume != nil && vol.DataVolume.Hotpluggable) ||
-		(vol.PersistentVolumeClaim != nil && vol.PersistentVolumeClaim.Hotpluggable)
-}
-
 func (v volumeRequest) claim() string {
 	if dv := v.add.VolumeSource.DataVolume; dv != nil {
 		return dv.Name
@@ -134,7 +118,7 @@ func (v volumeRequest) apply(spec *kubevirtv1.VirtualMachineInstanceSpec) (*kube
 			if vol.Name == v.add.Name {
 				return nil, fmt.Errorf("Unable to add volume [%s] because volume with that name already exists", v.add.Name)
 			}
-			if src := sourceName(vol); src != "" && src == v.claim() {
+			if src := hotplug.SourceName(vol); src != "" && src == v.claim() {
 				return nil, fmt.Errorf("Unable to add volume source [%s] because it already exists", src)
 			}
 		}
@@ -149,11 +133,11 @@ func (v volumeRequest) apply(spec *kubevirtv1.VirtualMachineInstanceSpec) (*kube
 		return out, nil
 	}
 	name := v.remove.Name
-	i := slices.IndexFunc(spec.Volumes, func(vol kubevirtv1.Volume) bool { return vol.Name == name || sourceName(vol) == name })
+	i := slices.IndexFunc(spec.Volumes, func(vol kubevirtv1.Volume) bool { return vol.Name == name || hotplug.SourceName(vol) == name })
 	if i < 0 {
 		return nil, fmt.Errorf("Unable to remove volume [%s] because it does not exist", name)
 	}
-	if !hotpluggable(spec.Volumes[i]) {
+	if !hotplug.Hotpluggable(spec.Volumes[i]) {
 		return nil, fmt.Errorf("Unable to remove volume [%s] because it is not hotpluggable", spec.Volumes[i].Name)
 	}
 	volName := spec.Volumes[i].Name
@@ -228,83 +212,20 @@ func patchError(name string, err error) error {
 	return apierrors.NewInternalError(err)
 }
 
-// placeClaim makes sure the claim an added volume names is, or will be, on
-// the VMI's node: a bound claim's volume must be there; a claim waiting
-// for its first consumer is given that node (unless it names another);
-// anything else is refused with what to do.
+// placeClaim puts the claim of the volume v adds on vmi's node, or says
+// why it cannot go there (a 400).
 func (s *Server) placeClaim(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance, v volumeRequest) error {
-	node, name := vmi.Status.NodeName, v.claim()
-	what := "persistentvolumeclaim"
-	if v.add.VolumeSource.DataVolume != nil {
-		what = "datavolume"
-	}
-	refuse := func(format string, args ...any) error {
-		return apierrors.NewBadRequest(fmt.Sprintf("Unable to add volume [%s]: ", v.add.Name) + fmt.Sprintf(format, args...))
-	}
-	pvc, err := s.cfg.Kube.CoreV1().PersistentVolumeClaims(vmi.Namespace).Get(ctx, name, metav1.GetOptions{})
-	if apierrors.IsNotFound(err) {
-		if what == "datavolume" {
-			return refuse("datavolume %s has no persistentvolumeclaim yet; add it once the DataVolume's claim exists", name)
-		}
-		return refuse("persistentvolumeclaim %s does not exist", name)
-	}
-	if err != nil {
-		return apierrors.NewInternalError(fmt.Errorf("persistentvolumeclaim %s: %w", name, err))
-	}
-	if pvc.Spec.VolumeName != "" {
-		pv, err := s.cfg.Kube.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
-		if err != nil {
-			return apierrors.NewInternalError(fmt.Errorf("persistentvolume %s of claim %s: %w", pvc.Spec.VolumeName, name, err))
-		}
-		if on := importstate.PVNode(pv); on != "" && on != node {
-			return refuse("%s %s is on node %s and the VMI runs on node %s: a node-local volume can only be hotplugged on its own node", what, name, on, node)
-		}
+	vol := kubevirtv1.Volume{Name: v.add.Name, VolumeSource: kubevirtv1.VolumeSource{
+		DataVolume: v.add.VolumeSource.DataVolume, PersistentVolumeClaim: v.add.VolumeSource.PersistentVolumeClaim}}
+	err := hotplug.Place(ctx, s.cfg.Kube, vmi, vol, v.dryRun() != nil)
+	var refused *hotplug.Refusal
+	switch {
+	case err == nil:
 		return nil
+	case errors.As(err, &refused):
+		return apierrors.NewBadRequest(refused.Error())
 	}
-	if on := pvc.Annotations[importstate.AnnSelectedNode]; on != "" {
-		if on != node {
-			return refuse("%s %s is placed on node %s and the VMI runs on node %s: a node-local volume can only be hotplugged on its own node", what, name, on, node)
-		}
-		return nil
-	}
-	if !s.waitsForConsumer(ctx, pvc) {
-		return refuse("%s %s is not bound yet; add it once it is", what, name)
-	}
-	if v.dryRun() != nil {
-		return nil
-	}
-	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": map[string]string{importstate.AnnSelectedNode: node}}})
-	if _, err := s.cfg.Kube.CoreV1().PersistentVolumeClaims(vmi.Namespace).Patch(ctx, name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
-		return apierrors.NewInternalError(fmt.Errorf("place claim %s on node %s: %w", name, node, err))
-	}
-	return nil
-}
-
-// waitsForConsumer reports whether pvc's storage class (or the default
-// class) binds WaitForFirstConsumer.
-func (s *Server) waitsForConsumer(ctx context.Context, pvc *corev1.PersistentVolumeClaim) bool {
-	var sc *storagev1.StorageClass
-	if n := pvc.Spec.StorageClassName; n != nil {
-		if *n == "" {
-			return false
-		}
-		got, err := s.cfg.Kube.StorageV1().StorageClasses().Get(ctx, *n, metav1.GetOptions{})
-		if err != nil {
-			return false
-		}
-		sc = got
-	} else {
-		list, err := s.cfg.Kube.StorageV1().StorageClasses().List(ctx, metav1.ListOptions{})
-		if err != nil {
-			return false
-		}
-		for i := range list.Items {
-			if list.Items[i].Annotations["storageclass.kubernetes.io/is-default-class"] == "true" {
-				sc = &list.Items[i]
-			}
-		}
-	}
-	return sc != nil && sc.VolumeBindingMode != nil && *sc.VolumeBindingMode == storagev1.VolumeBindingWaitForFirstConsumer
+	return apierrors.NewInternalError(err)
 }
 
 // volumeVMI serves addvolume (add) or removevolume on a VMI.
@@ -317,6 +238,9 @@ func (s *Server) volumeVMI(add bool) handler {
 		vmi, err := s.fetchVMI(r.Context(), req.namespace, req.name)
 		if err != nil {
 			return err
+		}
+		if metav1.GetControllerOf(vmi) != nil && metav1.GetControllerOf(vmi).Kind == "VirtualMachine" && s.cfg.Rollout.Get().DeclarativeHotplug {
+			return apierrors.NewBadRequest(fmt.Sprintf("VMI %s/%s is owned by a VM", vmi.Namespace, vmi.Name))
 		}
 		if err := s.patchVMIVolumes(r.Context(), vmi, v); err != nil {
 			return err
@@ -374,7 +298,8 @@ func (s *Server) volumeVM(add bool) handler {
 		}
 		// A volume removed from the template is unplugged from the VMI
 		// only if the VMI has it (it may have been added after the start).
-		if running {
+		// With declarative hotplug the VM controller does it.
+		if running && !s.cfg.Rollout.Get().DeclarativeHotplug {
 			if _, notInVMI := v.apply(&vmi.Spec); v.add != nil || notInVMI == nil {
 				if err := s.patchVMIVolumes(ctx, vmi, v); err != nil {
 					return err

@@ -14,6 +14,7 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/rollout"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
 
@@ -221,5 +222,65 @@ func TestFreezeUnfreeze(t *testing.T) {
 	wantStatus(t, "not running", c.VMI(ctx, "pending", "unfreeze", nil), http.StatusConflict, "VMI is not running")
 	if strings.Contains(strings.Join(env.node.called(), ","), "/noagent/freeze") {
 		t.Error("a refused freeze reached the node")
+	}
+}
+
+// With declarative hotplug (DeclarativeHotplugVolumes, as virt-api): a VMI
+// a VM owns takes no ephemeral volume, and a VM's addvolume and
+// removevolume change its template only (the VM controller plugs), still
+// placing a waiting claim on the VMI's node. A VMI of its own still takes
+// ephemeral volumes.
+func TestAddVolumeDeclarative(t *testing.T) {
+	setup(t)
+	env.rollout.Set(rollout.Cluster{DeclarativeHotplug: true})
+	t.Cleanup(func() { env.rollout.Set(rollout.FromKubeVirt(nil)) })
+	ctx := context.Background()
+	cp := controlplane.Shared(t)
+	ns := cp.Namespace(t)
+	kube := cp.Clientset(t)
+	c := adminIn(t, ns)
+	wffc := storagev1.VolumeBindingWaitForFirstConsumer
+	class := "hotplug-decl-" + ns
+	if _, err := kube.StorageV1().StorageClasses().Create(ctx, &storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: class},
+		Provisioner: "kubevirt.io.hostpath-provisioner", VolumeBindingMode: &wffc}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { kube.StorageV1().StorageClasses().Delete(context.Background(), class, metav1.DeleteOptions{}) })
+	claimOn(t, ns, "local", nodeName, "")
+	claimOn(t, ns, "later", "-", class)
+	vm := newVM(t, ns, "owned", kubevirtv1.RunStrategyAlways)
+	vmi := newVMI(t, ns, "owned", kubevirtv1.Running)
+	vmi.OwnerReferences = []metav1.OwnerReference{*metav1.NewControllerRef(vm, kubevirtv1.VirtualMachineGroupVersionKind)}
+	if _, err := env.virt.VMIs.Update(ctx, vmi); err != nil {
+		t.Fatal(err)
+	}
+	newVMI(t, ns, "alone", kubevirtv1.Running)
+
+	wantStatus(t, "ephemeral on a VM's VMI", c.VMI(ctx, "owned", "addvolume", addOpts("local", "", false)), http.StatusBadRequest,
+		"VMI "+ns+"/owned is owned by a VM")
+	if err := c.VMI(ctx, "alone", "addvolume", addOpts("local", "", false)); err != nil {
+		t.Fatalf("ephemeral on a VMI of its own: %v", err)
+	}
+
+	if err := c.VM(ctx, "owned", "addvolume", addOpts("later", kubevirtv1.DiskBusSCSI, false)); err != nil {
+		t.Fatalf("vm addvolume: %v", err)
+	}
+	got, err := env.virt.VMs.Get(ctx, ns, "owned")
+	if err != nil || !hotplugged(&got.Spec.Template.Spec, "later") {
+		t.Fatalf("vm template after addvolume: %v", err)
+	}
+	cur, err := env.virt.VMIs.Get(ctx, ns, "owned")
+	if err != nil || hotplugged(&cur.Spec, "later") {
+		t.Fatalf("the subresource patched the VMI itself (the VM controller's job): %v", err)
+	}
+	pvc, err := kube.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "later", metav1.GetOptions{})
+	if err != nil || pvc.Annotations[importstate.AnnSelectedNode] != nodeName {
+		t.Fatalf("claim later not placed on the VMI's node: %v %v", pvc.Annotations, err)
+	}
+	if err := c.VM(ctx, "owned", "removevolume", &kubevirtv1.RemoveVolumeOptions{Name: "later"}); err != nil {
+		t.Fatalf("vm removevolume: %v", err)
+	}
+	if got, err = env.virt.VMs.Get(ctx, ns, "owned"); err != nil || hotplugged(&got.Spec.Template.Spec, "later") {
+		t.Fatalf("vm template after removevolume: %v", err)
 	}
 }

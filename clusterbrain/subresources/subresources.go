@@ -26,6 +26,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/aggregated"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/rollout"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/tlsprofile"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/httperr"
 )
@@ -59,7 +60,12 @@ type Config struct {
 	// TLSProfile is the KubeVirt CR's TLS settings for the API's server
 	// (nil: TLS 1.2 and Go's suites).
 	TLSProfile *tlsprofile.Live
-	Log        *slog.Logger
+	// Rollout is the KubeVirt CR's hotplug gates: with declarative
+	// hotplug, a VM's VMI takes no ephemeral volume and a VM's addvolume
+	// changes only its template (nil: no KubeVirt CR, no declarative
+	// hotplug).
+	Rollout *rollout.Live
+	Log     *slog.Logger
 }
 
 // Server is the subresource API.

@@ -26,6 +26,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/rollout"
 	"github.com/nodevirt/nodevirt/clusterbrain/client/virtctl"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/uploadtls"
@@ -47,6 +48,9 @@ var env struct {
 	node  *standin
 	virt  *client.Set
 	admin *virtctl.Client
+	// rollout is the server's view of the KubeVirt CR's hotplug gates
+	// (none: KubeVirt's defaults); a test that changes it restores it.
+	rollout rollout.Live
 }
 
 func setup(t *testing.T) {
@@ -95,7 +99,7 @@ func start(t *testing.T, cp *controlplane.ControlPlane) error {
 	if env.virt, err = client.NewSet(cp.RestConfig); err != nil {
 		return err
 	}
-	env.srv, err = New(Config{Kube: kube, Dynamic: dyn, Virt: env.virt, Namespace: ns, Addr: ":0", NodeTLS: nodeTLS})
+	env.srv, err = New(Config{Kube: kube, Dynamic: dyn, Virt: env.virt, Namespace: ns, Addr: ":0", NodeTLS: nodeTLS, Rollout: &env.rollout})
 	if err != nil {
 		return err
 	}

@@ -18,7 +18,7 @@ func TestVMIsGetTheKubeVirtCRsDefaults(t *testing.T) {
 	cpu, mem := &cpumodel.Live{}, &overcommit.Live{}
 	cpu.Set(cpumodel.Cluster{Default: "Haswell-noTSX", Obsolete: map[string]bool{}})
 	mem.Set(200)
-	e := setupWith(t, func(c *Config) { c.CPUModels, c.MemoryOvercommit = cpu, mem })
+	e := setup(t, func(c *Config) { c.CPUModels, c.MemoryOvercommit = cpu, mem })
 
 	created := func(vmi *kubevirtv1.VirtualMachineInstance) string {
 		r := vmi.Spec.Domain.Resources.Requests[corev1.ResourceMemory]

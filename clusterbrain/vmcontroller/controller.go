@@ -29,6 +29,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/cpumodel"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/overcommit"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/rollout"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/metrics"
 )
@@ -58,6 +59,10 @@ type Config struct {
 	// MemoryOvercommit is the KubeVirt CR's memory overcommit, applied to
 	// the VMIs the controller creates (nil: none).
 	MemoryOvercommit *overcommit.Live
+	// Rollout is the KubeVirt CR's hotplug gates: whether hotpluggable
+	// volume changes of a running VM's template reach its VMI (nil: no
+	// KubeVirt CR, see rollout.FromKubeVirt).
+	Rollout *rollout.Live
 	// BackoffBase and BackoffMax bound the delay before a failed VMI is
 	// started again: base·2^(failures-1), at most max (default 10s, 5m,
 	// like KubeVirt).
@@ -277,7 +282,11 @@ func (c *Controller) Sync(ctx context.Context, key string) (time.Duration, error
 	if errors.As(err, &perm) {
 		err = nil
 	}
-	return after, errors.Join(err, c.writeStatus(ctx, st))
+	again, liveErr := c.liveUpdate(ctx, st)
+	if again > 0 && (after == 0 || again < after) {
+		after = again
+	}
+	return after, errors.Join(err, liveErr, c.writeStatus(ctx, st))
 }
 
 // cachedVM is the VM named key as the cache has it, or as this
@@ -318,6 +327,11 @@ type state struct {
 	// failureReason is the Failure condition's reason (default FailedCreate).
 	failureReason string
 	popped        int // state-change requests handled
+	// restartRequired says why the running VMI cannot follow its VM
+	// without a restart ("": it can); restartKnown is false when that is
+	// not known (no running VMI, or one created before it was recorded).
+	restartRequired string
+	restartKnown    bool
 }
 
 func runStrategy(vm *kubevirtv1.VirtualMachine) kubevirtv1.VirtualMachineRunStrategy {

@@ -160,7 +160,8 @@ func (c *Controller) start(ctx context.Context, st *state, log *slog.Logger) (ti
 	for k, v := range t.ObjectMeta.Annotations {
 		vmi.Annotations[k] = v
 	}
-	vmi.Annotations["kubevirt.io/vm-generation"] = fmt.Sprint(vm.Generation)
+	vmi.Annotations[annVMGeneration] = fmt.Sprint(vm.Generation)
+	vmi.Annotations[AnnStartSpec] = startDigest(vm)
 	// The VMI webhooks are not called for the brain's own creates (their
 	// match condition leaves its user out): they are applied here, so the
 	// VMI is what they would have made of it and a spec they refuse is

@@ -164,6 +164,7 @@ func (c *Controller) writeStatus(ctx context.Context, st *state) error {
 	} else {
 		s.Conditions = removeCondition(s.Conditions, kubevirtv1.VirtualMachinePaused)
 	}
+	s.Conditions = restartCondition(s.Conditions, st, now)
 	if st.failure != nil {
 		reason := st.failureReason
 		if reason == "" {

@@ -34,15 +34,12 @@ type env struct {
 	ns   string
 }
 
-func setup(t *testing.T) env { t.Helper(); return setupWith(t, nil) }
-
-// setupWith is setup with edit applied to the controller's Config.
-func setupWith(t *testing.T, edit func(*Config)) env {
+func setup(t *testing.T, edits ...func(*Config)) env {
 	t.Helper()
 	e := newEnv(t)
 	cfg := Config{RestConfig: controlplane.Shared(t).RestConfig, BackoffBase: time.Second, BackoffMax: 2 * time.Second,
 		Log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
-	if edit != nil {
+	for _, edit := range edits {
 		edit(&cfg)
 	}
 	c, err := New(cfg)

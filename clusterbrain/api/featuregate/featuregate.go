@@ -26,6 +26,16 @@ const (
 	// KubeVirt releases whose API nodevirt serves), so the gate is only
 	// passed through when HCO asks for it.
 	VideoConfig = "VideoConfig"
+	// DeclarativeHotplugVolumes makes the VM controller plug hotpluggable
+	// volumes added to a running VM's template into its VMI (and unplug
+	// those removed), and the VMI's addvolume/removevolume refuse a VMI a
+	// VM owns (see clusterbrain/api/rollout).
+	DeclarativeHotplugVolumes = "DeclarativeHotplugVolumes"
+	// HotplugVolumes is KubeVirt's older hotplug gate; listed, it takes
+	// precedence over DeclarativeHotplugVolumes (no declarative hotplug,
+	// ephemeral VMI hotplug allowed). The subresources are served with
+	// either gate or none.
+	HotplugVolumes = "HotplugVolumes"
 )
 
 // CDI feature gates nodevirt implements.
@@ -39,7 +49,7 @@ const (
 
 // KubeVirtImplemented are the KubeVirt gates that gate something nodevirt
 // does. Rendered KubeVirt CRs advertise no other gate.
-var KubeVirtImplemented = []string{HostDisk, VideoConfig}
+var KubeVirtImplemented = []string{HostDisk, VideoConfig, DeclarativeHotplugVolumes, HotplugVolumes}
 
 // CDIImplemented are the CDI gates that gate something nodevirt does.
 var CDIImplemented = []string{HonorWaitForFirstConsumer}
