@@ -547,17 +547,22 @@ func TestLiveMigration(t *testing.T) {
 		return v.Status.NodeName == other && v.Status.Phase == kubevirtv1.Running && v.Status.EvacuationNodeName == "",
 			fmt.Sprintf("on %s, evacuationNodeName %q", v.Status.NodeName, v.Status.EvacuationNodeName)
 	})
-	migs, err := e.virt.Migrations.List(ctx, n.name, metav1.ListOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	evacuated := false
-	for _, m := range migs {
-		evacuated = evacuated || (m.Annotations[kubevirtv1.EvacuationMigrationAnnotation] == first && m.Status.Phase == kubevirtv1.MigrationSucceeded)
-	}
-	if !evacuated {
-		t.Errorf("no Succeeded evacuation migration among %d", len(migs))
-	}
+	// The VMI shows its new node before the migration's own status says
+	// Succeeded: the migration is waited for, not read once.
+	n.eventually(30*time.Second, "a Succeeded evacuation migration", func() (bool, string) {
+		migs, err := e.virt.Migrations.List(ctx, n.name, metav1.ListOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		var seen []string
+		for _, m := range migs {
+			if m.Annotations[kubevirtv1.EvacuationMigrationAnnotation] == first && m.Status.Phase == kubevirtv1.MigrationSucceeded {
+				return true, ""
+			}
+			seen = append(seen, fmt.Sprintf("%s %s (evacuating %q)", m.Name, m.Status.Phase, m.Annotations[kubevirtv1.EvacuationMigrationAnnotation]))
+		}
+		return false, strings.Join(seen, ", ")
+	})
 	t.Logf("evacuation of %s: VM on %s %s after the taint", first, other, time.Since(start).Round(100*time.Millisecond))
 	n.logDowntimes()
 	if after := n.readFacts("mover"); after != before {
