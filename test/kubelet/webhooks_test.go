@@ -14,6 +14,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
+	"github.com/nodevirt/nodevirt/clusterbrain/subresources"
 )
 
 // webhookService is the Service the manifest's brains put in front of
@@ -51,11 +52,20 @@ func webhooksBehindService(t *testing.T, ctx context.Context, kube kubernetes.In
 	}
 	out, err := kubectl("get", "mutatingwebhookconfiguration", admission.MutatingConfigName, "-o", "jsonpath={.webhooks[0].clientConfig.service}")
 	t.Logf("kubectl: %s's first webhook clientConfig.service: %s (%v)", admission.MutatingConfigName, out, err)
-	out, err = kubectl("get", "-n", nodevirtNS, "endpointslice", webhookService, "-o", "jsonpath={.endpoints[*].addresses} {.ports}")
-	if err != nil || !strings.Contains(out, `"`+nodeIP+`"`) {
-		t.Errorf("endpointslice %s: %q (%v), want %s in it", webhookService, out, err, nodeIP)
+	// The brain advertises the same host address for its webhooks as for
+	// its aggregated APIs.
+	addrs := func(slice string) string {
+		out, err := kubectl("get", "-n", nodevirtNS, "endpointslice", slice, "-o", "jsonpath={.endpoints[*].addresses}")
+		if err != nil {
+			t.Errorf("endpointslice %s: %v", slice, err)
+		}
+		return out
 	}
-	t.Logf("kubectl: endpointslice %s: %s", webhookService, out)
+	hooks, apis := addrs(webhookService), addrs(subresources.ServiceName)
+	if hooks == "" || hooks != apis {
+		t.Errorf("endpointslice %s lists %q, %s lists %q: want the same brain address", webhookService, hooks, subresources.ServiceName, apis)
+	}
+	t.Logf("kubectl: endpointslice %s: %s (node %s)", webhookService, hooks, nodeIP)
 
 	bad := filepath.Join(t.TempDir(), "bad-vm.yaml")
 	if err := os.WriteFile(bad, []byte(badVMManifest), 0o644); err != nil {
