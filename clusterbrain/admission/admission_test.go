@@ -44,7 +44,13 @@ func setup(t *testing.T) env {
 // calls it.
 func serve(t *testing.T, e env, cc certs.Config, contributors ...Contributor) *Server {
 	t.Helper()
-	s, err := NewRole(Config{Addr: "127.0.0.1:0", Namespace: e.ns, Certs: cc},
+	return serveConfig(t, e, Config{Addr: "127.0.0.1:0", Namespace: e.ns, Certs: cc}, contributors...)
+}
+
+// serveConfig is serve with a whole Config.
+func serveConfig(t *testing.T, e env, cfg Config, contributors ...Contributor) *Server {
+	t.Helper()
+	s, err := NewRole(cfg,
 		Deps{Kube: e.kube, Virt: e.virt, Log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))},
 		contributors...)
 	if err != nil {

@@ -15,6 +15,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"strings"
 	"sync"
 	"time"
 
@@ -69,8 +70,15 @@ type Webhook struct {
 type Config struct {
 	// Addr is where the server listens (default 127.0.0.1:8443).
 	Addr string
-	// URL is the base URL the apiserver calls (default https://<listen address>).
+	// URL is the base URL the apiserver calls (default https://<listen
+	// address>) when there is no Service.
 	URL string
+	// Service, "namespace/name", makes the webhook configurations name a
+	// selector-less Service whose EndpointSlice lists every brain (Addr
+	// then must not be loopback), so that every API server reaches a brain
+	// wherever the brains run. Empty: the configurations carry URL, which
+	// each API server must reach (loopback: a brain on its own host).
+	Service string
 	// Namespace holds the certificate secrets.
 	Namespace string
 	// Certs overrides certificate settings; Kube, Namespace and
@@ -99,10 +107,31 @@ type Server struct {
 	mu       sync.Mutex
 	webhooks []Webhook
 	paths    map[string]bool
-	url      string
+	target   Target // zero before Run listens
 	runners  []func(context.Context) error
-	onPub    []func(ctx context.Context, url string, bundle []byte) error
+	onPub    []func(ctx context.Context, t Target, bundle []byte) error
 	ready    chan struct{}
+}
+
+// Target is where the API servers call the server: a base URL, or a
+// Service (port 443) in front of every brain.
+type Target struct {
+	URL     string
+	Service *aggregated.Registration
+}
+
+func (t Target) zero() bool { return t.URL == "" && t.Service == nil }
+
+// ClientConfig is how a webhook configuration names path of the target,
+// trusted through bundle.
+func (t Target) ClientConfig(path string, bundle []byte) admissionregistrationv1.WebhookClientConfig {
+	if t.Service != nil {
+		port := int32(443)
+		return admissionregistrationv1.WebhookClientConfig{CABundle: bundle, Service: &admissionregistrationv1.ServiceReference{
+			Namespace: t.Service.Namespace, Name: t.Service.Service, Path: &path, Port: &port}}
+	}
+	url := t.URL + path
+	return admissionregistrationv1.WebhookClientConfig{URL: &url, CABundle: bundle}
 }
 
 // New defaults and validates cfg and builds a server with no webhooks.
@@ -123,6 +152,18 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		paths: map[string]bool{}, ready: make(chan struct{})}
 	cc := cfg.Certs
 	cc.Kube, cc.Namespace, cc.Log = deps.Kube, cfg.Namespace, s.log
+	if cfg.Service != "" {
+		ns, name, ok := strings.Cut(cfg.Service, "/")
+		if !ok || ns == "" || name == "" || strings.Contains(name, "/") {
+			return nil, fmt.Errorf("admission: service %q is not namespace/name", cfg.Service)
+		}
+		if cfg.URL != "" {
+			return nil, errors.New("admission: a service and a url exclude each other")
+		}
+		if cc.Hosts == nil {
+			cc.Hosts = aggregated.Registration{Namespace: ns, Service: name}.Hosts()
+		}
+	}
 	cc.PublishBundle = s.publish
 	cm, err := certs.New(cc)
 	if err != nil {
@@ -142,11 +183,12 @@ func (s *Server) Certs() *certs.Manager { return s.cm }
 // published.
 func (s *Server) Ready() <-chan struct{} { return s.ready }
 
-// URL returns the base URL the apiserver calls ("" before Run listens).
-func (s *Server) URL() string {
+// Target returns where the apiserver calls the server (zero before Run
+// listens).
+func (s *Server) Target() Target {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.url
+	return s.target
 }
 
 // Handle serves h on path. Handle alone adds no webhook entry; use Register
@@ -173,11 +215,11 @@ func (s *Server) HandleHTTP(path string, h http.Handler) {
 	s.mux.Handle(path, h)
 }
 
-// OnPublish calls f with the server's base URL and CA bundle each time the
+// OnPublish calls f with the server's target and CA bundle each time the
 // webhook configurations are published (start, CA rotation, takeover), so
 // that other registrations naming this server (a CRD's conversion webhook)
 // follow it.
-func (s *Server) OnPublish(f func(ctx context.Context, url string, bundle []byte) error) {
+func (s *Server) OnPublish(f func(ctx context.Context, t Target, bundle []byte) error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.onPub = append(s.onPub, f)
@@ -189,7 +231,7 @@ func (s *Server) Register(w Webhook) {
 	s.Handle(w.Path, w.Admit)
 	s.mu.Lock()
 	s.webhooks = append(s.webhooks, w)
-	running := s.url != ""
+	running := !s.target.zero()
 	s.mu.Unlock()
 	if running {
 		if err := s.publish(context.Background(), s.cm.CABundle()); err != nil {
@@ -217,11 +259,18 @@ func (s *Server) Run(ctx context.Context) error {
 		return fmt.Errorf("listen %s: %w", s.cfg.Addr, err)
 	}
 	defer ln.Close()
-	s.mu.Lock()
-	s.url = s.cfg.URL
-	if s.url == "" {
-		s.url = "https://" + ln.Addr().String()
+	target := Target{URL: s.cfg.URL}
+	if ns, name, ok := strings.Cut(s.cfg.Service, "/"); ok {
+		reg := aggregated.Registration{Namespace: ns, Service: name}
+		if err := reg.Resolve(ln.Addr()); err != nil {
+			return fmt.Errorf("webhooks: %w", err)
+		}
+		target = Target{Service: &reg}
+	} else if target.URL == "" {
+		target.URL = "https://" + ln.Addr().String()
 	}
+	s.mu.Lock()
+	s.target = target
 	runners := s.runners
 	s.mu.Unlock()
 
@@ -261,7 +310,11 @@ func (s *Server) Run(ctx context.Context) error {
 	// published last) dies, this brain publishes its own.
 	go aggregated.KeepRegistered(ctx, s.log, "webhook configurations", s.registrationAlive,
 		func(ctx context.Context) error { return s.publish(ctx, s.cm.CABundle()) })
-	s.log.Info("serving webhooks", "url", s.url)
+	if target.Service != nil {
+		s.log.Info("serving webhooks", "service", s.cfg.Service, "endpoint", target.Service.Endpoint())
+	} else {
+		s.log.Info("serving webhooks", "url", target.URL)
+	}
 	if err := srv.ServeTLS(ln, "", ""); err != nil && !errors.Is(err, http.ErrServerClosed) {
 		return err
 	}
@@ -306,14 +359,13 @@ func (s *Server) review(path string, h AdmitFunc) http.Handler {
 func (s *Server) configurations(bundle []byte) (*admissionregistrationv1.MutatingWebhookConfiguration, *admissionregistrationv1.ValidatingWebhookConfiguration) {
 	s.mu.Lock()
 	hooks := append([]Webhook(nil), s.webhooks...)
-	base := s.url
+	target := s.target
 	s.mu.Unlock()
 	labels := map[string]string{"app.kubernetes.io/managed-by": "nodevirt"}
 	mut := &admissionregistrationv1.MutatingWebhookConfiguration{ObjectMeta: metav1.ObjectMeta{Name: MutatingConfigName, Labels: labels}}
 	val := &admissionregistrationv1.ValidatingWebhookConfiguration{ObjectMeta: metav1.ObjectMeta{Name: ValidatingConfigName, Labels: labels}}
 	for _, h := range hooks {
-		url := base + h.Path
-		cc := admissionregistrationv1.WebhookClientConfig{URL: &url, CABundle: bundle}
+		cc := target.ClientConfig(h.Path, bundle)
 		fail := admissionregistrationv1.Fail
 		if h.Ignore {
 			fail = admissionregistrationv1.Ignore
@@ -352,8 +404,15 @@ func (s *Server) configurations(bundle []byte) (*admissionregistrationv1.Mutatin
 	return mut, val
 }
 
-// publish creates or updates both webhook configurations with bundle.
+// publish creates or updates both webhook configurations with bundle
+// (first the Service and its EndpointSlice, with this brain in it, when
+// they name a Service).
 func (s *Server) publish(ctx context.Context, bundle []byte) error {
+	if t := s.Target(); t.Service != nil {
+		if err := aggregated.RegisterEndpoint(ctx, s.deps.Kube, *t.Service); err != nil {
+			return fmt.Errorf("webhook service: %w", err)
+		}
+	}
 	mut, val := s.configurations(bundle)
 	ar := s.deps.Kube.AdmissionregistrationV1()
 	if err := applyMutating(ctx, ar.MutatingWebhookConfigurations(), mut); err != nil {
@@ -363,13 +422,13 @@ func (s *Server) publish(ctx context.Context, bundle []byte) error {
 		return fmt.Errorf("validating webhook configuration: %w", err)
 	}
 	s.mu.Lock()
-	url, hooks := s.url, append([]func(context.Context, string, []byte) error(nil), s.onPub...)
+	target, hooks := s.target, append([]func(context.Context, Target, []byte) error(nil), s.onPub...)
 	s.mu.Unlock()
-	if url == "" {
+	if target.zero() {
 		return nil
 	}
 	for _, f := range hooks {
-		if err := f(ctx, url, bundle); err != nil {
+		if err := f(ctx, target, bundle); err != nil {
 			return err
 		}
 	}

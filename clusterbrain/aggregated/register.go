@@ -64,7 +64,27 @@ const portName = "https"
 // Another replica registering later points the endpoints at itself; with
 // several replicas each adds itself instead of replacing the others.
 func Register(ctx context.Context, kube kubernetes.Interface, dyn dynamic.Interface, r Registration, caBundle []byte) error {
-	labels := map[string]string{"app.kubernetes.io/managed-by": "nodevirt", "app.kubernetes.io/component": r.Service}
+	if err := RegisterEndpoint(ctx, kube, r); err != nil {
+		return err
+	}
+	for _, v := range r.Versions {
+		if err := r.registerAPIService(ctx, dyn, v, caBundle, r.labels()); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (r Registration) labels() map[string]string {
+	return map[string]string{"app.kubernetes.io/managed-by": "nodevirt", "app.kubernetes.io/component": r.Service}
+}
+
+// RegisterEndpoint creates or updates the selector-less Service (port 443)
+// and its EndpointSlice naming this replica, and drops the endpoints of
+// replicas that no longer answer: what a webhook configuration's service
+// reference, like an APIService, needs behind it.
+func RegisterEndpoint(ctx context.Context, kube kubernetes.Interface, r Registration) error {
+	labels := r.labels()
 	svc := &corev1.Service{
 		ObjectMeta: metav1.ObjectMeta{Name: r.Service, Namespace: r.Namespace, Labels: labels},
 		Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{
@@ -86,15 +106,7 @@ func Register(ctx context.Context, kube kubernetes.Interface, dyn dynamic.Interf
 			return fmt.Errorf("update service %s/%s: %w", r.Namespace, r.Service, err)
 		}
 	}
-	if err := r.registerSlice(ctx, kube, labels); err != nil {
-		return err
-	}
-	for _, v := range r.Versions {
-		if err := r.registerAPIService(ctx, dyn, v, caBundle, labels); err != nil {
-			return err
-		}
-	}
-	return nil
+	return r.registerSlice(ctx, kube, labels)
 }
 
 func (r Registration) registerSlice(ctx context.Context, kube kubernetes.Interface, labels map[string]string) error {
@@ -219,10 +231,16 @@ func Unregister(ctx context.Context, kube kubernetes.Interface, dyn dynamic.Inte
 			return fmt.Errorf("delete apiservice %s.%s: %w", v, r.Group, err)
 		}
 	}
-	if err := ignore(kube.CoreV1().Services(r.Namespace).Delete(ctx, r.Service, metav1.DeleteOptions{})); err != nil {
+	return UnregisterEndpoint(ctx, kube, r)
+}
+
+// UnregisterEndpoint deletes the Service and EndpointSlice; what is
+// already gone is fine.
+func UnregisterEndpoint(ctx context.Context, kube kubernetes.Interface, r Registration) error {
+	if err := kube.CoreV1().Services(r.Namespace).Delete(ctx, r.Service, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
 		return fmt.Errorf("delete service: %w", err)
 	}
-	if err := ignore(kube.DiscoveryV1().EndpointSlices(r.Namespace).Delete(ctx, r.Service, metav1.DeleteOptions{})); err != nil {
+	if err := kube.DiscoveryV1().EndpointSlices(r.Namespace).Delete(ctx, r.Service, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
 		return fmt.Errorf("delete endpointslice: %w", err)
 	}
 	return nil
@@ -244,6 +262,44 @@ func APIServiceAvailable(ctx context.Context, dyn dynamic.Interface, group, vers
 		}
 	}
 	return false, "no Available condition yet", nil
+}
+
+// Hosts are the names a serving certificate behind the Service must be
+// valid for (kube-apiserver verifies ServerName), with the endpoint's
+// address once known.
+func (r Registration) Hosts() []string {
+	hosts := []string{r.ServerName(), r.ServerName() + ".cluster.local", r.Service + "." + r.Namespace}
+	if r.IP != nil {
+		hosts = append(hosts, r.IP.String())
+	}
+	return hosts
+}
+
+// Resolve fills IP and Port, when unset, from addr, the address the server
+// listens on (a host address when it listens on all of them). Loopback is
+// refused: kube-apiserver does not dial loopback endpoints.
+func (r *Registration) Resolve(addr net.Addr) error {
+	tcp, ok := addr.(*net.TCPAddr)
+	if !ok {
+		return fmt.Errorf("endpoint of %s/%s: %s is not a tcp address", r.Namespace, r.Service, addr)
+	}
+	if r.Port == 0 {
+		r.Port = tcp.Port
+	}
+	if r.IP == nil {
+		r.IP = tcp.IP
+		if r.IP.IsUnspecified() {
+			ip, err := hostIP()
+			if err != nil {
+				return err
+			}
+			r.IP = ip
+		}
+	}
+	if r.IP.IsLoopback() {
+		return fmt.Errorf("endpoint of %s/%s on %s: kube-apiserver refuses loopback endpoints; listen on a host address or on all addresses", r.Namespace, r.Service, addr)
+	}
+	return nil
 }
 
 // Endpoint is the host:port kube-apiserver dials.

@@ -105,22 +105,10 @@ func (s *Server) Run(ctx context.Context) error {
 	defer ln.Close()
 	s.addr = ln.Addr()
 	reg := &s.cfg.Registration
-	tcp := ln.Addr().(*net.TCPAddr)
-	if reg.Port == 0 {
-		reg.Port = tcp.Port
+	if err := reg.Resolve(ln.Addr()); err != nil {
+		return fmt.Errorf("aggregated api: %w", err)
 	}
-	if reg.IP == nil {
-		reg.IP = tcp.IP
-		if reg.IP.IsUnspecified() {
-			if reg.IP, err = hostIP(); err != nil {
-				return err
-			}
-		}
-	}
-	if reg.IP.IsLoopback() {
-		return fmt.Errorf("aggregated api on %s: kube-apiserver refuses loopback endpoints; listen on a host address or on all addresses", s.addr)
-	}
-	hosts := []string{reg.ServerName(), reg.ServerName() + ".cluster.local", reg.Service + "." + reg.Namespace, reg.IP.String()}
+	hosts := reg.Hosts()
 	registered := make(chan struct{})
 	var regOnce sync.Once
 	cm, err := certs.New(certs.Config{

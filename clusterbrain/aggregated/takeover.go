@@ -30,25 +30,43 @@ func Answers(addr string) bool {
 // EndpointsAnswer reports whether the EndpointSlice namespace/name names
 // an endpoint that answers: the replica that registered last is alive.
 func EndpointsAnswer(ctx context.Context, kube kubernetes.Interface, namespace, name string) (bool, error) {
+	live, _, err := probeEndpoints(ctx, kube, namespace, name)
+	return live > 0, err
+}
+
+// EndpointsAllAnswer reports whether the EndpointSlice namespace/name names
+// endpoints and every one of them answers. Callers that pick an endpoint
+// per request (kube-apiserver calling a webhook) fail on a dead one, so it
+// must go as soon as it dies.
+func EndpointsAllAnswer(ctx context.Context, kube kubernetes.Interface, namespace, name string) (bool, error) {
+	live, dead, err := probeEndpoints(ctx, kube, namespace, name)
+	return live > 0 && dead == 0, err
+}
+
+// probeEndpoints counts the EndpointSlice's addresses that answer and
+// those that do not (none of either when it is missing or malformed).
+func probeEndpoints(ctx context.Context, kube kubernetes.Interface, namespace, name string) (live, dead int, err error) {
 	slice, err := kube.DiscoveryV1().EndpointSlices(namespace).Get(ctx, name, metav1.GetOptions{})
 	if apierrors.IsNotFound(err) {
-		return false, nil
+		return 0, 0, nil
 	}
 	if err != nil {
-		return false, err
+		return 0, 0, err
 	}
 	if len(slice.Ports) != 1 || slice.Ports[0].Port == nil {
-		return false, nil
+		return 0, 0, nil
 	}
 	port := strconv.Itoa(int(*slice.Ports[0].Port))
 	for _, e := range slice.Endpoints {
 		for _, a := range e.Addresses {
 			if Answers(net.JoinHostPort(a, port)) {
-				return true, nil
+				live++
+			} else {
+				dead++
 			}
 		}
 	}
-	return false, nil
+	return live, dead, nil
 }
 
 // KeepRegistered takes a registration over until ctx ends: every

@@ -50,8 +50,14 @@ type Config struct {
 	// HealthAddr serves /healthz and /readyz.
 	HealthAddr string
 	// WebhookAddr serves the admission webhooks (the API server calls it by
-	// URL, so loopback suffices on a single machine).
+	// URL, so loopback suffices on a single machine, unless WebhookService
+	// is set).
 	WebhookAddr string
+	// WebhookService, "namespace/name", makes the webhook configurations
+	// name a Service in front of every brain instead of WebhookAddr's URL
+	// (clusters with several API servers); WebhookAddr must then be
+	// reachable on a host address.
+	WebhookService string
 	// SubresourcesAddr serves subresources.kubevirt.io to the aggregator;
 	// it must be reachable on a non-loopback address of this host.
 	SubresourcesAddr string

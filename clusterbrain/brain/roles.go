@@ -72,7 +72,8 @@ var everyBrainRoles = []RoleFactory{
 	func(d *Deps) (Role, error) {
 		// One webhook server: KubeVirt's VM/VMI admission (with quotas),
 		// CDI's DataVolume validation, the MAC pool and the hco-webhook.
-		return admission.NewRole(admission.Config{Addr: d.Config.WebhookAddr, Namespace: d.Config.Namespace, TLSProfile: d.KubeVirtTLS},
+		return admission.NewRole(admission.Config{Addr: d.Config.WebhookAddr, Service: d.Config.WebhookService,
+			Namespace: d.Config.Namespace, TLSProfile: d.KubeVirtTLS},
 			admission.Deps{Kube: d.Kube, Virt: d.Virt, Log: d.Log},
 			admission.RegisterDataVolumes,
 			macpool.Register(macpool.Config{RestConfig: d.RestConfig, Namespace: d.Config.Namespace}),

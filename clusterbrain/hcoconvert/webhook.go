@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/http"
 
+	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
 	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -88,8 +89,8 @@ func Register(cfg *rest.Config) admission.Contributor {
 		}
 		log := s.Deps().Log.With("role", "hco-conversion")
 		s.HandleHTTP(Path, Handler(log))
-		s.OnPublish(func(ctx context.Context, url string, bundle []byte) error {
-			return PointCRD(ctx, ext, url+Path, bundle)
+		s.OnPublish(func(ctx context.Context, t admission.Target, bundle []byte) error {
+			return PointCRD(ctx, ext, t.ClientConfig(Path, bundle))
 		})
 		return nil
 	}
@@ -101,9 +102,18 @@ const CRDName = "hyperconvergeds.hco.kubevirt.io"
 // FieldManager owns the CRD's conversion settings (and nothing else of it).
 const FieldManager = "nodevirt-hco-conversion"
 
-// PointCRD sets the HyperConverged CRD's conversion to the webhook at url,
-// trusted through bundle.
-func PointCRD(ctx context.Context, ext apiextensionsclient.Interface, url string, bundle []byte) error {
+// PointCRD sets the HyperConverged CRD's conversion to the webhook cc
+// names (a URL or a Service), trusted through its CA bundle.
+func PointCRD(ctx context.Context, ext apiextensionsclient.Interface, cc admissionregistrationv1.WebhookClientConfig) error {
+	client := map[string]any{"caBundle": cc.CABundle}
+	where := ""
+	if cc.Service != nil {
+		client["service"] = map[string]any{"namespace": cc.Service.Namespace, "name": cc.Service.Name, "path": cc.Service.Path, "port": cc.Service.Port}
+		where = "service " + cc.Service.Namespace + "/" + cc.Service.Name
+	} else if cc.URL != nil {
+		client["url"] = *cc.URL
+		where = *cc.URL
+	}
 	patch := map[string]any{
 		"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
 		"metadata": map[string]any{"name": CRDName},
@@ -111,7 +121,7 @@ func PointCRD(ctx context.Context, ext apiextensionsclient.Interface, url string
 			"strategy": "Webhook",
 			"webhook": map[string]any{
 				"conversionReviewVersions": []string{"v1"},
-				"clientConfig":             map[string]any{"url": url, "caBundle": bundle},
+				"clientConfig":             client,
 			},
 		}},
 	}
@@ -122,7 +132,7 @@ func PointCRD(ctx context.Context, ext apiextensionsclient.Interface, url string
 	force := true
 	if _, err := ext.ApiextensionsV1().CustomResourceDefinitions().Patch(ctx, CRDName, types.ApplyPatchType, data,
 		metav1.PatchOptions{FieldManager: FieldManager, Force: &force}); err != nil {
-		return fmt.Errorf("point %s conversion at %s: %w", CRDName, url, err)
+		return fmt.Errorf("point %s conversion at %s: %w", CRDName, where, err)
 	}
 	return nil
 }

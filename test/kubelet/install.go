@@ -121,7 +121,8 @@ func CreateHyperConverged(kubeconfig, root, importNetworks string) error {
 
 // Uninstall deletes the HyperConverged while the brains that own its
 // finalizer run; then stops the brains and agents, deletes what the brains
-// registered themselves (APIServices, webhook configurations: left behind,
+// registered themselves (APIServices, webhook configurations and the
+// Services and EndpointSlices behind them: left behind,
 // the APIServices' missing backends keep the namespace from going and the
 // webhooks refuse requests), then everything the manifest made; and
 // removes what the node agent's pod network left on the host (with the
@@ -142,6 +143,12 @@ func Uninstall(kubeconfig string, b Build) error {
 	}
 	if _, err := Kubectl(kubeconfig, "delete", "--ignore-not-found", "--wait", "--timeout=2m",
 		"apiservices,mutatingwebhookconfigurations,validatingwebhookconfigurations", "-l", "app.kubernetes.io/managed-by=nodevirt"); err != nil {
+		errs = append(errs, err)
+	}
+	// The Services and EndpointSlices the brains put in front of their
+	// webhooks and aggregated APIs.
+	if _, err := Kubectl(kubeconfig, "delete", "--ignore-not-found", "--wait", "--timeout=2m", "-n", Namespace,
+		"services,endpointslices.discovery.k8s.io", "-l", "app.kubernetes.io/managed-by=nodevirt"); err != nil {
 		errs = append(errs, err)
 	}
 	if _, err := Kubectl(kubeconfig, "delete", "--ignore-not-found", "--wait", "--timeout=3m", "-f", b.Manifest); err != nil {

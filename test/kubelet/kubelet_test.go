@@ -161,6 +161,8 @@ func TestKubeletInstall(t *testing.T) {
 		t.Fatal(err)
 	}
 	step("HyperConverged Available")
+	webhooksBehindService(t, ctx, kube, kubectl, nodeIP)
+	step("webhook configurations name the Service; the API server calls the brain through it")
 
 	console := func(word string) { consoleAnswers(t, virtctl, cp.Kubeconfig, word) }
 	runVM(t, ctx, kubectl, nodeIP, console, step)

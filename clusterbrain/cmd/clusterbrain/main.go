@@ -26,6 +26,7 @@ func main() {
 	flag.StringVar(&cfg.Identity, "identity", "", "leader-election identity (default host name and pid)")
 	flag.StringVar(&cfg.HealthAddr, "health-addr", "127.0.0.1:8480", "address of /healthz and /readyz")
 	flag.StringVar(&cfg.WebhookAddr, "webhook-addr", "127.0.0.1:8443", "address of the admission webhooks")
+	flag.StringVar(&cfg.WebhookService, "webhook-service", "", "namespace/name of a Service the webhook configurations name, kept pointing at every brain (then --webhook-addr must not be loopback); empty: they name --webhook-addr's URL")
 	flag.StringVar(&cfg.SubresourcesAddr, "subresources-addr", ":8444", "address of the subresources.kubevirt.io aggregated API (not loopback)")
 	flag.StringVar(&cfg.UploadAPIAddr, "upload-api-addr", ":8445", "address of the upload.cdi.kubevirt.io aggregated API (not loopback)")
 	flag.StringVar(&cfg.UploadProxyAddr, "uploadproxy-addr", ":8446", "address of the upload proxy")

@@ -290,6 +290,10 @@ func (m *Manager) syncServer(ctx context.Context, ca KeyPair, d Durations, now t
 	}
 	expiry, perr := cur.NotAfter()
 	fresh := perr == nil && signedBy(cur, ca) && expiry.Sub(now) > d.ServerRenewBefore && expiry.Sub(now) <= d.Server+time.Minute
+	if fresh && !covers(cur, m.cfg.Hosts) {
+		fresh = false
+		m.cfg.Log.Info("serving certificate reissued for other hosts", "namespace", m.cfg.Namespace, "secret", m.cfg.ServerSecret, "hosts", m.cfg.Hosts)
+	}
 	if !fresh {
 		m.mu.Lock()
 		ready := m.pubAt.Add(m.cfg.Propagation)

@@ -439,6 +439,24 @@ func signedBy(leaf, ca KeyPair) bool {
 	return lc[0].CheckSignatureFrom(cc[0]) == nil
 }
 
+// covers reports whether leaf's certificate is valid for every DNS name
+// of hosts (a secret issued for other names, such as localhost before the
+// webhooks moved behind a Service, is reissued). Addresses are not
+// compared: replicas sharing a secret each add their own.
+func covers(leaf KeyPair, hosts []string) bool {
+	lc, err := ParseCertificates(leaf.CertPEM)
+	if err != nil {
+		return false
+	}
+	dns, _ := Hosts(hosts...)
+	for _, h := range dns {
+		if lc[0].VerifyHostname(h) != nil {
+			return false
+		}
+	}
+	return true
+}
+
 // bundleAppend returns bundle with ca's certificate added, dropping
 // certificates that expired before now and keeping at most keep of them
 // (newest last), so clients trust both the old and the new CA across a
