@@ -2,6 +2,7 @@ package hcoconvert
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
@@ -70,10 +71,24 @@ func TestV1SampleAppliesUnchanged(t *testing.T) {
 	dyn := dynamic.NewForConfigOrDie(cp.RestConfig)
 	v1 := dyn.Resource(schema.GroupVersionResource{Group: "hco.kubevirt.io", Version: "v1", Resource: "hyperconvergeds"}).Namespace(ns)
 	var created *unstructured.Unstructured
-	// The CRD's conversion settles a moment after the server publishes.
-	testkit.Eventually(t, 30*time.Second, "creating the v1 sample", func() (err error) {
+	// The CRD's conversion settles a moment after the server publishes,
+	// and until kube-apiserver's handler follows the CRD a v1 create is
+	// stored unconverted (its v1-only layout dropped): such a copy is
+	// deleted and the create tried again.
+	testkit.Eventually(t, 60*time.Second, "creating the v1 sample through the conversion", func() (err error) {
 		created, err = v1.Create(ctx, &unstructured.Unstructured{Object: deepCopy(sample)}, metav1.CreateOptions{})
-		return err
+		if err != nil {
+			return err
+		}
+		stored, err := virt.HyperConvergeds.Get(ctx, ns, created.GetName())
+		if err == nil && stored.Spec.UninstallStrategy != "" {
+			return nil
+		}
+		// No finalizer here (no brain runs): the delete is immediate.
+		if derr := v1.Delete(ctx, created.GetName(), metav1.DeleteOptions{}); derr != nil {
+			return fmt.Errorf("stored without conversion (%v); delete: %w", err, derr)
+		}
+		return fmt.Errorf("stored without conversion (%v)", err)
 	})
 	t.Cleanup(func() { _ = v1.Delete(context.Background(), created.GetName(), metav1.DeleteOptions{}) })
 
