@@ -140,6 +140,13 @@ func brainRunner(t *testing.T, cp *controlplane.ControlPlane, ns string) func(id
 			t.Fatal(err)
 		}
 		t.Cleanup(func() {
+			if t.Failed() && cmd.ProcessState == nil {
+				// A brain still running dumps its goroutines into its
+				// log (Go's SIGQUIT): what a stalled role waits on.
+				if cmd.Process.Signal(syscall.SIGQUIT) == nil {
+					time.Sleep(2 * time.Second)
+				}
+			}
 			cmd.Process.Kill()
 			cmd.Wait()
 			if t.Failed() {
