@@ -287,8 +287,8 @@ func (s *Server) Run(ctx context.Context) error {
 			}
 		}()
 	}
-	if _, err := s.cm.Sync(ctx); err != nil {
-		return fmt.Errorf("certificates: %w", err)
+	if err := s.firstSync(ctx); err != nil {
+		return nil // ctx ended
 	}
 	wg.Add(1)
 	go func() { defer wg.Done(); _ = s.cm.Run(ctx) }()
@@ -319,6 +319,28 @@ func (s *Server) Run(ctx context.Context) error {
 		return err
 	}
 	return nil
+}
+
+// firstSync obtains the first certificate and publishes the webhook
+// configurations, trying again until it succeeds or ctx ends: another
+// replica may be creating the shared CA at the same moment (AlreadyExists),
+// and a brain's webhook server was once seen never to finish this step, so
+// each attempt is bounded.
+func (s *Server) firstSync(ctx context.Context) error {
+	for retry := time.Second; ; retry = min(2*retry, 10*time.Second) {
+		attempt, cancel := context.WithTimeout(ctx, 20*time.Second)
+		_, err := s.cm.Sync(attempt)
+		cancel()
+		if err == nil || ctx.Err() != nil {
+			return ctx.Err()
+		}
+		s.log.Warn("first certificate sync failed", "err", err, "retry", retry)
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(retry):
+		}
+	}
 }
 
 func (s *Server) tlsConfig() *tls.Config {
