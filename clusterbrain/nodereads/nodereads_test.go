@@ -4,9 +4,11 @@ import (
 	"context"
 	"fmt"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
+	authorizationv1 "k8s.io/api/authorization/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -302,6 +304,8 @@ func grant(t *testing.T, kube kubernetes.Interface, user string) {
 	if _, err := kube.RbacV1().ClusterRoleBindings().Create(ctx, binding, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
+	resource, sub, _ := strings.Cut(api.Subresources[0], "/")
+	testkit.WaitAllowed(t, kube, user, authorizationv1.ResourceAttributes{Verb: "get", Group: api.Group, Resource: resource, Subresource: sub})
 	t.Cleanup(func() {
 		_ = kube.RbacV1().ClusterRoleBindings().Delete(context.Background(), user, metav1.DeleteOptions{})
 		_ = kube.RbacV1().ClusterRoles().Delete(context.Background(), user, metav1.DeleteOptions{})

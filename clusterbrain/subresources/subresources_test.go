@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	authorizationv1 "k8s.io/api/authorization/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
@@ -138,6 +139,7 @@ func as(t *testing.T, ns, user, clusterRole string) *virtctl.Client {
 		if _, err := cp.Clientset(t).RbacV1().RoleBindings(ns).Create(context.Background(), rb, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}
+		testkit.WaitAllowed(t, cp.Clientset(t), user, authorizationv1.ResourceAttributes{Namespace: ns, Verb: "get", Group: "kubevirt.io", Resource: "virtualmachines"})
 	}
 	rc, err := clientcmd.BuildConfigFromFlags("", kc)
 	if err != nil {

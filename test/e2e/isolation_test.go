@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	authorizationv1 "k8s.io/api/authorization/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -29,6 +30,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/datavolume"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/uploadtls"
 	nodeconsole "github.com/nodevirt/nodevirt/nodeagent/console"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // grant gives user the rules in namespace ns through a Role.
@@ -45,6 +47,9 @@ func (n *testNS) grant(ns, user, name string, rules ...rbacv1.PolicyRule) {
 	if _, err := n.e.kube.RbacV1().RoleBindings(ns).Create(ctx, rb, metav1.CreateOptions{}); err != nil {
 		n.t.Fatalf("rolebinding %s/%s: %v", ns, name, err)
 	}
+	r := rules[0]
+	resource, sub, _ := strings.Cut(r.Resources[0], "/")
+	testkit.WaitAllowed(n.t, n.e.kube, user, authorizationv1.ResourceAttributes{Namespace: ns, Verb: r.Verbs[0], Group: r.APIGroups[0], Resource: resource, Subresource: sub})
 }
 
 // userVirt is a client authenticated as user (a client certificate of the

@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+	authorizationv1 "k8s.io/api/authorization/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -69,6 +70,7 @@ func (n *testNS) upstreamVirtctlAs(user, clusterRole string, groups ...string) *
 		if _, err := n.e.kube.RbacV1().RoleBindings(n.name).Create(ctx, rb, metav1.CreateOptions{}); err != nil {
 			n.t.Fatalf("bind %s to %s: %v", user, clusterRole, err)
 		}
+		testkit.WaitAllowed(n.t, n.e.kube, user, authorizationv1.ResourceAttributes{Namespace: n.name, Verb: "get", Group: "kubevirt.io", Resource: "virtualmachines"})
 	}
 	return &upstream{n: n, bin: bin, kubeconfig: kc}
 }

@@ -5,7 +5,8 @@
 // that judges the outcome or cannot fail a test: setup returning an
 // error, a non-fatal check, cleanup before failing; Stop for a condition
 // that knows the wait is lost) and one way to put nodevirt's CRDs on a
-// control plane (InstallCRDs, InstallSnapshotCRDs).
+// control plane (InstallCRDs, InstallSnapshotCRDs), and WaitAllowed for
+// a role binding to take effect.
 package testkit
 
 import (
@@ -15,7 +16,10 @@ import (
 	"testing"
 	"time"
 
+	authorizationv1 "k8s.io/api/authorization/v1"
 	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/test/controlplane"
@@ -135,4 +139,22 @@ func apiextensions(t testing.TB, cp *controlplane.ControlPlane) apiextensionscli
 		t.Fatal(err)
 	}
 	return c
+}
+
+// WaitAllowed waits until kube-apiserver's authorizer lets user do what
+// attrs names: a role binding just created takes effect a moment later,
+// when the authorizer's cache has it.
+func WaitAllowed(t testing.TB, kube kubernetes.Interface, user string, attrs authorizationv1.ResourceAttributes) {
+	t.Helper()
+	review := &authorizationv1.SubjectAccessReview{Spec: authorizationv1.SubjectAccessReviewSpec{User: user, ResourceAttributes: &attrs}}
+	Eventually(t, 30*time.Second, fmt.Sprintf("%s allowed to %s %s/%s", user, attrs.Verb, attrs.Group, attrs.Resource), func() error {
+		got, err := kube.AuthorizationV1().SubjectAccessReviews().Create(context.Background(), review, metav1.CreateOptions{})
+		if err != nil {
+			return err
+		}
+		if !got.Status.Allowed {
+			return fmt.Errorf("not yet: %s", got.Status.Reason)
+		}
+		return nil
+	})
 }
