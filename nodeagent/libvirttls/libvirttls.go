@@ -245,6 +245,9 @@ type Configurer struct {
 	log *slog.Logger
 	// written is signalled by nodecert after each write of the files.
 	written chan struct{}
+	// restartDue: a block changed and libvirtd has not restarted since
+	// (the restart failed): the retry restarts although nothing changes.
+	restartDue bool
 }
 
 // New defaults cfg.
@@ -334,13 +337,16 @@ func (c *Configurer) Apply(ctx context.Context) error {
 			}
 		}
 	}
+	c.restartDue = c.restartDue || changed
 	switch {
-	case changed && c.cfg.Restart != "":
+	case c.restartDue && c.cfg.Restart != "":
 		c.log.Info("restarting libvirtd to serve TLS with the node certificate", "command", c.cfg.Restart)
 		if out, err := run(ctx, "/bin/sh", "-c", c.cfg.Restart); err != nil {
 			return fmt.Errorf("restart libvirtd: %w: %s", err, out)
 		}
-	case changed:
+		c.restartDue = false
+	case c.restartDue:
+		c.restartDue = false
 		c.log.Warn("libvirt's TLS configuration written; libvirtd serves it from its next start", "dir", c.cfg.ConfDir)
 	default:
 		// Not retried: a libvirtd without a TLS listener (configured by

@@ -86,7 +86,8 @@ func TestSettings(t *testing.T) {
 
 // TestApplyRestartsOnlyOnChange: the restart command runs when a block
 // changed; an unchanged configuration asks libvirtd to reload its
-// certificate instead, and a libvirtd that cannot is no error.
+// certificate instead, and a libvirtd that cannot is no error; a failed
+// restart is done on the next Apply.
 func TestApplyRestartsOnlyOnChange(t *testing.T) {
 	dir := t.TempDir()
 	for _, f := range []string{"libvirtd.conf", "qemu.conf"} {
@@ -122,8 +123,22 @@ func TestApplyRestartsOnlyOnChange(t *testing.T) {
 	if st, err := os.Stat(key); err != nil || st.Mode().Perm() != 0o600 {
 		t.Errorf("server key %v %v, want mode 0600", st.Mode(), err)
 	}
-	if err := (libvirttls.New(libvirttls.Config{ConfDir: dir, PKIDir: pki, ServerRoot: root, QEMUDir: "/other", Restart: "exit 3"})).Apply(ctx); err == nil {
+	// A failed restart is retried although the blocks are written by then:
+	// the next Apply restarts again, and once it succeeded, no more.
+	flaky := filepath.Join(dir, "flaky")
+	failing := libvirttls.New(libvirttls.Config{ConfDir: dir, PKIDir: pki, ServerRoot: root, QEMUDir: "/other",
+		Restart:  "test -e " + flaky + " && echo restarted >> " + marks + " || { touch " + flaky + "; exit 3; }",
+		AdminURI: "libvirtd:///system?socket=" + filepath.Join(dir, "no-such-socket")})
+	if err := failing.Apply(ctx); err == nil {
 		t.Error("a failing restart command: no error")
+	}
+	for i := 0; i < 2; i++ {
+		if err := failing.Apply(ctx); err != nil {
+			t.Fatalf("apply after a failed restart, %d: %v", i, err)
+		}
+	}
+	if data, _ := os.ReadFile(marks); strings.Count(string(data), "restarted") != 2 {
+		t.Errorf("restarts %q, want a second one after the failed restart, and only one", data)
 	}
 }
 
