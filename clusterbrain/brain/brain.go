@@ -16,6 +16,7 @@ import (
 	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	coreinformers "k8s.io/client-go/informers/core/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
@@ -170,6 +171,11 @@ type Deps struct {
 	// one watch and one cache of each instead of one per role. Each term
 	// of leadership has its own (see leaderTerm).
 	vms, vmis cache.SharedIndexInformer
+	// nodes is the informer of all Nodes the leader's roles share (the
+	// scheduler, node failure, evacuation, hco, the HostPathProvisioner
+	// status): every node's heartbeat is decoded once, not once per role,
+	// and no role lists the Nodes to look at them.
+	nodes cache.SharedIndexInformer
 }
 
 // Role is one job of the brain.
@@ -260,11 +266,12 @@ func (b *Brain) leaderTerm() ([]Role, error) {
 	d := *b.deps
 	d.scheduler = nil
 	d.vms, d.vmis = d.Virt.VMs.Informer("", 0, nil), d.Virt.VMIs.Informer("", 0, nil)
+	d.nodes = coreinformers.NewNodeInformer(d.Kube, 0, cache.Indexers{})
 	roles, err := build(leaderRoles, &d)
 	if err != nil {
 		return nil, err
 	}
-	b.termInformers = []cache.SharedIndexInformer{d.vms, d.vmis}
+	b.termInformers = []cache.SharedIndexInformer{d.vms, d.vmis, d.nodes}
 	return roles, nil
 }
 

@@ -97,7 +97,7 @@ var leaderRoles = []RoleFactory{
 	func(d *Deps) (Role, error) {
 		// Nodes' Ready condition and taints from their Leases; lost nodes'
 		// VMIs failed over (package fencing's timeline).
-		return nodefailure.New(nodefailure.Config{Kube: d.Kube, Virt: d.Virt, Window: d.Config.FencingWindow,
+		return nodefailure.New(nodefailure.Config{Kube: d.Kube, Virt: d.Virt, Window: d.Config.FencingWindow, Nodes: d.nodes,
 			Log: d.Log.With("role", "node-failure")})
 	},
 	func(d *Deps) (Role, error) {
@@ -108,7 +108,7 @@ var leaderRoles = []RoleFactory{
 		// HostPathProvisioners' status and StorageClasses, from the node
 		// agents' pool reports; hco judges its HPP child from that status.
 		return hostpathprovisioner.New(hostpathprovisioner.Config{Kube: d.Kube, Virt: d.Virt, Version: buildinfo.Read().Version,
-			Log: d.Log.With("role", "hostpathprovisioner")})
+			Nodes: d.nodes, Log: d.Log.With("role", "hostpathprovisioner")})
 	},
 	func(d *Deps) (Role, error) {
 		// Before hco, which probes it for the SSP child.
@@ -122,13 +122,14 @@ var leaderRoles = []RoleFactory{
 	},
 	func(d *Deps) (Role, error) {
 		return hco.New(hco.Config{Namespace: d.Config.Namespace, Kube: d.Kube, Virt: d.Virt, Log: d.Log.With("role", "hco"), BrainHealth: d.Health.Ready,
-			Probes: childProbes(d)})
+			Probes: childProbes(d), Nodes: d.nodes})
 	},
 	func(d *Deps) (Role, error) {
 		return instancetypes.New(instancetypes.Config{Virt: d.Virt, Namespace: d.Config.Namespace, Log: d.Log.With("role", "common-instancetypes")})
 	},
 	func(d *Deps) (Role, error) {
-		s, err := scheduler.New(scheduler.Config{RestConfig: d.RestConfig, Log: d.Log.With("role", "scheduler"), VMIInformer: d.vmis})
+		s, err := scheduler.New(scheduler.Config{RestConfig: d.RestConfig, Log: d.Log.With("role", "scheduler"), VMIInformer: d.vmis,
+			NodeInformer: d.nodes})
 		d.scheduler = s
 		return s, err
 	},
@@ -170,7 +171,7 @@ var leaderRoles = []RoleFactory{
 		if err != nil {
 			return nil, err
 		}
-		return migration.New(migration.Config{Kube: d.Kube, Virt: d.Virt, Placer: d.scheduler, Dynamic: dyn, Log: d.Log})
+		return migration.New(migration.Config{Kube: d.Kube, Virt: d.Virt, Placer: d.scheduler, Dynamic: dyn, Nodes: d.nodes, Log: d.Log})
 	},
 	func(d *Deps) (Role, error) {
 		// VirtualMachineSnapshots and restores on the nodes' CSI

@@ -21,7 +21,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/validation"
-	"k8s.io/client-go/informers"
+	coreinformers "k8s.io/client-go/informers/core/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 
@@ -59,6 +59,9 @@ type Config struct {
 	// ProbeEvery re-reconciles this often while Probes are set, since
 	// nothing watched signals a role stopping (default 30s).
 	ProbeEvery time.Duration
+	// Nodes is the brain's shared informer of every Node, from whose
+	// cache the node agents are judged; nil: the role runs one of its own.
+	Nodes cache.SharedIndexInformer
 }
 
 func (c *Config) defaults() {
@@ -109,6 +112,9 @@ type Controller struct {
 	// probesFailing says the last reconcile found a part missing: the
 	// next probe comes sooner.
 	probesFailing bool
+	// nodes is cfg.Nodes, else the role's own informer (ownNodes).
+	nodes    cache.SharedIndexInformer
+	ownNodes bool
 }
 
 // New validates cfg and builds the role.
@@ -123,6 +129,10 @@ func New(cfg Config) (*Controller, error) {
 		overwritten: outOfBand,
 		lastApplied: map[string]string{},
 		reverts:     map[string]int{},
+		nodes:       cfg.Nodes,
+	}
+	if c.nodes == nil {
+		c.nodes, c.ownNodes = coreinformers.NewNodeInformer(cfg.Kube, 0, cache.Indexers{}), true
 	}
 	var err error
 	c.queue, err = controller.New(controller.Config{Name: "hyperconverged", Backoff: controller.BackoffAPI, Log: cfg.Log,
@@ -174,19 +184,21 @@ func (c *Controller) Run(ctx context.Context) error {
 			return err
 		}
 	}
-	nodes := informers.NewSharedInformerFactoryWithOptions(c.cfg.Kube, rs,
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = schedulableLabel })).Core().V1().Nodes().Informer()
+	if c.ownNodes {
+		infs = append(infs, c.nodes)
+	}
 	onNodes := toSingleton
 	onNodes.UpdateFunc = func(old, obj any) {
 		if nodeHealthChanged(old, obj) {
 			c.queue.Add(c.singletonKey())
 		}
 	}
-	if _, err := nodes.AddEventHandler(onNodes); err != nil {
+	// Only the node agents' Nodes count: another Node coming, going or
+	// changing changes nothing of the status.
+	if _, err := c.nodes.AddEventHandler(cache.FilteringResourceEventHandler{FilterFunc: isNodeAgent, Handler: onNodes}); err != nil {
 		return err
 	}
-	infs = append(infs, nodes)
-	var synced []cache.InformerSynced
+	synced := []cache.InformerSynced{c.nodes.HasSynced}
 	for _, inf := range infs {
 		go inf.RunWithContext(ctx)
 		synced = append(synced, inf.HasSynced)
@@ -223,15 +235,11 @@ func (c *Controller) Sync(ctx context.Context, ns, name string) (time.Duration, 
 		log.Warn("render children", "err", err)
 		return 0, c.writeStatus(ctx, hc, failedReconcile(reasonInvalidConfig, err.Error()), nil)
 	}
-	nodeList, err := c.cfg.Kube.CoreV1().Nodes().List(ctx, metav1.ListOptions{LabelSelector: schedulableLabel})
-	if err != nil {
-		return 0, fmt.Errorf("list nodes: %w", err)
-	}
 	var brainErr error
 	if c.cfg.BrainHealth != nil {
 		brainErr = c.cfg.BrainHealth()
 	}
-	related, health, err := c.reconcileChildren(ctx, hc, children, nodeHealthOf(nodeList.Items))
+	related, health, err := c.reconcileChildren(ctx, hc, children, nodeHealthOf(c.nodeList()))
 	if err != nil {
 		return 0, err
 	}
@@ -245,6 +253,18 @@ func (c *Controller) Sync(ctx context.Context, ns, name string) (time.Duration, 
 		c.mu.Unlock()
 	}
 	return again, c.writeStatus(ctx, hc, aggregate(health, brainErr), related)
+}
+
+// nodeList is every Node of the informer's cache (its own objects: read,
+// never written).
+func (c *Controller) nodeList() []*corev1.Node {
+	var nodes []*corev1.Node
+	for _, o := range c.nodes.GetStore().List() {
+		if n, ok := o.(*corev1.Node); ok {
+			nodes = append(nodes, n)
+		}
+	}
+	return nodes
 }
 
 // refuse marks a HyperConverged that is not the singleton, rendering

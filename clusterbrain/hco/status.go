@@ -11,6 +11,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/tools/cache"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
@@ -69,10 +70,26 @@ type nodeHealth struct {
 	Failing []string // "node: why"
 }
 
-func nodeHealthOf(nodes []corev1.Node) nodeHealth {
+// isNodeAgent says whether obj is a node agent's Node (it carries the
+// schedulable label).
+func isNodeAgent(obj any) bool {
+	if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		obj = d.Obj
+	}
+	n, ok := obj.(*corev1.Node)
+	if !ok {
+		return false
+	}
+	_, agent := n.Labels[schedulableLabel]
+	return agent
+}
+
+// nodeHealthOf judges the node agents among nodes (an informer cache's
+// objects: read, never written).
+func nodeHealthOf(nodes []*corev1.Node) nodeHealth {
 	var h nodeHealth
 	for _, n := range nodes {
-		if _, ok := n.Labels[schedulableLabel]; !ok {
+		if !isNodeAgent(n) {
 			continue
 		}
 		why := ""
@@ -112,7 +129,7 @@ func nodeHealthChanged(old, cur any) bool {
 	if !ok1 || !ok2 {
 		return true
 	}
-	return !reflect.DeepEqual(nodeHealthOf([]corev1.Node{*o}), nodeHealthOf([]corev1.Node{*n}))
+	return !reflect.DeepEqual(nodeHealthOf([]*corev1.Node{o}), nodeHealthOf([]*corev1.Node{n}))
 }
 
 // judge decides each child's health from what it stands for: the parts

@@ -22,7 +22,7 @@ import (
 	apiequality "k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/informers"
+	coreinformers "k8s.io/client-go/informers/core/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 
@@ -61,7 +61,11 @@ type Config struct {
 	Virt *client.Set
 	// Version goes into the status' operator versions.
 	Version string
-	Log     *slog.Logger
+	// Nodes is the brain's shared informer of every Node, whose pool
+	// reports the status is made of; nil: the controller runs one of its
+	// own.
+	Nodes cache.SharedIndexInformer
+	Log   *slog.Logger
 }
 
 // Controller keeps HostPathProvisioners' status and StorageClasses.
@@ -71,6 +75,8 @@ type Controller struct {
 	queue *controller.Queue
 	hpps  cache.SharedIndexInformer
 	nodes cache.SharedIndexInformer
+	// ownNodes says the controller runs nodes.
+	ownNodes bool
 }
 
 // New builds the controller.
@@ -89,7 +95,10 @@ func New(cfg Config) (*Controller, error) {
 	}
 	c.queue = q
 	c.hpps = cfg.Virt.HostPathProvisioners.Informer("", resync, nil)
-	c.nodes = informers.NewSharedInformerFactory(cfg.Kube, resync).Core().V1().Nodes().Informer()
+	c.nodes = cfg.Nodes
+	if c.nodes == nil {
+		c.nodes, c.ownNodes = coreinformers.NewNodeInformer(cfg.Kube, 0, cache.Indexers{}), true
+	}
 	return c, nil
 }
 
@@ -116,7 +125,9 @@ func (c *Controller) Run(ctx context.Context) error {
 		return err
 	}
 	go c.hpps.RunWithContext(ctx)
-	go c.nodes.RunWithContext(ctx)
+	if c.ownNodes {
+		go c.nodes.RunWithContext(ctx)
+	}
 	return c.queue.Run(ctx, c.hpps.HasSynced, c.nodes.HasSynced)
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -52,7 +53,7 @@ const evacuationRetry = 30 * time.Second
 
 // evacuate runs an evacuation pass every interval until ctx ends.
 func (c *Controller) evacuate(ctx context.Context, interval time.Duration) {
-	if !cache.WaitForCacheSync(ctx.Done(), c.informer.HasSynced) {
+	if !cache.WaitForCacheSync(ctx.Done(), c.informer.HasSynced, c.cfg.Nodes.HasSynced) {
 		return
 	}
 	t := time.NewTicker(interval)
@@ -86,14 +87,7 @@ func (c *Controller) evacuationPass(ctx context.Context) error {
 			delete(c.warned, uid)
 		}
 	}
-	nodes, err := c.cfg.Kube.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
-	if err != nil {
-		return err
-	}
-	for _, n := range nodes.Items {
-		if !hasTaint(&n, key) {
-			continue
-		}
+	for _, n := range draining(c.cfg.Nodes.GetStore(), key) {
 		vmis, err := c.cfg.Virt.VMIs.List(ctx, metav1.NamespaceAll, metav1.ListOptions{LabelSelector: kubevirtv1.NodeNameLabel + "=" + n.Name})
 		if err != nil {
 			return err
@@ -108,6 +102,19 @@ func (c *Controller) evacuationPass(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// draining are the Nodes of the cache tainted key, by name: the cache's
+// own objects, read and never written.
+func draining(nodes cache.Store, key string) []*corev1.Node {
+	var out []*corev1.Node
+	for _, o := range nodes.List() {
+		if n, ok := o.(*corev1.Node); ok && hasTaint(n, key) {
+			out = append(out, n)
+		}
+	}
+	slices.SortFunc(out, func(a, b *corev1.Node) int { return strings.Compare(a.Name, b.Name) })
+	return out
 }
 
 func (c *Controller) evacuateVMI(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance, node string, strategy kubevirtv1.EvictionStrategy) error {

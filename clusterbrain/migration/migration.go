@@ -38,6 +38,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	"k8s.io/client-go/dynamic"
+	coreinformers "k8s.io/client-go/informers/core/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/retry"
@@ -88,6 +89,10 @@ type Config struct {
 	// EvacuationInterval is how often draining nodes are looked at
 	// (default 5 seconds; evacuation.go).
 	EvacuationInterval time.Duration
+	// Nodes is the brain's shared informer of every Node, where the
+	// evacuation looks for draining nodes; nil: the controller runs one
+	// of its own.
+	Nodes cache.SharedIndexInformer
 }
 
 func (c *Config) defaults() {
@@ -125,6 +130,8 @@ type Controller struct {
 	// warned is when each VMI that cannot leave a draining node was last
 	// told so (evacuation.go; its goroutine only).
 	warned map[types.UID]time.Time
+	// ownNodes says the controller runs cfg.Nodes.
+	ownNodes bool
 }
 
 // New validates cfg and builds the controller; Run starts it.
@@ -138,6 +145,9 @@ func New(cfg Config) (*Controller, error) {
 		informer: cfg.Virt.Migrations.Informer("", cfg.Resync, nil),
 		recorder: controller.NewRecorder(client.NewScheme(), "nodevirt-migration"),
 		warned:   map[types.UID]time.Time{},
+	}
+	if c.cfg.Nodes == nil {
+		c.cfg.Nodes, c.ownNodes = coreinformers.NewNodeInformer(cfg.Kube, 0, cache.Indexers{}), true
 	}
 	var err error
 	c.queue, err = controller.New(controller.Config{Name: "migrations", Sync: controller.NoRequeue(c.sync),
@@ -158,6 +168,9 @@ func (c *Controller) Run(ctx context.Context) error {
 	defer utilruntime.HandleCrash()
 	defer c.recorder.Start(c.cfg.Kube)()
 	go c.informer.RunWithContext(ctx)
+	if c.ownNodes {
+		go c.cfg.Nodes.RunWithContext(ctx)
+	}
 	c.log.Info("started")
 	go c.evacuate(ctx, c.cfg.EvacuationInterval)
 	return c.queue.Run(ctx, c.informer.HasSynced)

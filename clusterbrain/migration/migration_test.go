@@ -38,6 +38,8 @@ type env struct {
 	kube kubernetes.Interface
 	virt *client.Set
 	ns   string
+	// requests are the controller's (not the scheduler's or the test's).
+	requests *testkit.Requests
 }
 
 // setup runs the controller with the real scheduler against the real
@@ -58,7 +60,13 @@ func setup(t *testing.T) *env {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c, err := New(Config{Kube: kube, Virt: virt, Placer: sched, Log: quiet, Dynamic: dynamic.NewForConfigOrDie(cp.RestConfig),
+	rc, requests := testkit.CountRequests(cp.RestConfig)
+	cVirt, err := client.NewSet(rc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cKube := kubernetes.NewForConfigOrDie(rc)
+	c, err := New(Config{Kube: cKube, Virt: cVirt, Placer: sched, Log: quiet, Dynamic: dynamic.NewForConfigOrDie(cp.RestConfig),
 		EvacuationInterval: 500 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
@@ -68,7 +76,7 @@ func setup(t *testing.T) *env {
 	go func() { _ = sched.Run(runCtx); done <- struct{}{} }()
 	go func() { _ = c.Run(runCtx); done <- struct{}{} }()
 	t.Cleanup(func() { stop(); <-done; <-done })
-	return &env{t: t, ctx: ctx, kube: kube, virt: virt, ns: cp.Namespace(t)}
+	return &env{t: t, ctx: ctx, kube: kube, virt: virt, ns: cp.Namespace(t), requests: requests}
 }
 
 // node makes a Ready, schedulable node with labels.
@@ -451,4 +459,9 @@ func TestEvacuation(t *testing.T) {
 		}
 		return nil
 	})
+	// Each pass (one List of the KubeVirt CRs) found the draining node in
+	// the informer's cache: the evacuation lists no Node.
+	if passes, lists := e.requests.Lists("/apis/kubevirt.io/v1/kubevirts"), e.requests.Lists("/api/v1/nodes"); passes < 3 || lists > 1 {
+		t.Errorf("%d evacuation passes listed the Nodes %d times, want at least 3 passes and at most the informer's first list", passes, lists)
+	}
 }

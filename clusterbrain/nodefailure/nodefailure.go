@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -20,6 +21,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/informers"
+	coreinformers "k8s.io/client-go/informers/core/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 	kubevirtv1 "kubevirt.io/api/core/v1"
@@ -43,7 +45,10 @@ type Config struct {
 	// Run also checks as soon as a node's next deadline (grace, window +
 	// margin) passes.
 	Interval time.Duration
-	Log      *slog.Logger
+	// Nodes is the brain's shared informer of every Node; nil: the
+	// controller runs one of its own.
+	Nodes cache.SharedIndexInformer
+	Log   *slog.Logger
 	// Now is the clock (time.Now when nil).
 	Now func() time.Time
 }
@@ -66,6 +71,8 @@ type Controller struct {
 	seen map[string]observation
 	// blind is set when the last check could not read the API.
 	blind bool
+	// ownNodes says the controller runs cfg.Nodes.
+	ownNodes bool
 }
 
 type observation struct {
@@ -98,7 +105,11 @@ func New(cfg Config) (*Controller, error) {
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
-	return &Controller{cfg: cfg, seen: map[string]observation{}}, nil
+	c := &Controller{cfg: cfg, seen: map[string]observation{}}
+	if c.cfg.Nodes == nil {
+		c.cfg.Nodes, c.ownNodes = coreinformers.NewNodeInformer(cfg.Kube, 0, cache.Indexers{}), true
+	}
+	return c, nil
 }
 
 // Name implements daemon.Role.
@@ -110,7 +121,13 @@ func (c *Controller) Name() string { return "node-failure" }
 // up to an interval late, and a lost node failed over up to an interval
 // after its deadline, two intervals in all.
 func (c *Controller) Run(ctx context.Context) error {
+	if c.ownNodes {
+		go c.cfg.Nodes.RunWithContext(ctx)
+	}
 	c.watchLeases(ctx)
+	if !cache.WaitForCacheSync(ctx.Done(), c.cfg.Nodes.HasSynced) {
+		return nil
+	}
 	t := time.NewTimer(0)
 	defer t.Stop()
 	for {
@@ -173,13 +190,10 @@ func (c *Controller) nextCheck(now time.Time) time.Duration {
 	return next
 }
 
-// Sync checks every node agent's Node once.
+// Sync checks every node agent's Node once. The Nodes come from the
+// informer's cache (Run waits until it is filled), the Leases from the API
+// server: reading them tells whether the brain sees the API at all.
 func (c *Controller) Sync(ctx context.Context) error {
-	nodes, err := c.cfg.Kube.CoreV1().Nodes().List(ctx, metav1.ListOptions{LabelSelector: LabelManagedBy})
-	if err != nil {
-		c.blind = true
-		return fmt.Errorf("list nodes: %w", err)
-	}
 	leases, err := c.cfg.Kube.CoordinationV1().Leases(corev1.NamespaceNodeLease).List(ctx, metav1.ListOptions{})
 	if err != nil {
 		c.blind = true
@@ -199,8 +213,7 @@ func (c *Controller) Sync(ctx context.Context) error {
 		renewals[leases.Items[i].Name] = leaseRenewed(&leases.Items[i])
 	}
 	var states []nodeCheck
-	for i := range nodes.Items {
-		n := &nodes.Items[i]
+	for _, n := range c.agentNodes() {
 		r, ok := renewals[n.Name]
 		if !ok {
 			continue // registering
@@ -225,6 +238,21 @@ func (c *Controller) Sync(ctx context.Context) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// agentNodes are the node agents' Nodes in the informer's cache, by name:
+// the cache's own objects, read and never written.
+func (c *Controller) agentNodes() []*corev1.Node {
+	var nodes []*corev1.Node
+	for _, o := range c.cfg.Nodes.GetStore().List() {
+		if n, ok := o.(*corev1.Node); ok {
+			if _, agent := n.Labels[LabelManagedBy]; agent {
+				nodes = append(nodes, n)
+			}
+		}
+	}
+	slices.SortFunc(nodes, func(a, b *corev1.Node) int { return strings.Compare(a.Name, b.Name) })
+	return nodes
 }
 
 // nodeCheck is one node's state and what it was decided from.

@@ -11,8 +11,10 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	coreinformers "k8s.io/client-go/informers/core/v1"
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
+	"k8s.io/client-go/tools/cache"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 )
@@ -33,7 +35,12 @@ func TestTimesNodesFromWhatItSaw(t *testing.T) {
 		&coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: "n2", Namespace: corev1.NamespaceNodeLease}, Spec: coordinationv1.LeaseSpec{RenewTime: &old}},
 	)
 	now := start
-	c, err := New(Config{Kube: kube, Virt: &client.Set{}, Now: func() time.Time { return now }})
+	nodes := coreinformers.NewNodeInformer(kube, 0, cache.Indexers{})
+	go nodes.RunWithContext(t.Context())
+	if !cache.WaitForCacheSync(t.Context().Done(), nodes.HasSynced) {
+		t.Fatal("node cache not filled")
+	}
+	c, err := New(Config{Kube: kube, Virt: &client.Set{}, Nodes: nodes, Now: func() time.Time { return now }})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -68,7 +75,7 @@ func TestTimesNodesFromWhatItSaw(t *testing.T) {
 
 	// The API goes away, then comes back much later: n2 gets a full grace
 	// again although its renewal is now old.
-	kube.PrependReactor("list", "nodes", func(k8stesting.Action) (bool, runtime.Object, error) {
+	kube.PrependReactor("list", "leases", func(k8stesting.Action) (bool, runtime.Object, error) {
 		return true, nil, errors.New("api server down")
 	})
 	now = start.Add(5 * time.Minute)

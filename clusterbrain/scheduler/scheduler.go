@@ -57,6 +57,10 @@ type Config struct {
 	// roles: the caller runs it (after New), the scheduler waits for its
 	// sync. Nil: the scheduler makes and runs its own.
 	VMIInformer cache.SharedIndexInformer
+	// NodeInformer, when set, is an informer of all Nodes shared with
+	// other roles, run by the caller as VMIInformer is. Nil: the
+	// scheduler makes and runs its own.
+	NodeInformer cache.SharedIndexInformer
 	// Retry is how often an unschedulable VMI is tried again without any
 	// change in the cluster (default 15s).
 	Retry time.Duration
@@ -152,7 +156,7 @@ func New(cfg Config) (*Scheduler, error) {
 	f := informers.NewSharedInformerFactory(cfg.Kube, 0)
 	s := &Scheduler{
 		cfg: cfg, factory: f,
-		nodes:    f.Core().V1().Nodes().Informer(),
+		nodes:    cfg.NodeInformer,
 		pods:     podInformer(f),
 		vmis:     cfg.VMIInformer,
 		nads:     cfg.Virt.NADs.Informer("", 0, nil),
@@ -173,6 +177,9 @@ func New(cfg Config) (*Scheduler, error) {
 	if s.vmis == nil {
 		s.vmis = cfg.Virt.VMIs.Informer("", 0, nil)
 		s.ownVMIs = true
+	}
+	if s.nodes == nil {
+		s.nodes = f.Core().V1().Nodes().Informer() // run with the factory
 	}
 	// Register the listers' informers with the factory.
 	f.Core().V1().PersistentVolumeClaims().Informer()

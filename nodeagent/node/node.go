@@ -11,6 +11,7 @@ import (
 	"log/slog"
 	"os"
 	"runtime"
+	"sort"
 	"sync/atomic"
 	"time"
 
@@ -20,6 +21,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/cache"
 
 	"github.com/nodevirt/nodevirt/nodeagent/kube"
 )
@@ -61,7 +63,10 @@ type Registrar struct {
 	standalone bool
 	// renewed is when the Lease was last renewed (unix nanoseconds).
 	renewed atomic.Int64
-	peers   atomic.Pointer[[]string]
+	// peers is a watch of the node agents' Nodes, each stripped to its
+	// name and address (nil without a PeerAnnotation); Run keeps it.
+	peers     cache.Controller
+	peerStore cache.Store
 }
 
 // LastRenewal is when this agent last renewed its Lease (zero before the
@@ -73,30 +78,43 @@ func (r *Registrar) LastRenewal() time.Time {
 	return time.Time{}
 }
 
-// Peers are the other node agents' addresses as last listed.
+// Peers are the other node agents' addresses as last seen, sorted: from
+// a watch of their Nodes, so that finding them costs no List of every Node
+// at each heartbeat (a cost that grew with the square of the fleet). The
+// addresses stay as last seen when the API server cannot be reached.
 func (r *Registrar) Peers() []string {
-	if p := r.peers.Load(); p != nil {
-		return *p
-	}
-	return nil
-}
-
-// refreshPeers lists the other node agents' addresses.
-func (r *Registrar) refreshPeers(ctx context.Context) {
-	if r.cfg.PeerAnnotation == "" {
-		return
-	}
-	list, err := r.kube.CoreV1().Nodes().List(ctx, metav1.ListOptions{LabelSelector: LabelManagedBy})
-	if err != nil {
-		return
+	if r.peerStore == nil {
+		return nil
 	}
 	var peers []string
-	for _, n := range list.Items {
+	for _, o := range r.peerStore.List() {
+		n := o.(*corev1.Node)
 		if a := n.Annotations[r.cfg.PeerAnnotation]; a != "" && n.Name != r.cfg.Name {
 			peers = append(peers, a)
 		}
 	}
-	r.peers.Store(&peers)
+	sort.Strings(peers)
+	return peers
+}
+
+// watchPeers makes the watch of the node agents' Nodes behind Peers. Every
+// heartbeat of every node still comes through it; the cache keeps of each
+// Node only its name and address.
+func (r *Registrar) watchPeers() {
+	managed := func(o *metav1.ListOptions) { o.LabelSelector = LabelManagedBy }
+	r.peerStore, r.peers = cache.NewInformerWithOptions(cache.InformerOptions{
+		ListerWatcher: cache.NewFilteredListWatchFromClient(r.kube.CoreV1().RESTClient(), "nodes", metav1.NamespaceAll, managed),
+		ObjectType:    &corev1.Node{},
+		Handler:       cache.ResourceEventHandlerFuncs{},
+		Transform: func(obj any) (any, error) {
+			n, ok := obj.(*corev1.Node)
+			if !ok {
+				return obj, nil // a deleted object's final state unknown
+			}
+			return &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n.Name, ResourceVersion: n.ResourceVersion,
+				Annotations: map[string]string{r.cfg.PeerAnnotation: n.Annotations[r.cfg.PeerAnnotation]}}}, nil
+		},
+	})
 }
 
 // New returns a Registrar for cfg.
@@ -113,7 +131,11 @@ func New(cfg Config, kube kube.Interface) (*Registrar, error) {
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
 	}
-	return &Registrar{cfg: cfg, kube: kube}, nil
+	r := &Registrar{cfg: cfg, kube: kube}
+	if cfg.PeerAnnotation != "" {
+		r.watchPeers()
+	}
+	return r, nil
 }
 
 // Register creates or adopts the Node and returns once it is Ready. It
@@ -153,6 +175,9 @@ func (r *Registrar) Run(ctx context.Context) error {
 	if !r.standalone {
 		<-ctx.Done()
 		return nil
+	}
+	if r.peers != nil {
+		go r.peers.RunWithContext(ctx)
 	}
 	t := time.NewTicker(r.cfg.Heartbeat)
 	defer t.Stop()
@@ -215,7 +240,6 @@ func (r *Registrar) heartbeat(ctx context.Context) error {
 		return err
 	}
 	r.renewed.Store(time.Now().UnixNano())
-	r.refreshPeers(ctx)
 	return nil
 }
 

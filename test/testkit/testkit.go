@@ -5,8 +5,9 @@
 // that judges the outcome or cannot fail a test: setup returning an
 // error, a non-fatal check, cleanup before failing; Stop for a condition
 // that knows the wait is lost) and one way to put nodevirt's CRDs on a
-// control plane (InstallCRDs, InstallSnapshotCRDs), and WaitAllowed for
-// a role binding to take effect.
+// control plane (InstallCRDs, InstallSnapshotCRDs), WaitAllowed for a
+// role binding to take effect, and CountRequests for how often a client
+// lists or watches a collection.
 package testkit
 
 import (
