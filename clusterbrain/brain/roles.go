@@ -190,7 +190,8 @@ var leaderRoles = []RoleFactory{
 	func(d *Deps) (Role, error) {
 		// VirtualMachineInstanceReplicaSets' VMIs and VirtualMachinePools'
 		// VMs kept at their replica counts.
-		return replicas.New(replicas.Config{Virt: d.Virt, VMIs: d.vmis, VMs: d.vms, Log: d.Log.With("role", "replicas")})
+		return replicas.New(replicas.Config{Virt: d.Virt, VMIs: d.vmis, VMs: d.vms, CPUModels: d.CPUModels,
+			MemoryOvercommit: d.MemoryOvercommit, Log: d.Log.With("role", "replicas")})
 	},
 	func(d *Deps) (Role, error) {
 		return macpool.NewReconciler(macpool.Config{RestConfig: d.RestConfig, Virt: d.Virt, Namespace: d.Config.Namespace, Log: d.Log.With("role", "macpool"),
