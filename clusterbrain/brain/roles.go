@@ -162,7 +162,7 @@ var leaderRoles = []RoleFactory{
 			return idleRole("capacity-pods"), nil
 		}
 		return capacitypods.New(capacitypods.Config{Kube: d.Kube, VMIs: d.vmis, Image: d.Config.CapacityPodImage,
-			Log: d.Log.With("role", "capacity-pods")})
+			MemoryOvercommit: d.MemoryOvercommit, Log: d.Log.With("role", "capacity-pods")})
 	},
 	func(d *Deps) (Role, error) {
 		// Live migrations: the scheduler picks each target node.

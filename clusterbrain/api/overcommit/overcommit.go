@@ -7,9 +7,10 @@
 // limit, is left alone.
 //
 // In nodevirt the request is set by the brain's VMI mutating webhook and by
-// its VM controller (which creates VMIs in process); the scheduler counts
-// the request, and applies the percentage itself to a VMI that reached it
-// without one (those the brain creates for replica sets and pools).
+// its VM and replica set controllers (which create VMIs past the webhooks,
+// applying them in process); the scheduler counts the request, and applies
+// the percentage itself to a VMI that reached it without one, as do the
+// capacity pods that hold a VMI's share for kube-scheduler.
 package overcommit
 
 import (
