@@ -28,6 +28,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/cpumodel"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/crwatch"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/fencing"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/live"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/logverbosity"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/overcommit"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/rollout"
@@ -151,13 +152,13 @@ type Deps struct {
 	KubeVirtTLS, CDITLS *tlsprofile.Live
 	// CPUModels are the KubeVirt CR's default and obsolete CPU models, for
 	// the VMIs the VM controller creates.
-	CPUModels *cpumodel.Live
+	CPUModels *live.Value[cpumodel.Cluster]
 	// MemoryOvercommit is the KubeVirt CR's memory overcommit, for the
 	// VMIs the VM controller creates.
-	MemoryOvercommit *overcommit.Live
+	MemoryOvercommit *live.Value[overcommit.Memory]
 	// Rollout is the KubeVirt CR's hotplug gates, for the VM controller
 	// and the subresources.
-	Rollout *rollout.Live
+	Rollout *live.Value[rollout.Cluster]
 
 	// scheduler is the leader's scheduler once built, for the VM
 	// controller's placements before creation.
@@ -209,8 +210,8 @@ func New(cfg Config) (*Brain, error) {
 	}
 	d := &Deps{Config: cfg, RestConfig: rc, Kube: kube, Virt: virt, Log: cfg.Log,
 		Health: daemon.NewHealth("api-installed"), ClusterConfig: crwatch.New(virt, cfg.Namespace),
-		KubeVirtTLS: tlsprofile.NewLive(), CDITLS: tlsprofile.NewLive(), CPUModels: &cpumodel.Live{},
-		MemoryOvercommit: &overcommit.Live{}, Rollout: &rollout.Live{}}
+		KubeVirtTLS: tlsprofile.NewLive(), CDITLS: tlsprofile.NewLive(), CPUModels: &live.Value[cpumodel.Cluster]{},
+		MemoryOvercommit: &live.Value[overcommit.Memory]{}, Rollout: &live.Value[rollout.Cluster]{}}
 	tlsprofile.Follow(d.ClusterConfig, d.KubeVirtTLS, d.CDITLS, d.Log)
 	if cfg.LogLevel != nil {
 		logverbosity.Follow(d.ClusterConfig, cfg.LogLevel, logverbosity.Brain, d.Log)

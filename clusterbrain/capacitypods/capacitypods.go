@@ -35,6 +35,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/api/live"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/overcommit"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
@@ -53,7 +54,7 @@ type Config struct {
 	Image string
 	// MemoryOvercommit is the KubeVirt CR's memory overcommit, as the
 	// brain's scheduler reads it (nil: no KubeVirt CR).
-	MemoryOvercommit *overcommit.Live
+	MemoryOvercommit *live.Value[overcommit.Memory]
 	Log              *slog.Logger
 }
 

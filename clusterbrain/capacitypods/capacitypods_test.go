@@ -15,6 +15,7 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/live"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/overcommit"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 	"github.com/nodevirt/nodevirt/test/controlplane"
@@ -33,7 +34,7 @@ type env struct {
 }
 
 // start runs a controller that reads the memory overcommit from mem.
-func start(t *testing.T, mem *overcommit.Live) env {
+func start(t *testing.T, mem *live.Value[overcommit.Memory]) env {
 	t.Helper()
 	cp := controlplane.Shared(t)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -133,7 +134,7 @@ func TestPodHoldsBoundVMIsCapacity(t *testing.T) {
 // the webhooks) is held as the brain's scheduler counts it: overcommitted
 // by the KubeVirt CR's percentage, not whole.
 func TestOvercommittedGuestHeldAsCounted(t *testing.T) {
-	over := &overcommit.Live{}
+	over := &live.Value[overcommit.Memory]{}
 	over.Set(200)
 	e := start(t, over)
 	guest := resource.MustParse("256Mi")

@@ -15,6 +15,7 @@ import (
 	poolv1beta1 "kubevirt.io/api/pool/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/cpumodel"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/live"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/overcommit"
 	"github.com/nodevirt/nodevirt/clusterbrain/vmcontroller"
 	"github.com/nodevirt/nodevirt/test/controlplane"
@@ -28,7 +29,7 @@ import (
 // template; a template naming an obsolete model makes no VMI. A pool's VMs
 // get theirs from the VM controller.
 func TestMembersGetTheKubeVirtCRsDefaults(t *testing.T) {
-	cpu, mem := &cpumodel.Live{}, &overcommit.Live{}
+	cpu, mem := &live.Value[cpumodel.Cluster]{}, &live.Value[overcommit.Memory]{}
 	cpu.Set(cpumodel.FromKubeVirt(&kubevirtv1.KubeVirt{Spec: kubevirtv1.KubeVirtSpec{Configuration: kubevirtv1.KubeVirtConfiguration{
 		CPUModel: "Haswell-noTSX"}}}))
 	mem.Set(200)

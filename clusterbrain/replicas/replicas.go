@@ -43,6 +43,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/cpumodel"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/live"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/overcommit"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 )
@@ -55,8 +56,8 @@ type Config struct {
 	VMIs, VMs cache.SharedIndexInformer
 	// CPUModels and MemoryOvercommit are the KubeVirt CR's, applied to
 	// the replica sets' VMIs (nil: no KubeVirt CR).
-	CPUModels        *cpumodel.Live
-	MemoryOvercommit *overcommit.Live
+	CPUModels        *live.Value[cpumodel.Cluster]
+	MemoryOvercommit *live.Value[overcommit.Memory]
 	Log              *slog.Logger
 }
 
