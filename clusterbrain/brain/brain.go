@@ -94,7 +94,8 @@ type Config struct {
 	// Log receives structured logs.
 	Log *slog.Logger
 	// LogLevel, when set, is Log's level, which then follows the KubeVirt
-	// CR's logVerbosity (package logverbosity).
+	// CR's logVerbosity, while the roles played for CDI follow the CDI
+	// CR's (package logverbosity).
 	LogLevel *slog.LevelVar
 }
 
@@ -144,7 +145,12 @@ type Deps struct {
 	Kube       kubernetes.Interface
 	Virt       *client.Set
 	Log        *slog.Logger
-	Health     *daemon.Health
+	// CDILog is the logger of the roles the brain plays for CDI (the
+	// DataVolume and DataImportCron controllers, the upload API and proxy):
+	// with Config.LogLevel, at the CDI CR's verbosity (logverbosity.CDIRoles);
+	// else Log.
+	CDILog *slog.Logger
+	Health *daemon.Health
 	// ClusterConfig follows the KubeVirt and CDI CRs for the servers' TLS
 	// settings: KubeVirtTLS for the webhooks and the aggregated APIs
 	// (virt-api's), CDITLS for the upload API and proxy (CDI's).
@@ -213,8 +219,10 @@ func New(cfg Config) (*Brain, error) {
 		KubeVirtTLS: tlsprofile.NewLive(), CDITLS: tlsprofile.NewLive(), CPUModels: &live.Value[cpumodel.Cluster]{},
 		MemoryOvercommit: &live.Value[overcommit.Memory]{}, Rollout: &live.Value[rollout.Cluster]{}}
 	tlsprofile.Follow(d.ClusterConfig, d.KubeVirtTLS, d.CDITLS, d.Log)
+	d.CDILog = d.Log
 	if cfg.LogLevel != nil {
 		logverbosity.Follow(d.ClusterConfig, cfg.LogLevel, logverbosity.Brain, d.Log)
+		d.CDILog = logverbosity.CDIRoles(d.ClusterConfig, d.Log)
 	}
 	d.ClusterConfig.OnKubeVirt(func(kv *kubevirtv1.KubeVirt) {
 		d.CPUModels.Set(cpumodel.FromKubeVirt(kv))
