@@ -23,9 +23,10 @@ const (
 
 // notTheBrain is the match condition of the VMI webhooks: requests of the
 // brain's own user (identity.BrainUser) are not sent to them. Every VMI that
-// user creates comes from the VM controller, which applies both webhooks
-// in process with AdmitVMICreate first; anyone else's VMI create (kubectl
-// create vmi) is still sent to both.
+// user creates comes from the VM controller or the replica set controller
+// (package replicas), which apply both webhooks in process with
+// AdmitVMICreate first; anyone else's VMI create (kubectl create vmi) is
+// still sent to both.
 func notTheBrain() []admissionregistrationv1.MatchCondition {
 	return []admissionregistrationv1.MatchCondition{{Name: "not-the-cluster-brain",
 		Expression: fmt.Sprintf("request.userInfo.username != '%s'", identity.BrainUser)}}

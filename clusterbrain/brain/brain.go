@@ -29,6 +29,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/cpumodel"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/crwatch"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/fencing"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/live"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/logverbosity"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/overcommit"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/rollout"
@@ -94,7 +95,8 @@ type Config struct {
 	// Log receives structured logs.
 	Log *slog.Logger
 	// LogLevel, when set, is Log's level, which then follows the KubeVirt
-	// CR's logVerbosity (package logverbosity).
+	// CR's logVerbosity, while the roles played for CDI follow the CDI
+	// CR's (package logverbosity).
 	LogLevel *slog.LevelVar
 }
 
@@ -144,7 +146,12 @@ type Deps struct {
 	Kube       kubernetes.Interface
 	Virt       *client.Set
 	Log        *slog.Logger
-	Health     *daemon.Health
+	// CDILog is the logger of the roles the brain plays for CDI (the
+	// DataVolume and DataImportCron controllers, the upload API and proxy):
+	// with Config.LogLevel, at the CDI CR's verbosity (logverbosity.CDIRoles);
+	// else Log.
+	CDILog *slog.Logger
+	Health *daemon.Health
 	// ClusterConfig follows the KubeVirt and CDI CRs for the servers' TLS
 	// settings: KubeVirtTLS for the webhooks and the aggregated APIs
 	// (virt-api's), CDITLS for the upload API and proxy (CDI's).
@@ -152,13 +159,13 @@ type Deps struct {
 	KubeVirtTLS, CDITLS *tlsprofile.Live
 	// CPUModels are the KubeVirt CR's default and obsolete CPU models, for
 	// the VMIs the VM controller creates.
-	CPUModels *cpumodel.Live
+	CPUModels *live.Value[cpumodel.Cluster]
 	// MemoryOvercommit is the KubeVirt CR's memory overcommit, for the
 	// VMIs the VM controller creates.
-	MemoryOvercommit *overcommit.Live
+	MemoryOvercommit *live.Value[overcommit.Memory]
 	// Rollout is the KubeVirt CR's hotplug gates, for the VM controller
 	// and the subresources.
-	Rollout *rollout.Live
+	Rollout *live.Value[rollout.Cluster]
 
 	// scheduler is the leader's scheduler once built, for the VM
 	// controller's placements before creation.
@@ -215,11 +222,13 @@ func New(cfg Config) (*Brain, error) {
 	}
 	d := &Deps{Config: cfg, RestConfig: rc, Kube: kube, Virt: virt, Log: cfg.Log,
 		Health: daemon.NewHealth("api-installed"), ClusterConfig: crwatch.New(virt, cfg.Namespace),
-		KubeVirtTLS: tlsprofile.NewLive(), CDITLS: tlsprofile.NewLive(), CPUModels: &cpumodel.Live{},
-		MemoryOvercommit: &overcommit.Live{}, Rollout: &rollout.Live{}}
+		KubeVirtTLS: tlsprofile.NewLive(), CDITLS: tlsprofile.NewLive(), CPUModels: &live.Value[cpumodel.Cluster]{},
+		MemoryOvercommit: &live.Value[overcommit.Memory]{}, Rollout: &live.Value[rollout.Cluster]{}}
 	tlsprofile.Follow(d.ClusterConfig, d.KubeVirtTLS, d.CDITLS, d.Log)
+	d.CDILog = d.Log
 	if cfg.LogLevel != nil {
 		logverbosity.Follow(d.ClusterConfig, cfg.LogLevel, logverbosity.Brain, d.Log)
+		d.CDILog = logverbosity.CDIRoles(d.ClusterConfig, d.Log)
 	}
 	d.ClusterConfig.OnKubeVirt(func(kv *kubevirtv1.KubeVirt) {
 		d.CPUModels.Set(cpumodel.FromKubeVirt(kv))

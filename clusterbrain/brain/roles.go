@@ -45,7 +45,7 @@ var everyBrainRoles = []RoleFactory{
 	},
 	func(d *Deps) (Role, error) {
 		return upload.New(upload.Config{Kube: d.Kube, Namespace: d.Config.Namespace, APIAddr: d.Config.UploadAPIAddr, ProxyAddr: d.Config.UploadProxyAddr,
-			TLSProfile: d.CDITLS, Log: d.Log})
+			TLSProfile: d.CDITLS, Log: d.CDILog})
 	},
 	func(d *Deps) (Role, error) {
 		return subresources.ForBrain(d.RestConfig, d.Kube, d.Virt, d.Config.Namespace, d.Config.SubresourcesAddr, d.KubeVirtTLS, d.Rollout, d.Log.With("role", "subresources"))
@@ -102,7 +102,7 @@ var leaderRoles = []RoleFactory{
 	},
 	func(d *Deps) (Role, error) {
 		// Golden images: DataImportCrons and DataSources' Ready.
-		return dataimportcron.New(dataimportcron.Config{Virt: d.Virt, Log: d.Log.With("role", "dataimportcron")})
+		return dataimportcron.New(dataimportcron.Config{Virt: d.Virt, Log: d.CDILog.With("role", "dataimportcron")})
 	},
 	func(d *Deps) (Role, error) {
 		// HostPathProvisioners' status and StorageClasses, from the node
@@ -140,7 +140,7 @@ var leaderRoles = []RoleFactory{
 		}
 		// Volumes bound before any consumer go where the scheduler would
 		// put a VMI.
-		return datavolume.New(datavolume.Config{Kube: d.Kube, Virt: d.Virt, Log: d.Log, Snapshots: snapshotv1.NewClient(dyn),
+		return datavolume.New(datavolume.Config{Kube: d.Kube, Virt: d.Virt, Log: d.CDILog, Snapshots: snapshotv1.NewClient(dyn),
 			Namespace: d.Config.Namespace, Placer: d.scheduler})
 	},
 	func(d *Deps) (Role, error) {
@@ -163,7 +163,7 @@ var leaderRoles = []RoleFactory{
 			return idleRole("capacity-pods"), nil
 		}
 		return capacitypods.New(capacitypods.Config{Kube: d.Kube, VMIs: d.vmis, Image: d.Config.CapacityPodImage,
-			Log: d.Log.With("role", "capacity-pods")})
+			MemoryOvercommit: d.MemoryOvercommit, Log: d.Log.With("role", "capacity-pods")})
 	},
 	func(d *Deps) (Role, error) {
 		// Live migrations: the scheduler picks each target node.
@@ -191,7 +191,8 @@ var leaderRoles = []RoleFactory{
 	func(d *Deps) (Role, error) {
 		// VirtualMachineInstanceReplicaSets' VMIs and VirtualMachinePools'
 		// VMs kept at their replica counts.
-		return replicas.New(replicas.Config{Virt: d.Virt, VMIs: d.vmis, VMs: d.vms, Log: d.Log.With("role", "replicas")})
+		return replicas.New(replicas.Config{Virt: d.Virt, VMIs: d.vmis, VMs: d.vms, CPUModels: d.CPUModels,
+			MemoryOvercommit: d.MemoryOvercommit, Log: d.Log.With("role", "replicas")})
 	},
 	func(d *Deps) (Role, error) {
 		return macpool.NewReconciler(macpool.Config{RestConfig: d.RestConfig, Virt: d.Virt, Namespace: d.Config.Namespace, Log: d.Log.With("role", "macpool"),

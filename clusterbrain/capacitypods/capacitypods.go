@@ -1,12 +1,17 @@
 // Package capacitypods makes VMs visible to kube-scheduler on nodes with a
 // kubelet: for every VMI bound to a node and not finished, a pod in the
 // VMI's namespace, bound to the same node (spec.nodeName: no scheduler
-// decides), requesting the CPU and memory the VMI takes
-// (scheduler.Requests), running only the cluster's pause image. kube-scheduler and
+// decides), requesting the CPU and memory the brain's scheduler counts for
+// the VMI (scheduler.Requests: a guest without a memory request counts
+// what the KubeVirt CR's memory overcommit makes of it), running only the
+// cluster's pause image. kube-scheduler and
 // kubelet's admission count it as any pod, so pods are not placed on what
 // VMs hold; the brain's scheduler counts the VMI and skips the pod
 // (scheduler.CapacityPodLabel). The pod is owned by its VMI (garbage
-// collected with it) and deleted when the VMI finishes or moves.
+// collected with it) and deleted when the VMI finishes or moves. A pod
+// keeps the requests it was made with: a later overcommit change reaches
+// the pods made after it (a VMI's own memory request, which the webhooks
+// and the controllers set at creation, never changes).
 //
 // When kubelet refuses the pod (pods took the node's memory first), the pod
 // ends Failed and a Warning event CapacityConflict names it on the VMI; the
@@ -20,7 +25,6 @@ package capacitypods
 import (
 	"context"
 	"fmt"
-	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 	"log/slog"
 
 	corev1 "k8s.io/api/core/v1"
@@ -31,6 +35,9 @@ import (
 	"k8s.io/client-go/tools/cache"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/api/live"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/overcommit"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 )
 
@@ -45,7 +52,10 @@ type Config struct {
 	VMIs cache.SharedIndexInformer
 	// Image is the pause image the pods run (DefaultImage when empty).
 	Image string
-	Log   *slog.Logger
+	// MemoryOvercommit is the KubeVirt CR's memory overcommit, as the
+	// brain's scheduler reads it (nil: no KubeVirt CR).
+	MemoryOvercommit *live.Value[overcommit.Memory]
+	Log              *slog.Logger
 }
 
 // Controller keeps one capacity pod per bound VMI.
@@ -140,7 +150,7 @@ func (c *Controller) sync(ctx context.Context, key string) error {
 }
 
 func (c *Controller) podFor(vmi *kubevirtv1.VirtualMachineInstance) *corev1.Pod {
-	cpu, mem := scheduler.Requests(vmi)
+	cpu, mem := scheduler.Requests(vmi, c.cfg.MemoryOvercommit.Get())
 	no, yes := false, true
 	zero := int64(0)
 	return &corev1.Pod{

@@ -42,12 +42,13 @@ var (
 		"spec.enableCommonBootImageImport":                           "hco boot sources, dataimportcron",
 		"spec.CommonInstancetypesDeployment":                         "instancetypes",
 		"spec.storagePools":                                          "hostpathprovisioner, nodeagent/storagepools",
-		"spec.defaultCPUModel":                                       "admission, vmcontroller (api/cpumodel: the model of VMIs created without one)",
+		"spec.defaultCPUModel":                                       "admission, vmcontroller, replicas (api/cpumodel: the model of VMIs created without one)",
 		"spec.obsoleteCPUs":                                          "admission, vmcontroller (api/cpumodel: VMIs and VMs naming an obsolete model refused)",
 		"spec.tektonPipelinesNamespace":                              "ssp (where the pipeline Tasks and Pipelines go, with featureGates.deployTektonTaskResources)",
 		"spec.tektonTasksNamespace":                                  "ssp (where the pipeline Tasks go, with featureGates.deployTektonTaskResources)",
-		"spec.higherWorkloadDensity":                                 "admission, vmcontroller, scheduler (api/overcommit: the memory request of VMIs that give only their guest memory)",
+		"spec.higherWorkloadDensity":                                 "admission, vmcontroller, replicas, scheduler, capacitypods (api/overcommit: the memory request of VMIs that give only their guest memory)",
 		"spec.logVerbosityConfig.kubevirt":                           "api/logverbosity (the brain's and node agents' log levels, live)",
+		"spec.logVerbosityConfig.cdi":                                "api/logverbosity (through the CDI CR: the level of the roles played for CDI, DataVolume, DataImportCron, upload and import, live)",
 		"spec.tlsSecurityProfile":                                    "api/tlsprofile (from the KubeVirt and CDI CRs: the brain's webhooks, aggregated APIs, upload API and proxy, the node agents' console and upload servers, live)",
 	}
 	// inert fields: path → why nodevirt does not act on it.
@@ -74,7 +75,6 @@ var (
 		"spec.vddkInitImage":                                           "VDDK imports are not supported",
 		"spec.defaultRuntimeClass":                                     "VMs are not pods: no runtime class",
 		"spec.workloadUpdateStrategy":                                  "running VMs are not updated on upgrades",
-		"spec.logVerbosityConfig.cdi":                                  "the import and upload roles log at their daemon's level, which the KubeVirt verbosities set",
 		"spec.kubeSecondaryDNSNameServerIP":                            "no secondary DNS is deployed",
 		"spec.vmStateStorageClass":                                     "there is no persistent VM state (TPM/EFI) volume",
 		"spec.virtualMachineOptions":                                   "free page reporting and the serial console log are not configurable",

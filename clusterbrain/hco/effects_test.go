@@ -51,14 +51,14 @@ func TestInertFieldsAreWarnedAbout(t *testing.T) {
 	}
 	all := strings.Join(warnings, "\n")
 	for _, want := range []string{"spec.vmStateStorageClass has no effect in nodevirt: ", "spec.featureGates.alignCPUs has no effect",
-		"spec.liveMigrationConfig.network has no effect", "spec.logVerbosityConfig.cdi has no effect"} {
+		"spec.liveMigrationConfig.network has no effect"} {
 		if !strings.Contains(all, want) {
 			t.Errorf("no warning %q in:\n%s", want, all)
 		}
 	}
 	// Effective fields and inert ones left at their default draw nothing.
 	for _, quiet := range []string{"tlsSecurityProfile", "defaultCPUModel", "downwardMetrics", "videoConfig", "bandwidthPerMigration", "kubeMacPoolConfiguration",
-		"storagePools", "evictionStrategy", "higherWorkloadDensity", "logVerbosityConfig.kubevirt", "certConfig", "workloadUpdateStrategy", "uninstallStrategy"} {
+		"storagePools", "evictionStrategy", "higherWorkloadDensity", "logVerbosityConfig", "certConfig", "workloadUpdateStrategy", "uninstallStrategy"} {
 		if strings.Contains(all, quiet) {
 			t.Errorf("warning about %s:\n%s", quiet, all)
 		}

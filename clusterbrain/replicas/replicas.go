@@ -11,6 +11,13 @@
 // readyReplicas and the canonical labelSelector the scale subresource
 // reads, so `kubectl scale vmirs/NAME --replicas=N` works.
 //
+// A replica set's VMIs are made as the VMI webhooks would make them, which
+// leave the brain's own creates out: the KubeVirt CR's default CPU model
+// and memory overcommit applied, and a template they refuse refused
+// (admission.AdmitVMICreate), as upstream's virt-api does to virt-
+// controller's creates. A pool makes VMs, whose VMIs the VM controller
+// makes the same way.
+//
 // Not done: adopting matching orphans, spec.paused, pools' update,
 // scale-in and autohealing strategies, nameGeneration.
 package replicas
@@ -33,7 +40,11 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	poolv1beta1 "kubevirt.io/api/pool/v1beta1"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/admission"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/cpumodel"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/live"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/overcommit"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 )
 
@@ -43,7 +54,11 @@ type Config struct {
 	// VMIs and VMs are the shared informers of all VMIs and VMs (run by
 	// their owner).
 	VMIs, VMs cache.SharedIndexInformer
-	Log       *slog.Logger
+	// CPUModels and MemoryOvercommit are the KubeVirt CR's, applied to
+	// the replica sets' VMIs (nil: no KubeVirt CR).
+	CPUModels        *live.Value[cpumodel.Cluster]
+	MemoryOvercommit *live.Value[overcommit.Memory]
+	Log              *slog.Logger
 }
 
 // Controller runs the replica set and the pool queues.
@@ -195,6 +210,9 @@ func (c *Controller) syncSet(ctx context.Context, key string) error {
 			Labels: rs.Spec.Template.ObjectMeta.Labels, Annotations: rs.Spec.Template.ObjectMeta.Annotations,
 			OwnerReferences: controllerRef(kubevirtv1.GroupVersion.String(), "VirtualMachineInstanceReplicaSet", rs.Name, rs.UID)},
 			Spec: *rs.Spec.Template.Spec.DeepCopy()}
+		if err := admission.AdmitVMICreate(vmi, c.cfg.CPUModels.Get(), c.cfg.MemoryOvercommit.Get()); err != nil {
+			return fmt.Errorf("replica set %s: create vmi: %w", key, err)
+		}
 		created, err := c.cfg.Virt.VMIs.Create(ctx, vmi)
 		if err != nil {
 			return fmt.Errorf("replica set %s: create vmi: %w", key, err)

@@ -35,7 +35,7 @@ type env struct {
 	kubecfg string
 }
 
-func start(t *testing.T) *env {
+func start(t *testing.T, opts ...func(*Config)) *env {
 	t.Helper()
 	cp := controlplane.Shared(t)
 	testkit.InstallCRDs(t, cp)
@@ -46,8 +46,12 @@ func start(t *testing.T) *env {
 		t.Fatal(err)
 	}
 	vmis, vms := virt.VMIs.Informer("", 0, nil), virt.VMs.Informer("", 0, nil)
-	c, err := New(Config{Virt: virt, VMIs: vmis, VMs: vms,
-		Log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
+	cfg := Config{Virt: virt, VMIs: vmis, VMs: vms,
+		Log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
+	for _, o := range opts {
+		o(&cfg)
+	}
+	c, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

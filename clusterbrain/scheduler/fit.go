@@ -33,8 +33,9 @@ type demand struct {
 }
 
 // demandOf computes a VMI's requests: memory from requests, else guest
-// memory overcommitted by over (the request admission would have given it:
-// the VMIs the brain creates for replica sets and pools skip it), else
+// memory overcommitted by over (the request admission would have given it,
+// for a VMI that has none: one created before the webhook was registered,
+// or by a brain that did not yet apply it to replica sets' VMIs), else
 // limits; CPU from requests, else 100m per vCPU (KubeVirt's default
 // allocation ratio of 10); one unit of each NAD's resourceName per
 // interface on it.

@@ -99,9 +99,9 @@ func (s *Scheduler) addPods(st *nodeState) {
 const CapacityPodLabel = "nodevirt.io/vmi-capacity"
 
 // Requests is the CPU (millicores) and memory (bytes) a VMI takes from its
-// node, as the scheduler counts it (a guest without a memory request
-// counted whole, not overcommitted).
-func Requests(vmi *kubevirtv1.VirtualMachineInstance) (cpu, mem int64) {
-	d, _ := demandOf(vmi, overcommit.Default, func(string, string) (string, error) { return "", nil })
+// node, as the scheduler counts it with the memory overcommit over (a
+// guest without a memory request counted overcommitted; see demandOf).
+func Requests(vmi *kubevirtv1.VirtualMachineInstance, over overcommit.Memory) (cpu, mem int64) {
+	d, _ := demandOf(vmi, over, func(string, string) (string, error) { return "", nil })
 	return d.cpu, d.mem
 }

@@ -15,6 +15,7 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/live"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/rollout"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/tlsprofile"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/uploadtls"
@@ -31,7 +32,7 @@ type BrainRole struct {
 // ForBrain builds the brain role from the brain's clients; the nodeagents'
 // client certificate comes from the upload CA in namespace, loaded at the
 // first node call; rollout is the KubeVirt CR's hotplug gates.
-func ForBrain(rc *rest.Config, kube kubernetes.Interface, virt *client.Set, namespace, addr string, profile *tlsprofile.Live, rollout *rollout.Live, log *slog.Logger) (*BrainRole, error) {
+func ForBrain(rc *rest.Config, kube kubernetes.Interface, virt *client.Set, namespace, addr string, profile *tlsprofile.Live, rollout *live.Value[rollout.Cluster], log *slog.Logger) (*BrainRole, error) {
 	dyn, err := dynamic.NewForConfig(rc)
 	if err != nil {
 		return nil, err

@@ -26,6 +26,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/aggregated"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/live"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/rollout"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/tlsprofile"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/httperr"
@@ -64,7 +65,7 @@ type Config struct {
 	// hotplug, a VM's VMI takes no ephemeral volume and a VM's addvolume
 	// changes only its template (nil: no KubeVirt CR, no declarative
 	// hotplug).
-	Rollout *rollout.Live
+	Rollout *live.Value[rollout.Cluster]
 	Log     *slog.Logger
 }
 

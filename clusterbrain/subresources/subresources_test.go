@@ -27,6 +27,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/live"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/rollout"
 	"github.com/nodevirt/nodevirt/clusterbrain/client/virtctl"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
@@ -51,7 +52,7 @@ var env struct {
 	admin *virtctl.Client
 	// rollout is the server's view of the KubeVirt CR's hotplug gates
 	// (none: KubeVirt's defaults); a test that changes it restores it.
-	rollout rollout.Live
+	rollout live.Value[rollout.Cluster]
 }
 
 func setup(t *testing.T) {

@@ -7,15 +7,16 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/cpumodel"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/live"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/overcommit"
 )
 
 // TestVMIsGetTheKubeVirtCRsDefaults: the VMIs the controller creates get
-// what the KubeVirt CR in force says (as the brain feeds the Lives from
+// what the KubeVirt CR in force says (as the brain feeds the live values from
 // it): the default CPU model, and the memory request of a guest-only
 // template overcommitted; a changed percentage applies to the next VMI.
 func TestVMIsGetTheKubeVirtCRsDefaults(t *testing.T) {
-	cpu, mem := &cpumodel.Live{}, &overcommit.Live{}
+	cpu, mem := &live.Value[cpumodel.Cluster]{}, &live.Value[overcommit.Memory]{}
 	cpu.Set(cpumodel.Cluster{Default: "Haswell-noTSX", Obsolete: map[string]bool{}})
 	mem.Set(200)
 	e := setup(t, func(c *Config) { c.CPUModels, c.MemoryOvercommit = cpu, mem })

@@ -28,6 +28,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/cpumodel"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/live"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/overcommit"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/rollout"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
@@ -55,14 +56,14 @@ type Config struct {
 	Placer Placer
 	// CPUModels is the KubeVirt CR's default and obsolete CPU models,
 	// applied to the VMIs the controller creates (nil: none).
-	CPUModels *cpumodel.Live
+	CPUModels *live.Value[cpumodel.Cluster]
 	// MemoryOvercommit is the KubeVirt CR's memory overcommit, applied to
 	// the VMIs the controller creates (nil: none).
-	MemoryOvercommit *overcommit.Live
+	MemoryOvercommit *live.Value[overcommit.Memory]
 	// Rollout is the KubeVirt CR's hotplug gates: whether hotpluggable
 	// volume changes of a running VM's template reach its VMI (nil: no
 	// KubeVirt CR, see rollout.FromKubeVirt).
-	Rollout *rollout.Live
+	Rollout *live.Value[rollout.Cluster]
 	// BackoffBase and BackoffMax bound the delay before a failed VMI is
 	// started again: base·2^(failures-1), at most max (default 10s, 5m,
 	// like KubeVirt).

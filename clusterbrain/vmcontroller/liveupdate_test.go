@@ -11,6 +11,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/api/live"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/rollout"
 )
 
@@ -96,9 +97,9 @@ const (
 // RestartRequired; a non-hotpluggable volume, or one on a bus the node
 // cannot hotplug, sets RestartRequired, which a restart clears.
 func TestDeclarativeHotplugAndRestartRequired(t *testing.T) {
-	live := &rollout.Live{}
-	live.Set(rollout.Cluster{DeclarativeHotplug: true})
-	e := setup(t, func(c *Config) { c.Rollout = live })
+	gates := &live.Value[rollout.Cluster]{}
+	gates.Set(rollout.Cluster{DeclarativeHotplug: true})
+	e := setup(t, func(c *Config) { c.Rollout = gates })
 	e.boundClaim("data")
 	first := e.runningVM("decl")
 	if first.Annotations[AnnStartSpec] == "" {
@@ -178,9 +179,9 @@ func TestDeclarativeHotplugAndRestartRequired(t *testing.T) {
 // volume added to the template waits for the restart, as upstream: not
 // plugged, and no RestartRequired.
 func TestTemplateHotplugStagedWithoutDeclarativeGate(t *testing.T) {
-	live := &rollout.Live{}
-	live.Set(rollout.Cluster{})
-	e := setup(t, func(c *Config) { c.Rollout = live })
+	gates := &live.Value[rollout.Cluster]{}
+	gates.Set(rollout.Cluster{})
+	e := setup(t, func(c *Config) { c.Rollout = gates })
 	e.boundClaim("data")
 	e.runningVM("staged")
 	e.patchVM("staged", templateVolumes(hotData))

@@ -137,7 +137,8 @@ type Config struct {
 	Heartbeat time.Duration
 	Log       *slog.Logger
 	// LogLevel, when set, is Log's level, which then follows the KubeVirt
-	// CR's logVerbosity for this node (package logverbosity).
+	// CR's logVerbosity for this node, while the import role follows the
+	// CDI CR's (package logverbosity).
 	LogLevel *slog.LevelVar
 }
 
@@ -255,8 +256,12 @@ type Deps struct {
 	Informers *kube.Factory
 	// VMIs is the informer of this node's VMIs, shared by the handler and
 	// the metrics server (one cache and one watch); Run runs it.
-	VMIs   cache.SharedIndexInformer
-	Log    *slog.Logger
+	VMIs cache.SharedIndexInformer
+	Log  *slog.Logger
+	// CDILog is the import role's logger (CDI's importer, cloner and
+	// upload server): with Config.LogLevel, at the CDI CR's verbosity
+	// (logverbosity.CDIRoles); else Log.
+	CDILog *slog.Logger
 	Health *daemon.Health
 	// Emulation is the decision taken at start: guests run under TCG.
 	Emulation bool
@@ -357,8 +362,10 @@ func New(cfg Config) (*Agent, error) {
 		ClusterConfig: crwatch.New(virt, cfg.BrainNamespace), KubeVirtTLS: tlsprofile.NewLive(), CDITLS: tlsprofile.NewLive()}
 	d.Config.Console.TLSProfile = d.KubeVirtTLS
 	tlsprofile.Follow(d.ClusterConfig, d.KubeVirtTLS, d.CDITLS, d.Log)
+	d.CDILog = d.Log
 	if cfg.LogLevel != nil {
 		logverbosity.Follow(d.ClusterConfig, cfg.LogLevel, logverbosity.Node(cfg.NodeName), d.Log)
+		d.CDILog = logverbosity.CDIRoles(d.ClusterConfig, d.Log)
 	}
 	if d.PodNetwork, d.PodNetworkErr, err = setupPodNetwork(cfg); err != nil {
 		return nil, err

@@ -66,7 +66,7 @@ func newProvisionerRole(d *Deps) (Role, error) {
 func newImportRole(d *Deps) (Role, error) {
 	cfg := dvimport.Config{NodeName: d.Config.NodeName, Kube: d.Kube, Virt: d.Virt, Reads: d.Reads, Informers: d.Informers,
 		Resolver: dvimport.CSIResolver(d.Volumes), BrainNamespace: d.Config.BrainNamespace,
-		UploadAddr: d.Config.UploadAddr, UploadAdvertiseIP: advertisedIP(d.Config.UploadAddr, d.Config.NodeIP), Log: d.Log.With("role", "importer")}
+		UploadAddr: d.Config.UploadAddr, UploadAdvertiseIP: advertisedIP(d.Config.UploadAddr, d.Config.NodeIP), Log: d.CDILog.With("role", "importer")}
 	if d.Cert != nil {
 		cfg.UploadTLS, cfg.PeerTLS = d.Cert.ServerTLS(), d.Cert.PeerTLS
 	}

@@ -8,13 +8,16 @@
 // its VM controller (which creates VMIs in process), so the VMI's spec
 // carries the model its domain gets and a migration target builds the same
 // CPU. An obsolete model is refused where KubeVirt would leave the VMI
-// unschedulable: at the VMI and VM webhooks (naming the model), and by the
-// scheduler for a VMI admitted before the model became obsolete.
+// unschedulable: at the VMI and VM webhooks (naming the model). A VMI
+// admitted before its model became obsolete is left alone.
+//
+// The zero Cluster is the settings without a KubeVirt CR (no default,
+// KubeVirt's obsolete list), so an unset live.Value of it reads right.
 package cpumodel
 
 import (
 	"fmt"
-	"sync/atomic"
+	"slices"
 
 	"k8s.io/apimachinery/pkg/util/validation/field"
 	kubevirtv1 "kubevirt.io/api/core/v1"
@@ -29,28 +32,35 @@ var KubeVirtObsolete = []string{"486", "pentium", "pentium2", "pentium3", "penti
 type Cluster struct {
 	// Default is the model of VMIs that name none ("": none, the node's
 	// host-model).
-	Default  string
+	Default string
+	// Obsolete are the models no node offers (nil: KubeVirtObsolete).
 	Obsolete map[string]bool
 }
 
 // FromKubeVirt reads kv (nil: no default, KubeVirt's obsolete list).
 func FromKubeVirt(kv *kubevirtv1.KubeVirt) Cluster {
-	c := Cluster{Obsolete: map[string]bool{}}
-	if kv != nil && kv.Spec.Configuration.ObsoleteCPUModels != nil {
+	var c Cluster
+	if kv == nil {
+		return c
+	}
+	c.Default = kv.Spec.Configuration.CPUModel
+	if kv.Spec.Configuration.ObsoleteCPUModels != nil {
+		c.Obsolete = map[string]bool{}
 		for m, on := range kv.Spec.Configuration.ObsoleteCPUModels {
 			if on {
 				c.Obsolete[m] = true
 			}
 		}
-	} else {
-		for _, m := range KubeVirtObsolete {
-			c.Obsolete[m] = true
-		}
-	}
-	if kv != nil {
-		c.Default = kv.Spec.Configuration.CPUModel
 	}
 	return c
+}
+
+// IsObsolete says whether model is obsolete.
+func (c Cluster) IsObsolete(model string) bool {
+	if c.Obsolete == nil {
+		return slices.Contains(KubeVirtObsolete, model)
+	}
+	return c.Obsolete[model]
 }
 
 // Apply gives spec the default model when it names none; it reports
@@ -68,7 +78,7 @@ func (c Cluster) Apply(spec *kubevirtv1.VirtualMachineInstanceSpec) bool {
 
 // Check refuses an obsolete model in spec (at path, the VMI spec's).
 func (c Cluster) Check(path *field.Path, spec *kubevirtv1.VirtualMachineInstanceSpec) field.ErrorList {
-	if cpu := spec.Domain.CPU; cpu != nil && c.Obsolete[cpu.Model] {
+	if cpu := spec.Domain.CPU; cpu != nil && c.IsObsolete(cpu.Model) {
 		return field.ErrorList{field.Invalid(path.Child("domain", "cpu", "model"), cpu.Model, c.Why(cpu.Model))}
 	}
 	return nil
@@ -77,20 +87,4 @@ func (c Cluster) Check(path *field.Path, spec *kubevirtv1.VirtualMachineInstance
 // Why says why model is refused.
 func (c Cluster) Why(model string) string {
 	return fmt.Sprintf("CPU model %q is obsolete (the KubeVirt CR's obsoleteCPUModels): no node offers it", model)
-}
-
-// Live holds the settings in force. A nil *Live reads as FromKubeVirt(nil).
-type Live struct{ cur atomic.Pointer[Cluster] }
-
-// Set replaces the settings.
-func (l *Live) Set(c Cluster) { l.cur.Store(&c) }
-
-// Get returns the settings in force.
-func (l *Live) Get() Cluster {
-	if l != nil {
-		if c := l.cur.Load(); c != nil {
-			return *c
-		}
-	}
-	return FromKubeVirt(nil)
 }

@@ -13,12 +13,25 @@
 // KubeVirt's default of 2 (slog.LevelInfo): 1 keeps warnings and errors, 3
 // adds nothing nodevirt logs yet, 4 and up is slog.LevelDebug. Unset (0),
 // or no CR, is the default: Info.
+//
+// The roles a daemon plays for CDI follow the CDI CR's
+// spec.config.logVerbosity (HCO's logVerbosityConfig.cdi) instead, with a
+// logger of their own (CDIRoles): in the brain the DataVolume controller,
+// the DataImportCron controller and the upload API and proxy (cdi-
+// controller, cdi-uploadproxy); in a node agent the import role, which
+// imports, clones and serves uploads (CDI's importer, cloner and upload
+// server pods, which take cdi-controller's verbosity). CDI's default is 1,
+// so its scale sits one step lower: 0 keeps warnings and errors, 1 (or
+// unset) is Info, 3 and up Debug. CDI's webhooks (DataVolume admission)
+// run in the brain's webhook server and log at the brain's level.
 package logverbosity
 
 import (
+	"context"
 	"log/slog"
 
 	kubevirtv1 "kubevirt.io/api/core/v1"
+	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/crwatch"
 )
@@ -65,18 +78,66 @@ func of(kv *kubevirtv1.KubeVirt) *kubevirtv1.LogVerbosity {
 	return kv.Spec.Configuration.DeveloperConfiguration.LogVerbosity
 }
 
+// CDIDefault is CDI's verbosity when its CR sets none.
+const CDIDefault = 1
+
+// CDI is the level of the roles a daemon plays for CDI under cdi.
+func CDI(cdi *cdiv1.CDI) slog.Level {
+	if cdi == nil || cdi.Spec.Config == nil || cdi.Spec.Config.LogVerbosity == nil {
+		return Level(0)
+	}
+	return Level(uint(max(*cdi.Spec.Config.LogVerbosity, 0)) + Default - CDIDefault)
+}
+
 // Follow keeps level at what pick reads from w's KubeVirt CR, logging each
 // change to log (at Info, while the lower of the two levels is in force).
 func Follow(w *crwatch.Watch, level *slog.LevelVar, pick func(*kubevirtv1.KubeVirt) slog.Level, log *slog.Logger) {
-	w.OnKubeVirt(func(kv *kubevirtv1.KubeVirt) {
-		l, old := pick(kv), level.Level()
-		if l == old {
-			return
-		}
-		if l < old {
-			level.Set(l)
-		}
-		log.Info("log level changed", "from", "KubeVirt", "level", l, "was", old)
+	w.OnKubeVirt(func(kv *kubevirtv1.KubeVirt) { set(level, pick(kv), "KubeVirt", log) })
+}
+
+// CDIRoles returns the logger of the roles a daemon plays for CDI: log's
+// handler (its attributes, its output) at a level of its own, which
+// follows w's CDI CR (CDI). log's own level, whatever it is, does not
+// filter it.
+func CDIRoles(w *crwatch.Watch, log *slog.Logger) *slog.Logger {
+	level := new(slog.LevelVar)
+	cdiLog := slog.New(leveled{h: log.Handler(), level: level})
+	w.OnCDI(func(cdi *cdiv1.CDI) { set(level, CDI(cdi), "CDI", cdiLog) })
+	return cdiLog
+}
+
+// set puts level at l, logging a change to log (at Info, while the lower
+// of the two levels is in force).
+func set(level *slog.LevelVar, l slog.Level, from string, log *slog.Logger) {
+	old := level.Level()
+	if l == old {
+		return
+	}
+	if l < old {
 		level.Set(l)
-	})
+	}
+	log.Info("log level changed", "from", from, "level", l, "was", old)
+	level.Set(l)
+}
+
+// leveled is a handler at a level of its own: it decides which records
+// are written and hands them to h, whose own level is not asked (slog
+// handlers check it only in Enabled).
+type leveled struct {
+	h     slog.Handler
+	level slog.Leveler
+}
+
+var _ slog.Handler = leveled{}
+
+func (l leveled) Enabled(_ context.Context, lv slog.Level) bool { return lv >= l.level.Level() }
+
+func (l leveled) Handle(ctx context.Context, r slog.Record) error { return l.h.Handle(ctx, r) }
+
+func (l leveled) WithAttrs(as []slog.Attr) slog.Handler {
+	return leveled{h: l.h.WithAttrs(as), level: l.level}
+}
+
+func (l leveled) WithGroup(name string) slog.Handler {
+	return leveled{h: l.h.WithGroup(name), level: l.level}
 }

@@ -7,14 +7,13 @@
 // limit, is left alone.
 //
 // In nodevirt the request is set by the brain's VMI mutating webhook and by
-// its VM controller (which creates VMIs in process); the scheduler counts
-// the request, and applies the percentage itself to a VMI that reached it
-// without one (those the brain creates for replica sets and pools).
+// its VM and replica set controllers (which create VMIs past the webhooks,
+// applying them in process); the scheduler counts the request, and applies
+// the percentage itself to a VMI that reached it without one, as do the
+// capacity pods that hold a VMI's share for kube-scheduler.
 package overcommit
 
 import (
-	"sync/atomic"
-
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	kubevirtv1 "kubevirt.io/api/core/v1"
@@ -24,7 +23,8 @@ import (
 // guest's request is its memory.
 const Default = 100
 
-// Memory is a memory overcommit percentage.
+// Memory is a memory overcommit percentage; 0 (unset, as in the KubeVirt
+// CR) is Default.
 type Memory int
 
 // FromKubeVirt reads kv's memoryOvercommit (nil, or none set: Default).
@@ -62,20 +62,4 @@ func (m Memory) Apply(spec *kubevirtv1.VirtualMachineInstanceSpec) bool {
 		d.Resources.Requests[corev1.ResourceMemory] = *resource.NewQuantity(m.Request(g.Value()), g.Format)
 	}
 	return true
-}
-
-// Live holds the percentage in force. A nil *Live reads as Default.
-type Live struct{ cur atomic.Int64 }
-
-// Set replaces the percentage.
-func (l *Live) Set(m Memory) { l.cur.Store(int64(m)) }
-
-// Get returns the percentage in force.
-func (l *Live) Get() Memory {
-	if l != nil {
-		if m := l.cur.Load(); m > 0 {
-			return Memory(m)
-		}
-	}
-	return Default
 }

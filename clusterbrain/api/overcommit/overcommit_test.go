@@ -53,7 +53,7 @@ func TestApply(t *testing.T) {
 	}
 }
 
-func TestFromKubeVirtAndLive(t *testing.T) {
+func TestFromKubeVirt(t *testing.T) {
 	kv := &kubevirtv1.KubeVirt{}
 	if got := FromKubeVirt(nil); got != Default {
 		t.Errorf("no CR: %d", got)
@@ -65,13 +65,9 @@ func TestFromKubeVirtAndLive(t *testing.T) {
 	if got := FromKubeVirt(kv); got != 150 {
 		t.Errorf("150: %d", got)
 	}
-	var nilLive *Live
-	if nilLive.Get() != Default || (&Live{}).Get() != Default {
-		t.Error("an unset Live is not the default")
-	}
-	l := &Live{}
-	l.Set(175)
-	if l.Get() != 175 {
-		t.Errorf("live %d", l.Get())
+	// The zero Memory (an unset live.Value) is Default.
+	var unset Memory
+	if unset.Request(1<<30) != 1<<30 || Memory(150).Request(3<<20) != 2<<20 {
+		t.Errorf("requests: unset %d, 150%% of 3Mi %d", unset.Request(1<<30), Memory(150).Request(3<<20))
 	}
 }

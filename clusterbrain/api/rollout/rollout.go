@@ -14,14 +14,13 @@
 package rollout
 
 import (
-	"sync/atomic"
-
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/featuregate"
 )
 
-// Cluster is what the KubeVirt CR says about rolling VM changes out.
+// Cluster is what the KubeVirt CR says about rolling VM changes out. The
+// zero Cluster is the settings without a CR.
 type Cluster struct {
 	// DeclarativeHotplug: hotpluggable volume changes of the template are
 	// plugged into the running VMI.
@@ -39,20 +38,4 @@ func FromKubeVirt(kv *kubevirtv1.KubeVirt) Cluster {
 	c.DeclarativeHotplug = featuregate.KubeVirtEnabled(kv, featuregate.DeclarativeHotplugVolumes) &&
 		!featuregate.KubeVirtEnabled(kv, featuregate.HotplugVolumes)
 	return c
-}
-
-// Live holds the settings in force. A nil *Live reads as FromKubeVirt(nil).
-type Live struct{ cur atomic.Pointer[Cluster] }
-
-// Set replaces the settings.
-func (l *Live) Set(c Cluster) { l.cur.Store(&c) }
-
-// Get returns the settings in force.
-func (l *Live) Get() Cluster {
-	if l != nil {
-		if c := l.cur.Load(); c != nil {
-			return *c
-		}
-	}
-	return FromKubeVirt(nil)
 }
