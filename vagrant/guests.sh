@@ -53,6 +53,9 @@ spec:
           requests:
             memory: 128Mi
         devices:
+          # The ping result is read from the serial log on the node
+          # (the HyperConverged default disables the log).
+          logSerialConsole: true
           disks:
           - name: rootdisk
             disk:
