@@ -125,7 +125,8 @@ end=$((SECONDS + bound))
 while :; do
 	log=$(virsh -c qemu:///system dumpxml "lab_$vm" 2>/dev/null | sed -n "s/.*<log file=.\([^\"'\'']*\).*/\1/p" | head -1)
 	if [ -n "$log" ] && [ -r "$log" ]; then
-		res=$(grep -a -E "LAB-PING-(OK|FAILED) .* boot=" "$log" | tr -d "\r" | grep -v "boot=$old\$" | tail -1)
+		# -o: the shell prompt and terminal queries may share the line.
+		res=$(grep -a -o -E "LAB-PING-(OK|FAILED) [0-9.]+ boot=[0-9a-f-]+" "$log" | grep -v "boot=$old\$" | tail -1)
 		case $res in
 		LAB-PING-OK*) echo "$(hostname) $vm: $res" >&2; echo "${res##*boot=}"; exit 0 ;;
 		LAB-PING-FAILED*) echo "$(hostname) $vm: $res" >&2; tail -30 "$log" >&2; exit 1 ;;
