@@ -188,14 +188,7 @@ func waitHolder(t *testing.T, cp *controlplane.ControlPlane, ns string, cond fun
 // HyperConverged CRD's conversion) naming them, and with those a brain's
 // webhook server was seen not to start in time (see README, Not there yet).
 func TestRegainedLeaseLeadsAgain(t *testing.T) {
-	start, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	defer cancel()
-	cp, err := controlplane.Start(start, controlplane.Config{Dir: t.TempDir(),
-		Log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
-	if err != nil {
-		t.Fatalf("control plane: %v", err)
-	}
-	t.Cleanup(cp.Stop)
+	cp := ownControlPlane(t)
 	ns := cp.Namespace(t)
 	ctx := context.Background()
 	brainRunner(t, cp, ns)("brain-r", "--lease-duration=4s")
@@ -244,4 +237,18 @@ func TestRegainedLeaseLeadsAgain(t *testing.T) {
 		_, err := virt.VMIs.Get(ctx, ns, "second-term")
 		return err
 	})
+}
+
+// ownControlPlane starts a control plane for t alone, stopped at its end.
+func ownControlPlane(t *testing.T) *controlplane.ControlPlane {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	cp, err := controlplane.Start(ctx, controlplane.Config{Dir: t.TempDir(),
+		Log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
+	if err != nil {
+		t.Fatalf("control plane: %v", err)
+	}
+	t.Cleanup(cp.Stop)
+	return cp
 }

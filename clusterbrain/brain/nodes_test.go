@@ -3,8 +3,6 @@ package brain
 import (
 	"bufio"
 	"context"
-	"log/slog"
-	"os"
 	"strconv"
 	"strings"
 	"testing"
@@ -13,7 +11,6 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/nodevirt/nodevirt/test/bench/measure"
-	"github.com/nodevirt/nodevirt/test/controlplane"
 	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
@@ -27,14 +24,7 @@ import (
 // It runs on a control plane of its own: the API server's counters are
 // every client's, and this test must see only its brain.
 func TestLeaderSharesOneNodeWatch(t *testing.T) {
-	start, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	defer cancel()
-	cp, err := controlplane.Start(start, controlplane.Config{Dir: t.TempDir(),
-		Log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
-	if err != nil {
-		t.Fatalf("control plane: %v", err)
-	}
-	t.Cleanup(cp.Stop)
+	cp := ownControlPlane(t)
 	ns := cp.Namespace(t)
 	kube := cp.Clientset(t)
 	// The API server's own informers watch the Nodes too (the most seen
