@@ -11,8 +11,9 @@
 //     reports Ready=False is tainted node.kubernetes.io/not-ready. Nothing
 //     new is scheduled there. A fresh renewal lifts the taints.
 //   - T + Window: an agent that could not renew for that long, and that
-//     reaches none of its peers either (so it is the one cut off, not the
-//     API server that is down for everyone), stops its guests
+//     reaches none of its peers either, for a few seconds in a row (so it
+//     is the one cut off, not the API server that is down for everyone,
+//     nor a peer too busy to answer one connect), stops its guests
 //     (self-fencing, --self-fence=stop, the default; "none" disables it).
 //   - T + Window + Margin: the brain marks the node's VMIs Failed with
 //     reason NodeUnreachable (an event on the VM says so) and releases them
