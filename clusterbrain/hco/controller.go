@@ -21,7 +21,6 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/validation"
-	coreinformers "k8s.io/client-go/informers/core/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 
@@ -112,9 +111,7 @@ type Controller struct {
 	// probesFailing says the last reconcile found a part missing: the
 	// next probe comes sooner.
 	probesFailing bool
-	// nodes is cfg.Nodes, else the role's own informer (ownNodes).
-	nodes    cache.SharedIndexInformer
-	ownNodes bool
+	nodes         controller.Nodes
 }
 
 // New validates cfg and builds the role.
@@ -129,10 +126,7 @@ func New(cfg Config) (*Controller, error) {
 		overwritten: outOfBand,
 		lastApplied: map[string]string{},
 		reverts:     map[string]int{},
-		nodes:       cfg.Nodes,
-	}
-	if c.nodes == nil {
-		c.nodes, c.ownNodes = coreinformers.NewNodeInformer(cfg.Kube, 0, cache.Indexers{}), true
+		nodes:       controller.SharedNodes(cfg.Kube, cfg.Nodes),
 	}
 	var err error
 	c.queue, err = controller.New(controller.Config{Name: "hyperconverged", Backoff: controller.BackoffAPI, Log: cfg.Log,
@@ -184,9 +178,6 @@ func (c *Controller) Run(ctx context.Context) error {
 			return err
 		}
 	}
-	if c.ownNodes {
-		infs = append(infs, c.nodes)
-	}
 	onNodes := toSingleton
 	onNodes.UpdateFunc = func(old, obj any) {
 		if nodeHealthChanged(old, obj) {
@@ -198,6 +189,7 @@ func (c *Controller) Run(ctx context.Context) error {
 	if _, err := c.nodes.AddEventHandler(cache.FilteringResourceEventHandler{FilterFunc: isNodeAgent, Handler: onNodes}); err != nil {
 		return err
 	}
+	c.nodes.RunOwn(ctx)
 	synced := []cache.InformerSynced{c.nodes.HasSynced}
 	for _, inf := range infs {
 		go inf.RunWithContext(ctx)

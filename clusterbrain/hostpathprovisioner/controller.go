@@ -22,7 +22,6 @@ import (
 	apiequality "k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	coreinformers "k8s.io/client-go/informers/core/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 
@@ -74,9 +73,7 @@ type Controller struct {
 	log   *slog.Logger
 	queue *controller.Queue
 	hpps  cache.SharedIndexInformer
-	nodes cache.SharedIndexInformer
-	// ownNodes says the controller runs nodes.
-	ownNodes bool
+	nodes controller.Nodes
 }
 
 // New builds the controller.
@@ -95,10 +92,7 @@ func New(cfg Config) (*Controller, error) {
 	}
 	c.queue = q
 	c.hpps = cfg.Virt.HostPathProvisioners.Informer("", resync, nil)
-	c.nodes = cfg.Nodes
-	if c.nodes == nil {
-		c.nodes, c.ownNodes = coreinformers.NewNodeInformer(cfg.Kube, 0, cache.Indexers{}), true
-	}
+	c.nodes = controller.SharedNodes(cfg.Kube, cfg.Nodes)
 	return c, nil
 }
 
@@ -125,9 +119,7 @@ func (c *Controller) Run(ctx context.Context) error {
 		return err
 	}
 	go c.hpps.RunWithContext(ctx)
-	if c.ownNodes {
-		go c.nodes.RunWithContext(ctx)
-	}
+	c.nodes.RunOwn(ctx)
 	return c.queue.Run(ctx, c.hpps.HasSynced, c.nodes.HasSynced)
 }
 

@@ -53,7 +53,7 @@ const evacuationRetry = 30 * time.Second
 
 // evacuate runs an evacuation pass every interval until ctx ends.
 func (c *Controller) evacuate(ctx context.Context, interval time.Duration) {
-	if !cache.WaitForCacheSync(ctx.Done(), c.informer.HasSynced, c.cfg.Nodes.HasSynced) {
+	if !cache.WaitForCacheSync(ctx.Done(), c.informer.HasSynced, c.nodes.HasSynced) {
 		return
 	}
 	t := time.NewTicker(interval)
@@ -87,7 +87,7 @@ func (c *Controller) evacuationPass(ctx context.Context) error {
 			delete(c.warned, uid)
 		}
 	}
-	for _, n := range draining(c.cfg.Nodes.GetStore(), key) {
+	for _, n := range draining(c.nodes.GetStore(), key) {
 		vmis, err := c.cfg.Virt.VMIs.List(ctx, metav1.NamespaceAll, metav1.ListOptions{LabelSelector: kubevirtv1.NodeNameLabel + "=" + n.Name})
 		if err != nil {
 			return err

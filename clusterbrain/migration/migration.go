@@ -38,7 +38,6 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	"k8s.io/client-go/dynamic"
-	coreinformers "k8s.io/client-go/informers/core/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/retry"
@@ -130,8 +129,7 @@ type Controller struct {
 	// warned is when each VMI that cannot leave a draining node was last
 	// told so (evacuation.go; its goroutine only).
 	warned map[types.UID]time.Time
-	// ownNodes says the controller runs cfg.Nodes.
-	ownNodes bool
+	nodes  controller.Nodes
 }
 
 // New validates cfg and builds the controller; Run starts it.
@@ -146,9 +144,7 @@ func New(cfg Config) (*Controller, error) {
 		recorder: controller.NewRecorder(client.NewScheme(), "nodevirt-migration"),
 		warned:   map[types.UID]time.Time{},
 	}
-	if c.cfg.Nodes == nil {
-		c.cfg.Nodes, c.ownNodes = coreinformers.NewNodeInformer(cfg.Kube, 0, cache.Indexers{}), true
-	}
+	c.nodes = controller.SharedNodes(cfg.Kube, cfg.Nodes)
 	var err error
 	c.queue, err = controller.New(controller.Config{Name: "migrations", Sync: controller.NoRequeue(c.sync),
 		Backoff: controller.BackoffAPI, Log: c.log, KeyAttr: "migration",
@@ -168,9 +164,7 @@ func (c *Controller) Run(ctx context.Context) error {
 	defer utilruntime.HandleCrash()
 	defer c.recorder.Start(c.cfg.Kube)()
 	go c.informer.RunWithContext(ctx)
-	if c.ownNodes {
-		go c.cfg.Nodes.RunWithContext(ctx)
-	}
+	c.nodes.RunOwn(ctx)
 	c.log.Info("started")
 	go c.evacuate(ctx, c.cfg.EvacuationInterval)
 	return c.queue.Run(ctx, c.informer.HasSynced)

@@ -21,13 +21,13 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/informers"
-	coreinformers "k8s.io/client-go/informers/core/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/fencing"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 )
 
 // LabelManagedBy marks the Nodes a node agent owns (no kubelet): those are
@@ -71,8 +71,7 @@ type Controller struct {
 	seen map[string]observation
 	// blind is set when the last check could not read the API.
 	blind bool
-	// ownNodes says the controller runs cfg.Nodes.
-	ownNodes bool
+	nodes controller.Nodes
 }
 
 type observation struct {
@@ -106,9 +105,7 @@ func New(cfg Config) (*Controller, error) {
 		cfg.Now = time.Now
 	}
 	c := &Controller{cfg: cfg, seen: map[string]observation{}}
-	if c.cfg.Nodes == nil {
-		c.cfg.Nodes, c.ownNodes = coreinformers.NewNodeInformer(cfg.Kube, 0, cache.Indexers{}), true
-	}
+	c.nodes = controller.SharedNodes(cfg.Kube, cfg.Nodes)
 	return c, nil
 }
 
@@ -121,11 +118,9 @@ func (c *Controller) Name() string { return "node-failure" }
 // up to an interval late, and a lost node failed over up to an interval
 // after its deadline, two intervals in all.
 func (c *Controller) Run(ctx context.Context) error {
-	if c.ownNodes {
-		go c.cfg.Nodes.RunWithContext(ctx)
-	}
+	c.nodes.RunOwn(ctx)
 	c.watchLeases(ctx)
-	if !cache.WaitForCacheSync(ctx.Done(), c.cfg.Nodes.HasSynced) {
+	if !cache.WaitForCacheSync(ctx.Done(), c.nodes.HasSynced) {
 		return nil
 	}
 	t := time.NewTimer(0)
@@ -244,7 +239,7 @@ func (c *Controller) Sync(ctx context.Context) error {
 // the cache's own objects, read and never written.
 func (c *Controller) agentNodes() []*corev1.Node {
 	var nodes []*corev1.Node
-	for _, o := range c.cfg.Nodes.GetStore().List() {
+	for _, o := range c.nodes.GetStore().List() {
 		if n, ok := o.(*corev1.Node); ok {
 			if _, agent := n.Labels[LabelManagedBy]; agent {
 				nodes = append(nodes, n)
