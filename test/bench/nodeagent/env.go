@@ -56,6 +56,8 @@ type env struct {
 	agentAt  string
 	metrics  string
 	agentErr chan error
+	// guests is how many guests runGuests started (guest-0, guest-1, ...).
+	guests int
 }
 
 func newEnv(ctx context.Context, cfg config) (*env, error) {
@@ -232,27 +234,56 @@ func (e *env) poll(ctx context.Context, timeout time.Duration, check func() (str
 	}
 }
 
-// runGuest creates one VMI from a private copy of the test suite's boot
-// disk and waits until it runs.
-func (e *env) runGuest(ctx context.Context) error {
+// runGuests starts guests until n run, each a VMI of the test suite's
+// boot disk under TCG on a copy of its own, and waits until each is
+// Running and the agent's /metrics counts all n running.
+func (e *env) runGuests(ctx context.Context, n int) error {
 	src, err := guest.BootDisk(ctx, guest.DiskSpec{})
 	if err != nil {
 		return fmt.Errorf("guest disk: %w", err)
 	}
-	disk := e.path("disks", "guest.raw")
-	if err := os.MkdirAll(filepath.Dir(disk), 0o755); err != nil {
+	if err := os.MkdirAll(e.path("disks"), 0o755); err != nil {
 		return err
-	}
-	if out, err := exec.CommandContext(ctx, "cp", "--sparse=always", src, disk).CombinedOutput(); err != nil {
-		return fmt.Errorf("copy guest disk: %w: %s", err, out)
 	}
 	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: e.ns}}
 	if _, err := e.kube.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return err
 	}
+	for ; e.guests < n; e.guests++ {
+		if err := e.startGuest(ctx, src, guestName(e.guests)); err != nil {
+			return err
+		}
+	}
+	// The agent's roles see them too: its metrics count them as running.
+	running := fmt.Sprintf(" %d", n)
+	return e.poll(ctx, 2*time.Minute, func() (string, error) {
+		resp, err := (&http.Client{Timeout: 10 * time.Second}).Get("http://" + e.metrics + "/metrics")
+		if err != nil {
+			return "agent /metrics: " + err.Error(), nil
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		for _, l := range strings.Split(string(body), "\n") {
+			if strings.HasPrefix(l, "kubevirt_vmi_phase_count{") && strings.Contains(l, `phase="running"`) && strings.HasSuffix(l, running) {
+				return "", nil
+			}
+		}
+		return fmt.Sprintf("agent /metrics: kubevirt_vmi_phase_count does not count %d running", n), nil
+	})
+}
+
+func guestName(i int) string { return fmt.Sprintf("guest-%d", i) }
+
+// startGuest creates one guest on a sparse copy of src and waits until its
+// VMI is Running.
+func (e *env) startGuest(ctx context.Context, src, name string) error {
+	disk := e.path("disks", name+".raw")
+	if out, err := exec.CommandContext(ctx, "cp", "--sparse=always", src, disk).CombinedOutput(); err != nil {
+		return fmt.Errorf("copy guest disk: %w: %s", err, out)
+	}
 	grace := int64(5)
 	no := false
-	vmi := &kubevirtv1.VirtualMachineInstance{ObjectMeta: metav1.ObjectMeta{Name: "guest", Namespace: e.ns},
+	vmi := &kubevirtv1.VirtualMachineInstance{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: e.ns},
 		Spec: kubevirtv1.VirtualMachineInstanceSpec{
 			TerminationGracePeriodSeconds: &grace,
 			Domain: kubevirtv1.DomainSpec{
@@ -266,44 +297,29 @@ func (e *env) runGuest(ctx context.Context) error {
 				HostDisk: &kubevirtv1.HostDisk{Path: disk, Type: kubevirtv1.HostDiskExists}}}},
 		}}
 	if _, err := e.virt.VMIs.Create(ctx, vmi); err != nil {
-		return fmt.Errorf("create vmi: %w", err)
+		return fmt.Errorf("create vmi %s: %w", name, err)
 	}
-	if err := e.poll(ctx, 2*time.Minute, func() (string, error) {
-		got, err := e.virt.VMIs.Get(ctx, e.ns, "guest")
+	return e.poll(ctx, 2*time.Minute, func() (string, error) {
+		got, err := e.virt.VMIs.Get(ctx, e.ns, name)
 		if err != nil {
 			return "vmi: " + err.Error(), nil
 		}
 		if got.Status.Phase == kubevirtv1.Failed {
-			return "", fmt.Errorf("vmi failed: %+v", got.Status.Conditions)
+			return "", fmt.Errorf("vmi %s failed: %+v", name, got.Status.Conditions)
 		}
 		if got.Status.Phase != kubevirtv1.Running {
-			return fmt.Sprintf("vmi phase %q", got.Status.Phase), nil
+			return fmt.Sprintf("vmi %s phase %q", name, got.Status.Phase), nil
 		}
 		return "", nil
-	}); err != nil {
-		return err
-	}
-	// The agent's roles see it too: its metrics count it as running.
-	return e.poll(ctx, 30*time.Second, func() (string, error) {
-		resp, err := (&http.Client{Timeout: 2 * time.Second}).Get("http://" + e.metrics + "/metrics")
-		if err != nil {
-			return "agent /metrics: " + err.Error(), nil
-		}
-		body, _ := io.ReadAll(resp.Body)
-		resp.Body.Close()
-		for _, l := range strings.Split(string(body), "\n") {
-			if strings.HasPrefix(l, "kubevirt_vmi_phase_count{") && strings.Contains(l, `phase="running"`) && strings.HasSuffix(l, " 1") {
-				return "", nil
-			}
-		}
-		return "agent /metrics: no running VMI in kubevirt_vmi_phase_count", nil
 	})
 }
 
 // memory is what /proc/<pid>/status says of a process, in bytes.
 // libs is the part of rss in mappings of shared libraries (libvirt's
-// client library and its dependencies, libc).
-type memory struct{ rss, anon, file, shmem, libs int64 }
+// client library and its dependencies, libc). pss is the proportional set
+// size from /proc/<pid>/smaps_rollup: each page shared with other
+// processes (libvirtd maps the same libraries) counted by its share.
+type memory struct{ rss, anon, file, shmem, libs, pss int64 }
 
 // sample lets the agent run for settle, then reads its memory.
 func (e *env) sample(ctx context.Context, settle time.Duration) (memory, error) {
@@ -322,8 +338,29 @@ func (e *env) sample(ctx context.Context, settle time.Duration) (memory, error) 
 	if err != nil {
 		return memory{}, err
 	}
-	m.libs, err = libraryRSS(e.agent.Process.Pid)
+	if m.libs, err = libraryRSS(e.agent.Process.Pid); err != nil {
+		return memory{}, err
+	}
+	m.pss, err = proportional(e.agent.Process.Pid)
 	return m, err
+}
+
+// proportional reads a process's Pss from /proc/<pid>/smaps_rollup.
+func proportional(pid int) (int64, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/smaps_rollup", pid))
+	if err != nil {
+		return 0, err
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(line); len(f) == 3 && f[0] == "Pss:" {
+			kb, err := strconv.ParseInt(f[1], 10, 64)
+			if err != nil {
+				return 0, fmt.Errorf("pss in /proc/%d/smaps_rollup: %w", pid, err)
+			}
+			return kb * 1024, nil
+		}
+	}
+	return 0, fmt.Errorf("no Pss in /proc/%d/smaps_rollup", pid)
 }
 
 // libraryRSS sums the resident size of a process's shared-library mappings
@@ -385,11 +422,12 @@ func (e *env) teardown(keep bool) error {
 	var errs []error
 	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 	defer cancel()
-	if e.virt != nil {
-		if err := e.virt.VMIs.Delete(ctx, e.ns, "guest", metav1.DeleteOptions{}); err == nil {
+	for i := 0; e.virt != nil && i < e.guests; i++ {
+		name := guestName(i)
+		if err := e.virt.VMIs.Delete(ctx, e.ns, name, metav1.DeleteOptions{}); err == nil {
 			errs = append(errs, e.poll(ctx, 60*time.Second, func() (string, error) {
-				if _, err := e.virt.VMIs.Get(ctx, e.ns, "guest"); !apierrors.IsNotFound(err) {
-					return "vmi still there", nil
+				if _, err := e.virt.VMIs.Get(ctx, e.ns, name); !apierrors.IsNotFound(err) {
+					return "vmi " + name + " still there", nil
 				}
 				return "", nil
 			}))
@@ -417,10 +455,12 @@ func (e *env) teardown(keep bool) error {
 		}
 	}
 	// A domain the agent left (it was killed) goes with its namespace.
-	dom := e.ns + "_guest"
-	if exec.Command("virsh", "-c", "qemu:///system", "domstate", dom).Run() == nil {
-		_ = exec.Command("virsh", "-c", "qemu:///system", "destroy", dom).Run()
-		_ = exec.Command("virsh", "-c", "qemu:///system", "undefine", dom).Run()
+	for i := 0; i < e.guests; i++ {
+		dom := e.ns + "_" + guestName(i)
+		if exec.Command("virsh", "-c", "qemu:///system", "domstate", dom).Run() == nil {
+			_ = exec.Command("virsh", "-c", "qemu:///system", "destroy", dom).Run()
+			_ = exec.Command("virsh", "-c", "qemu:///system", "undefine", dom).Run()
+		}
 	}
 	if e.agent != nil {
 		out, err := exec.Command(filepath.Join(e.bin, "nodeagent"), "--teardown-podnet", "--state-dir="+e.path("nodeagent"),
