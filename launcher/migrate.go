@@ -53,6 +53,9 @@ type MigrateOptions struct {
 	// may choose (KubeVirt's maxDowntimeMs); 0 keeps QEMU's default
 	// (300 ms).
 	MaxDowntime time.Duration
+	// OnProgress, when set, is called with the job's progress about every
+	// half second while it runs (from another goroutine).
+	OnProgress func(MigrationProgress)
 }
 
 // ErrNoProgress is wrapped by Migrate's error when ProgressTimeout aborted
@@ -68,6 +71,22 @@ type MigrationStats struct {
 	// memory part.
 	DataBytes   uint64
 	MemoryBytes uint64
+}
+
+// MigrationProgress is libvirt's view of a running migration job, read on
+// the source: bytes of memory and disks in all, sent and left, and the
+// rates, in bytes per second.
+type MigrationProgress struct {
+	DataTotal, DataProcessed, DataRemaining uint64
+	MemoryRate, DiskRate                    uint64
+	// DirtyRate is how fast the guest dirties its memory (libvirt counts
+	// pages; this is pages times the page size).
+	DirtyRate uint64
+}
+
+func progressOf(js *libvirt.DomainJobInfo) MigrationProgress {
+	return MigrationProgress{DataTotal: js.DataTotal, DataProcessed: js.DataProcessed, DataRemaining: js.DataRemaining,
+		MemoryRate: js.MemBps, DiskRate: js.DiskBps, DirtyRate: js.MemDirtyRate * js.MemPageSize}
 }
 
 // ErrMigrationAborted is wrapped by Migrate's error when AbortMigration
@@ -140,11 +159,12 @@ func migrateFlags(opts MigrateOptions) libvirt.DomainMigrateFlags {
 	return flags
 }
 
-// watchJob follows a running migration job of d until done: it aborts the
-// job when ctx ends or when the data remaining has not shrunk for
-// opts.ProgressTimeout (closing stalled first), sets opts.MaxDowntime
-// once the job runs, and switches to post-copy after opts.PostCopyAfter
-// (after which nothing aborts it).
+// watchJob follows a running migration job of d until done: it reports
+// the job's progress to opts.OnProgress each tick, aborts the job when ctx
+// ends or when the data remaining has not shrunk for opts.ProgressTimeout
+// (closing stalled first), sets opts.MaxDowntime once the job runs, and
+// switches to post-copy after opts.PostCopyAfter (after which nothing
+// aborts it).
 func watchJob(ctx context.Context, d *libvirt.Domain, opts MigrateOptions, done <-chan struct{}, stalled chan<- struct{}) {
 	tick := time.NewTicker(500 * time.Millisecond)
 	defer tick.Stop()
@@ -163,9 +183,12 @@ func watchJob(ctx context.Context, d *libvirt.Domain, opts MigrateOptions, done 
 			return
 		case <-tick.C:
 		}
-		info, err := d.GetJobInfo()
+		info, err := d.GetJobStats(0)
 		if err != nil || info.Type == libvirt.DOMAIN_JOB_NONE {
 			continue
+		}
+		if opts.OnProgress != nil {
+			opts.OnProgress(progressOf(info))
 		}
 		if !downtimeSet {
 			downtimeSet = d.MigrateSetMaxDowntime(uint64(opts.MaxDowntime/time.Millisecond), 0) == nil

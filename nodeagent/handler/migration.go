@@ -66,6 +66,35 @@ var (
 		"Bytes sent by completed live migrations (memory and copied disks).")
 )
 
+// The running migrations' progress, KubeVirt's gauges: one series per
+// VMI this node migrates away, there only while the job runs.
+var (
+	progressLabels    = []string{"node", "namespace", "name"}
+	migrationTotal    = metrics.Default().Gauge("kubevirt_vmi_migration_data_total_bytes", "The total Guest OS data to be migrated to the new VM.", progressLabels...)
+	migrationSent     = metrics.Default().Gauge("kubevirt_vmi_migration_data_processed_bytes", "The total Guest OS data processed and migrated to the new VM.", progressLabels...)
+	migrationLeft     = metrics.Default().Gauge("kubevirt_vmi_migration_data_remaining_bytes", "The remaining guest OS data to be migrated to the new VM.", progressLabels...)
+	migrationMemRate  = metrics.Default().Gauge("kubevirt_vmi_migration_memory_transfer_rate_bytes", "The rate at which the memory is being transferred.", progressLabels...)
+	migrationDiskRate = metrics.Default().Gauge("kubevirt_vmi_migration_disk_transfer_rate_bytes", "The rate at which the disk is being transferred.", progressLabels...)
+	migrationDirty    = metrics.Default().Gauge("kubevirt_vmi_migration_dirty_memory_rate_bytes", "The rate of memory being dirty in the Guest OS.", progressLabels...)
+	progressGauges    = []*metrics.GaugeVec{migrationTotal, migrationSent, migrationLeft, migrationMemRate, migrationDiskRate, migrationDirty}
+)
+
+// reportProgress returns the OnProgress of a migration of vmi from node,
+// and the function that drops its series when the migration ends.
+func reportProgress(node string, vmi *v1.VirtualMachineInstance) (func(launcher.MigrationProgress), func()) {
+	labels := []string{node, vmi.Namespace, vmi.Name}
+	report := func(p launcher.MigrationProgress) {
+		for i, v := range []uint64{p.DataTotal, p.DataProcessed, p.DataRemaining, p.MemoryRate, p.DiskRate, p.DirtyRate} {
+			progressGauges[i].With(labels...).Set(float64(v))
+		}
+	}
+	return report, func() {
+		for _, g := range progressGauges {
+			g.Delete(labels...)
+		}
+	}
+}
+
 func observeMigration(s launcher.MigrationStats, err error) {
 	if err != nil {
 		migrationsEnded.With("failed").Inc()
@@ -242,8 +271,10 @@ func (h *Handler) runLibvirtMigration(ctx context.Context, vmi *v1.VirtualMachin
 	// Over TLS the stream itself is TLS too (QEMU's, with the node
 	// certificates in qemu.conf's migrate_tls_x509_cert_dir), not only
 	// libvirt's control connection.
+	onProgress, ended := reportProgress(h.cfg.NodeName, vmi)
+	defer ended()
 	opts := launcher.MigrateOptions{DestURI: uri, DestXML: destXML, TLS: h.cfg.MigrationTransport == TransportTLS,
-		PostCopyAfter: postCopyAfter, OnPostCopy: onPostCopy}
+		PostCopyAfter: postCopyAfter, OnPostCopy: onPostCopy, OnProgress: onProgress}
 	// Every writable disk is copied (node-local volumes, cloud-init
 	// seeds, which the target made alike), except those on storage every
 	// node sees: shared hostDisks and ReadWriteMany claims, which libvirt

@@ -4,9 +4,9 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 	"hash/fnv"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -27,6 +27,8 @@ import (
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
+	nodemetrics "github.com/nodevirt/nodevirt/nodeagent/metrics"
 	"github.com/nodevirt/nodevirt/test/lab"
 	"github.com/nodevirt/nodevirt/test/netcapture"
 )
@@ -296,6 +298,27 @@ func (n *testNS) domainOn(node lab.Node, vmi string) string {
 	return strings.TrimSpace(out)
 }
 
+// nodeGauge reads the gauge family of VMI vmi of the namespace from the
+// /metrics of node's agent (loopback in the node's namespaces); ok says
+// the series is there.
+func (n *testNS) nodeGauge(node lab.Node, family, vmi string) (value float64, ok bool) {
+	argv := lab.EnterCommand(node, "curl", "-sf", "--max-time", "10", "http://"+nodemetrics.DefaultAddr+"/metrics")
+	out, err := exec.Command(argv[0], argv[1:]...).Output()
+	if err != nil {
+		n.t.Logf("metrics of %s: %v", node.Name, err)
+		return 0, false
+	}
+	for _, line := range strings.Split(string(out), "\n") {
+		if !strings.HasPrefix(line, family+"{") || !strings.Contains(line, `namespace="`+n.name+`"`) ||
+			!strings.Contains(line, `name="`+vmi+`"`) {
+			continue
+		}
+		v, err := strconv.ParseFloat(line[strings.LastIndexByte(line, ' ')+1:], 64)
+		return v, err == nil
+	}
+	return 0, false
+}
+
 // setMigrationBandwidth sets HCO's liveMigrationConfig.bandwidthPerMigration
 // ("" for none) and waits until the KubeVirt CR has it.
 func (n *testNS) setMigrationBandwidth(q string) {
@@ -499,12 +522,22 @@ func TestLiveMigration(t *testing.T) {
 		cfg.BandwidthPerMigration == nil || cfg.BandwidthPerMigration.String() != "1Mi" {
 		t.Errorf("effective migration configuration %+v, want bandwidthPerMigration 1Mi", cfg)
 	}
-	time.Sleep(time.Second)
+	// Its progress, as KubeVirt's gauges on the source node's /metrics.
+	n.eventually(30*time.Second, "the migration's progress on "+first+"'s /metrics", func() (bool, string) {
+		sent, sentOK := n.nodeGauge(nodes[first], "kubevirt_vmi_migration_data_processed_bytes", "mover")
+		total, totalOK := n.nodeGauge(nodes[first], "kubevirt_vmi_migration_data_total_bytes", "mover")
+		_, leftOK := n.nodeGauge(nodes[first], "kubevirt_vmi_migration_data_remaining_bytes", "mover")
+		return sentOK && totalOK && leftOK && sent > 0 && total >= sent, fmt.Sprintf("processed %v (%v) of %v (%v)", sent, sentOK, total, totalOK)
+	})
 	// Upstream virtctl finds it by KubeVirt's label and deletes it.
 	n.upstreamVirtctl().run(60*time.Second, "migrate-cancel", "mover")
 	n.eventually(60*time.Second, "cancelled migration gone", func() (bool, string) {
 		_, err := e.virt.Migrations.Get(ctx, n.name, cancelled.Name)
 		return apierrors.IsNotFound(err), fmt.Sprint(err)
+	})
+	n.eventually(30*time.Second, "the ended migration's progress gone from "+first+"'s /metrics", func() (bool, string) {
+		v, ok := n.nodeGauge(nodes[first], "kubevirt_vmi_migration_data_processed_bytes", "mover")
+		return !ok, fmt.Sprint(v)
 	})
 	vmi, err = e.virt.VMIs.Get(ctx, n.name, "mover")
 	if err != nil {
