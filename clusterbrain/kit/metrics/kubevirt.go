@@ -92,13 +92,29 @@ func VMICollector(list func() []*kubevirtv1.VirtualMachineInstance) Collector {
 // scheduling,running}_phase (counts; Scheduled, PreparingTarget and
 // TargetReady count as running, as upstream) and
 // kubevirt_vmi_migration_succeeded / _failed{vmi,vmim,namespace} (1 for
-// each ended migration).
+// each ended migration), and the Unix times a migration started and ended
+// (kubevirt_vmi_migration_start_time_seconds{node,namespace,name,
+// migration_name}, _end_time_seconds{...,status}), from its
+// migrationState; node is the source node.
 func MigrationCollector(list func() []*kubevirtv1.VirtualMachineInstanceMigration) Collector {
 	return CollectorFunc(func() []Family {
 		var unset, pending, scheduling, running float64
 		succeeded := Family{Name: "kubevirt_vmi_migration_succeeded", Type: TypeGauge, Help: "Indicates if the VMI migration succeeded."}
 		failed := Family{Name: "kubevirt_vmi_migration_failed", Type: TypeGauge, Help: "Indicates if the VMI migration failed."}
+		started := Family{Name: "kubevirt_vmi_migration_start_time_seconds", Type: TypeGauge, Help: "The time at which the migration started."}
+		ended := Family{Name: "kubevirt_vmi_migration_end_time_seconds", Type: TypeGauge, Help: "The time at which the migration ended."}
 		for _, m := range list() {
+			if st := m.Status.MigrationState; st != nil && st.StartTimestamp != nil {
+				ls := []Label{{"node", st.SourceNode}, {"namespace", m.Namespace}, {"name", m.Spec.VMIName}, {"migration_name", m.Name}}
+				started.Samples = append(started.Samples, Sample{Labels: ls, Value: float64(st.StartTimestamp.Unix())})
+				if st.EndTimestamp != nil && (st.Completed || st.Failed) {
+					status := "succeeded"
+					if st.Failed {
+						status = "failed"
+					}
+					ended.Samples = append(ended.Samples, Sample{Labels: append(ls, Label{"status", status}), Value: float64(st.EndTimestamp.Unix())})
+				}
+			}
 			ls := []Label{{"vmi", m.Spec.VMIName}, {"vmim", m.Name}, {"namespace", m.Namespace}}
 			switch m.Status.Phase {
 			case kubevirtv1.MigrationPhaseUnset:
@@ -123,7 +139,7 @@ func MigrationCollector(list func() []*kubevirtv1.VirtualMachineInstanceMigratio
 			gauge("kubevirt_vmi_migrations_in_pending_phase", "Number of current pending migrations.", pending),
 			gauge("kubevirt_vmi_migrations_in_scheduling_phase", "Number of current scheduling migrations.", scheduling),
 			gauge("kubevirt_vmi_migrations_in_running_phase", "Number of current running migrations.", running),
-			succeeded, failed,
+			succeeded, failed, started, ended,
 		}
 	})
 }

@@ -87,6 +87,19 @@ func TestVMICollector(t *testing.T) {
 	)
 }
 
+// timed gives m the migrationState of a migration that started at
+// 1700000000 and, unless it is still running, ended 12 s later.
+func timed(m *kubevirtv1.VirtualMachineInstanceMigration, failed bool) *kubevirtv1.VirtualMachineInstanceMigration {
+	start := metav1.Unix(1700000000, 0)
+	st := &kubevirtv1.VirtualMachineInstanceMigrationState{SourceNode: "src", StartTimestamp: &start}
+	if m.Status.Phase != kubevirtv1.MigrationRunning {
+		end := metav1.Unix(1700000012, 0)
+		st.EndTimestamp, st.Completed, st.Failed = &end, !failed, failed
+	}
+	m.Status.MigrationState = st
+	return m
+}
+
 func TestMigrationCollector(t *testing.T) {
 	mig := func(name string, phase kubevirtv1.VirtualMachineInstanceMigrationPhase) *kubevirtv1.VirtualMachineInstanceMigration {
 		return &kubevirtv1.VirtualMachineInstanceMigration{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: name},
@@ -96,15 +109,23 @@ func TestMigrationCollector(t *testing.T) {
 	r.Register(MigrationCollector(func() []*kubevirtv1.VirtualMachineInstanceMigration {
 		return []*kubevirtv1.VirtualMachineInstanceMigration{mig("new", ""), mig("waits", kubevirtv1.MigrationPending),
 			mig("prep", kubevirtv1.MigrationPreparingTarget), mig("run", kubevirtv1.MigrationRunning),
-			mig("ok", kubevirtv1.MigrationSucceeded), mig("bad", kubevirtv1.MigrationFailed)}
+			timed(mig("ok", kubevirtv1.MigrationSucceeded), false), timed(mig("bad", kubevirtv1.MigrationFailed), true),
+			timed(mig("moving", kubevirtv1.MigrationRunning), false)}
 	}))
 	out := scrape(t, r)
 	mustContain(t, out,
 		`kubevirt_vmi_migrations_in_unset_phase 1`, `kubevirt_vmi_migrations_in_pending_phase 1`,
-		`kubevirt_vmi_migrations_in_scheduling_phase 0`, `kubevirt_vmi_migrations_in_running_phase 2`,
+		`kubevirt_vmi_migrations_in_scheduling_phase 0`, `kubevirt_vmi_migrations_in_running_phase 3`,
 		`kubevirt_vmi_migration_succeeded{vmi="vm-ok",vmim="ok",namespace="ns"} 1`,
 		`kubevirt_vmi_migration_failed{vmi="vm-bad",vmim="bad",namespace="ns"} 1`,
+		`kubevirt_vmi_migration_start_time_seconds{node="src",namespace="ns",name="vm-ok",migration_name="ok"} 1700000000`,
+		`kubevirt_vmi_migration_end_time_seconds{node="src",namespace="ns",name="vm-ok",migration_name="ok",status="succeeded"} 1700000012`,
+		`kubevirt_vmi_migration_end_time_seconds{node="src",namespace="ns",name="vm-bad",migration_name="bad",status="failed"} 1700000012`,
+		`kubevirt_vmi_migration_start_time_seconds{node="src",namespace="ns",name="vm-moving",migration_name="moving"} 1700000000`,
 	)
+	if strings.Contains(out, `migration_name="moving",status=`) {
+		t.Errorf("a running migration has an end time:\n%s", out)
+	}
 	if strings.Contains(out, `vmim="run"`) {
 		t.Errorf("a running migration in the ended families:\n%s", out)
 	}
