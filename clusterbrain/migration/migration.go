@@ -153,6 +153,7 @@ func New(cfg Config) (*Controller, error) {
 		return nil, err
 	}
 	_, _ = c.informer.AddEventHandler(controller.OnAddOrUpdate(c.queue.Enqueue))
+	_, _ = c.informer.AddEventHandler(cache.ResourceEventHandlerFuncs{UpdateFunc: observeTransitions})
 	return c, nil
 }
 
@@ -503,6 +504,26 @@ func (c *Controller) settle(ctx context.Context, mig *kubevirtv1.VirtualMachineI
 
 var migrationsSettled = metrics.Default().Counter("kubevirt_vmi_migrations_settled_total",
 	"VirtualMachineInstanceMigrations that ended, by phase.", "phase")
+
+// transitionBuckets span a migration's phases from a second to an hour.
+var transitionBuckets = []float64{0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600}
+
+var phaseTransitions = metrics.Default().Histogram("kubevirt_vmi_migration_phase_transition_time_from_creation_seconds",
+	"Histogram of VM migration phase transitions duration from creation time in seconds.", transitionBuckets, "phase")
+
+// observeTransitions counts the phases a migration entered between two
+// of its versions (whoever wrote them: the brain or a node agent), each
+// by how long after the migration's creation.
+func observeTransitions(oldObj, newObj any) {
+	old, ok1 := oldObj.(*kubevirtv1.VirtualMachineInstanceMigration)
+	m, ok2 := newObj.(*kubevirtv1.VirtualMachineInstanceMigration)
+	if !ok1 || !ok2 {
+		return
+	}
+	for _, t := range m.Status.PhaseTransitionTimestamps[min(len(old.Status.PhaseTransitionTimestamps), len(m.Status.PhaseTransitionTimestamps)):] {
+		phaseTransitions.With(string(t.Phase)).Observe(t.PhaseTransitionTimestamp.Sub(m.CreationTimestamp.Time).Seconds())
+	}
+}
 
 // abort asks the source to abort a deleted migration; one that never got a
 // target ends at once.

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -23,6 +24,7 @@ import (
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/migstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/kit/metrics"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 	"github.com/nodevirt/nodevirt/test/testkit"
@@ -148,6 +150,22 @@ func (e *env) migrate(vmi string, added map[string]string) *kubevirtv1.VirtualMa
 	return m
 }
 
+// transitionsInto is how many migrations' transitions into phase the
+// brain's phase-transition histogram counted.
+func transitionsInto(phase kubevirtv1.VirtualMachineInstanceMigrationPhase) float64 {
+	for _, f := range metrics.Default().Gather() {
+		if f.Name != "kubevirt_vmi_migration_phase_transition_time_from_creation_seconds" {
+			continue
+		}
+		for _, s := range f.Samples {
+			if s.Suffix == "_count" && slices.Contains(s.Labels, metrics.Label{Name: "phase", Value: string(phase)}) {
+				return s.Value
+			}
+		}
+	}
+	return 0
+}
+
 // waitPhase waits until the migration is in phase (or, with gone, deleted).
 func (e *env) waitPhase(name string, phase kubevirtv1.VirtualMachineInstanceMigrationPhase) *kubevirtv1.VirtualMachineInstanceMigration {
 	e.t.Helper()
@@ -227,6 +245,7 @@ func TestMigrationPhases(t *testing.T) {
 		}
 	}
 
+	succeededBefore := transitionsInto(kubevirtv1.MigrationSucceeded)
 	mig := e.migrate("movable", map[string]string{"zone": "c"})
 	got := e.waitPhase(mig.Name, kubevirtv1.MigrationPreparingTarget)
 	if got.Labels[kubevirtv1.MigrationSelectorLabel] != "movable" {
@@ -271,6 +290,12 @@ func TestMigrationPhases(t *testing.T) {
 	if strings.Join(phases, ",") != "Pending,Scheduling,Scheduled,PreparingTarget,TargetReady,Running,Succeeded" {
 		t.Errorf("phases %v", phases)
 	}
+	testkit.Eventually(t, 30*time.Second, "the transition into Succeeded in the phase-transition histogram", func() error {
+		if n := transitionsInto(kubevirtv1.MigrationSucceeded); n != succeededBefore+1 {
+			return fmt.Errorf("%v transitions into Succeeded counted, %v before", n, succeededBefore)
+		}
+		return nil
+	})
 	vmi, err := e.virt.VMIs.Get(e.ctx, e.ns, "movable")
 	if err != nil || vmi.Status.NodeName != "mig-c" || vmi.Labels[kubevirtv1.NodeNameLabel] != "mig-c" ||
 		vmi.Status.MigrationState == nil || !vmi.Status.MigrationState.Completed || vmi.Status.MigrationState.Failed {
