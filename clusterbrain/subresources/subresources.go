@@ -205,6 +205,7 @@ func (s *Server) routes() []route {
 		{"virtualmachines", portForwardSub + "/", http.MethodGet, s.portForward},
 		{"virtualmachines", "addvolume", http.MethodPut, s.volumeVM(true)},
 		{"virtualmachines", "removevolume", http.MethodPut, s.volumeVM(false)},
+		{"virtualmachines", "objectgraph", http.MethodGet, s.objectGraphVM},
 		{"virtualmachineinstances", "pause", http.MethodPut, s.pauseVMI},
 		{"virtualmachineinstances", "unpause", http.MethodPut, s.unpauseVMI},
 		{"virtualmachineinstances", "softreboot", http.MethodPut, s.softRebootVMI},
@@ -220,6 +221,7 @@ func (s *Server) routes() []route {
 		{"virtualmachineinstances", "removevolume", http.MethodPut, s.volumeVMI(false)},
 		{"virtualmachineinstances", "freeze", http.MethodPut, s.freezeVMI},
 		{"virtualmachineinstances", "unfreeze", http.MethodPut, s.unfreezeVMI},
+		{"virtualmachineinstances", "objectgraph", http.MethodGet, s.objectGraphVMI},
 		{"expand-vm-spec", "", http.MethodPut, s.expandSpecBody},
 	}
 }

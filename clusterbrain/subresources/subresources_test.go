@@ -224,7 +224,8 @@ func TestDiscoveryAndVersion(t *testing.T) {
 			"virtualmachineinstances/vnc", "virtualmachineinstances/guestosinfo", "expand-vm-spec",
 			"virtualmachineinstances/portforward", "virtualmachines/portforward", "virtualmachineinstances/reset",
 			"virtualmachines/addvolume", "virtualmachines/removevolume", "virtualmachineinstances/addvolume", "virtualmachineinstances/removevolume",
-			"virtualmachineinstances/freeze", "virtualmachineinstances/unfreeze"} {
+			"virtualmachineinstances/freeze", "virtualmachineinstances/unfreeze",
+			"virtualmachines/objectgraph", "virtualmachineinstances/objectgraph"} {
 			if !names[want] {
 				t.Errorf("%s discovery lacks %s", v, want)
 			}
@@ -232,7 +233,7 @@ func TestDiscoveryAndVersion(t *testing.T) {
 		// What is not served is not advertised (virtctl would find it and
 		// get a 404).
 		for _, absent := range []string{"virtualmachineinstances/backup", "virtualmachineinstances/sev/fetchcertchain",
-			"virtualmachines/objectgraph", "virtualmachines/evacuate/cancel", "virtualmachineinstances/redefine-checkpoint"} {
+			"virtualmachines/evacuate/cancel", "virtualmachineinstances/redefine-checkpoint"} {
 			if names[absent] {
 				t.Errorf("%s discovery advertises %s, which is not served", v, absent)
 			}

@@ -36,6 +36,10 @@ const (
 	// ephemeral VMI hotplug allowed). The subresources are served with
 	// either gate or none.
 	HotplugVolumes = "HotplugVolumes"
+	// ObjectGraph serves the objectgraph subresource of VMs and VMIs
+	// (alpha in KubeVirt): without it the request is refused, as by
+	// virt-api.
+	ObjectGraph = "ObjectGraph"
 )
 
 // CDI feature gates nodevirt implements.
@@ -49,7 +53,7 @@ const (
 
 // KubeVirtImplemented are the KubeVirt gates that gate something nodevirt
 // does. Rendered KubeVirt CRs advertise no other gate.
-var KubeVirtImplemented = []string{HostDisk, VideoConfig, DeclarativeHotplugVolumes, HotplugVolumes}
+var KubeVirtImplemented = []string{HostDisk, VideoConfig, DeclarativeHotplugVolumes, HotplugVolumes, ObjectGraph}
 
 // CDIImplemented are the CDI gates that gate something nodevirt does.
 var CDIImplemented = []string{HonorWaitForFirstConsumer}

@@ -186,6 +186,13 @@ func (c *Client) ExpandSpec(ctx context.Context, name string, out any) error {
 	return c.do(ctx, http.MethodGet, "virtualmachines", name, "expand-spec", nil, out)
 }
 
+// ObjectGraph reads {resource}/{name}/objectgraph (virtualmachines or
+// virtualmachineinstances) into out; opts, when not nil, is the
+// ObjectGraphOptions body upstream's client sends with the GET.
+func (c *Client) ObjectGraph(ctx context.Context, resource, name string, opts, out any) error {
+	return c.do(ctx, http.MethodGet, resource, name, "objectgraph", opts, out)
+}
+
 // Version reads /apis/subresources.kubevirt.io/v1/version into out.
 func (c *Client) Version(ctx context.Context, out any) error {
 	u, err := url.Parse(c.Config.Host)
