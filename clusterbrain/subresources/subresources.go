@@ -206,6 +206,7 @@ func (s *Server) routes() []route {
 		{"virtualmachines", "addvolume", http.MethodPut, s.volumeVM(true)},
 		{"virtualmachines", "removevolume", http.MethodPut, s.volumeVM(false)},
 		{"virtualmachines", "objectgraph", http.MethodGet, s.objectGraphVM},
+		{"virtualmachines", "evacuate/cancel", http.MethodPut, s.evacuateCancelVM},
 		{"virtualmachineinstances", "pause", http.MethodPut, s.pauseVMI},
 		{"virtualmachineinstances", "unpause", http.MethodPut, s.unpauseVMI},
 		{"virtualmachineinstances", "softreboot", http.MethodPut, s.softRebootVMI},
@@ -222,6 +223,7 @@ func (s *Server) routes() []route {
 		{"virtualmachineinstances", "freeze", http.MethodPut, s.freezeVMI},
 		{"virtualmachineinstances", "unfreeze", http.MethodPut, s.unfreezeVMI},
 		{"virtualmachineinstances", "objectgraph", http.MethodGet, s.objectGraphVMI},
+		{"virtualmachineinstances", "evacuate/cancel", http.MethodPut, s.evacuateCancelVMI},
 		{"expand-vm-spec", "", http.MethodPut, s.expandSpecBody},
 	}
 }
