@@ -56,56 +56,60 @@ func graphNode(resource, namespace, name string, optional bool, children ...kube
 	return n
 }
 
-// objectGraphVM answers virtualmachines/{name}/objectgraph: the objects
-// the VM depends on, as KubeVirt's virt-api builds them.
-func (s *Server) objectGraphVM(w http.ResponseWriter, r *http.Request, req request, _ *slog.Logger) error {
-	opts, err := s.graphRequest(r)
-	if err != nil {
-		return err
+// objectGraph answers {resource}/{name}/objectgraph with the graph build
+// makes of the named object, filtered by the request's options.
+func (s *Server) objectGraph(build func(ctx context.Context, ns, name string) (kubevirtv1.ObjectGraphNode, error)) handler {
+	return func(w http.ResponseWriter, r *http.Request, req request, _ *slog.Logger) error {
+		opts, err := s.graphRequest(r)
+		if err != nil {
+			return err
+		}
+		root, err := build(r.Context(), req.namespace, req.name)
+		if err != nil {
+			return err
+		}
+		return writeGraph(w, root, opts)
 	}
-	vm, err := s.getVM(r.Context(), req.namespace, req.name)
+}
+
+// vmGraph is what a VM depends on, as KubeVirt's virt-api finds it.
+func (s *Server) vmGraph(ctx context.Context, ns, name string) (kubevirtv1.ObjectGraphNode, error) {
+	vm, err := s.getVM(ctx, ns, name)
 	if err != nil {
-		return err
+		return kubevirtv1.ObjectGraphNode{}, err
 	}
 	var children []kubevirtv1.ObjectGraphNode
 	if vm.Status.Created {
-		vmi := graphNode("virtualmachineinstances", vm.Namespace, vm.Name, false)
-		if vmi.Children, err = s.capacityPods(r.Context(), vm.Namespace, vm.Name); err != nil {
-			return err
+		vmi := graphNode("virtualmachineinstances", ns, name, false)
+		if vmi.Children, err = s.capacityPods(ctx, ns, name); err != nil {
+			return kubevirtv1.ObjectGraphNode{}, err
 		}
 		children = append(children, vmi)
 	}
 	if m := vm.Spec.Instancetype; m != nil {
-		children = append(children, matcherNodes(m, "virtualmachineclusterinstancetypes", vm.Status.InstancetypeRef, vm.Namespace)...)
+		children = append(children, matcherNodes(m, "virtualmachineclusterinstancetypes", vm.Status.InstancetypeRef, ns)...)
 	}
 	if m := vm.Spec.Preference; m != nil {
-		children = append(children, matcherNodes(m, "virtualmachineclusterpreferences", vm.Status.PreferenceRef, vm.Namespace)...)
+		children = append(children, matcherNodes(m, "virtualmachineclusterpreferences", vm.Status.PreferenceRef, ns)...)
 	}
 	if t := vm.Spec.Template; t != nil {
-		children = append(children, specNodes(&t.Spec, vm.Namespace)...)
+		children = append(children, specNodes(&t.Spec, ns)...)
 	}
-	return writeGraph(w, graphNode("virtualmachines", vm.Namespace, vm.Name, false, children...), opts)
+	return graphNode("virtualmachines", ns, name, false, children...), nil
 }
 
-// objectGraphVMI answers virtualmachineinstances/{name}/objectgraph.
-func (s *Server) objectGraphVMI(w http.ResponseWriter, r *http.Request, req request, _ *slog.Logger) error {
-	opts, err := s.graphRequest(r)
+// vmiGraph is what a VMI depends on.
+func (s *Server) vmiGraph(ctx context.Context, ns, name string) (kubevirtv1.ObjectGraphNode, error) {
+	vmi, err := s.fetchVMI(ctx, ns, name)
 	if err != nil {
-		return err
+		return kubevirtv1.ObjectGraphNode{}, err
 	}
-	vmi, err := s.getVMI(r.Context(), req.namespace, req.name)
+	children, err := s.capacityPods(ctx, ns, name)
 	if err != nil {
-		return err
+		return kubevirtv1.ObjectGraphNode{}, err
 	}
-	if vmi == nil {
-		return apierrors.NewNotFound(kubevirtv1.Resource("virtualmachineinstance"), req.name)
-	}
-	children, err := s.capacityPods(r.Context(), vmi.Namespace, vmi.Name)
-	if err != nil {
-		return err
-	}
-	children = append(children, specNodes(&vmi.Spec, vmi.Namespace)...)
-	return writeGraph(w, graphNode("virtualmachineinstances", vmi.Namespace, vmi.Name, false, children...), opts)
+	children = append(children, specNodes(&vmi.Spec, ns)...)
+	return graphNode("virtualmachineinstances", ns, name, false, children...), nil
 }
 
 // graphRequest refuses the request unless the KubeVirt CR turns the

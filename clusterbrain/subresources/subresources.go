@@ -205,7 +205,7 @@ func (s *Server) routes() []route {
 		{"virtualmachines", portForwardSub + "/", http.MethodGet, s.portForward},
 		{"virtualmachines", "addvolume", http.MethodPut, s.volumeVM(true)},
 		{"virtualmachines", "removevolume", http.MethodPut, s.volumeVM(false)},
-		{"virtualmachines", "objectgraph", http.MethodGet, s.objectGraphVM},
+		{"virtualmachines", "objectgraph", http.MethodGet, s.objectGraph(s.vmGraph)},
 		{"virtualmachines", "evacuate/cancel", http.MethodPut, s.evacuateCancelVM},
 		{"virtualmachineinstances", "pause", http.MethodPut, s.pauseVMI},
 		{"virtualmachineinstances", "unpause", http.MethodPut, s.unpauseVMI},
@@ -222,7 +222,7 @@ func (s *Server) routes() []route {
 		{"virtualmachineinstances", "removevolume", http.MethodPut, s.volumeVMI(false)},
 		{"virtualmachineinstances", "freeze", http.MethodPut, s.freezeVMI},
 		{"virtualmachineinstances", "unfreeze", http.MethodPut, s.unfreezeVMI},
-		{"virtualmachineinstances", "objectgraph", http.MethodGet, s.objectGraphVMI},
+		{"virtualmachineinstances", "objectgraph", http.MethodGet, s.objectGraph(s.vmiGraph)},
 		{"virtualmachineinstances", "evacuate/cancel", http.MethodPut, s.evacuateCancelVMI},
 		{"expand-vm-spec", "", http.MethodPut, s.expandSpecBody},
 	}
