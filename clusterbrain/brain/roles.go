@@ -191,7 +191,7 @@ var leaderRoles = []RoleFactory{
 	func(d *Deps) (Role, error) {
 		// VirtualMachineInstanceReplicaSets' VMIs and VirtualMachinePools'
 		// VMs kept at their replica counts.
-		return replicas.New(replicas.Config{Virt: d.Virt, VMIs: d.vmis, VMs: d.vms, CPUModels: d.CPUModels,
+		return replicas.New(replicas.Config{Virt: d.Virt, Kube: d.Kube, VMIs: d.vmis, VMs: d.vms, CPUModels: d.CPUModels,
 			MemoryOvercommit: d.MemoryOvercommit, Log: d.Log.With("role", "replicas")})
 	},
 	func(d *Deps) (Role, error) {
