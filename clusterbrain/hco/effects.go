@@ -68,7 +68,7 @@ var (
 		"spec.featureGates.containerPathVolumes":                       "container path volumes are not supported",
 		"spec.liveMigrationConfig.network":                             "there is no dedicated migration network: migrations use the node IPs",
 		"spec.liveMigrationConfig.allowWorkloadDisruption":             "only a MigrationPolicy's allowWorkloadDisruption is read",
-		"spec.permittedHostDevices":                                    "host devices are not passed through",
+		"spec.permittedHostDevices":                                    "host devices are not passed through (the scheduler applies the list: a VMI naming a GPU or host device it does not list is not scheduled, a listed one waits for a node advertising it)",
 		"spec.resourceRequirements.storageWorkloads":                   "imports run inside the node agent, not in pods",
 		"spec.resourceRequirements.autoCPULimitNamespaceLabelSelector": "CPU limits are not set automatically",
 		"spec.scratchSpaceStorageClass":                                "imports need no scratch space",
