@@ -79,21 +79,24 @@ func placedOn(base podPlacement, np *hcov1beta1.NodePlacement) podPlacement {
 		if out.Affinity.PodAffinity == nil {
 			out.Affinity.PodAffinity = &corev1.PodAffinity{}
 		}
-		pa = pa.DeepCopy()
-		dst := out.Affinity.PodAffinity
-		dst.RequiredDuringSchedulingIgnoredDuringExecution = append(dst.RequiredDuringSchedulingIgnoredDuringExecution, pa.RequiredDuringSchedulingIgnoredDuringExecution...)
-		dst.PreferredDuringSchedulingIgnoredDuringExecution = append(dst.PreferredDuringSchedulingIgnoredDuringExecution, pa.PreferredDuringSchedulingIgnoredDuringExecution...)
+		appendPodTerms(out.Affinity.PodAffinity, pa)
 	}
 	if pa := np.Affinity.PodAntiAffinity; pa != nil {
 		if out.Affinity.PodAntiAffinity == nil {
 			out.Affinity.PodAntiAffinity = &corev1.PodAntiAffinity{}
 		}
-		pa = pa.DeepCopy()
-		dst := out.Affinity.PodAntiAffinity
-		dst.RequiredDuringSchedulingIgnoredDuringExecution = append(dst.RequiredDuringSchedulingIgnoredDuringExecution, pa.RequiredDuringSchedulingIgnoredDuringExecution...)
-		dst.PreferredDuringSchedulingIgnoredDuringExecution = append(dst.PreferredDuringSchedulingIgnoredDuringExecution, pa.PreferredDuringSchedulingIgnoredDuringExecution...)
+		// The two kinds hold the same term lists.
+		appendPodTerms((*corev1.PodAffinity)(out.Affinity.PodAntiAffinity), (*corev1.PodAffinity)(pa))
 	}
 	return out
+}
+
+// appendPodTerms appends copies of src's required and preferred terms to
+// dst's.
+func appendPodTerms(dst, src *corev1.PodAffinity) {
+	src = src.DeepCopy()
+	dst.RequiredDuringSchedulingIgnoredDuringExecution = append(dst.RequiredDuringSchedulingIgnoredDuringExecution, src.RequiredDuringSchedulingIgnoredDuringExecution...)
+	dst.PreferredDuringSchedulingIgnoredDuringExecution = append(dst.PreferredDuringSchedulingIgnoredDuringExecution, src.PreferredDuringSchedulingIgnoredDuringExecution...)
 }
 
 // placeBrain gives the brain's own Deployment (Config.BrainDeployment) the

@@ -110,4 +110,16 @@ func TestPlacedOnKeepsTheTemplatesOwnKeys(t *testing.T) {
 	if got := placedOn(base, nil); !equality.Semantic.DeepEqual(got, base) {
 		t.Errorf("nil placement gave %+v", got)
 	}
+	// Pod anti-affinity terms are appended to the template's own.
+	term := func(key string) corev1.PodAffinityTerm { return corev1.PodAffinityTerm{TopologyKey: key} }
+	base.Affinity = &corev1.Affinity{PodAntiAffinity: &corev1.PodAntiAffinity{RequiredDuringSchedulingIgnoredDuringExecution: []corev1.PodAffinityTerm{term("own")}}}
+	got = placedOn(base, &hcov1beta1.NodePlacement{Affinity: &corev1.Affinity{
+		PodAntiAffinity: &corev1.PodAntiAffinity{RequiredDuringSchedulingIgnoredDuringExecution: []corev1.PodAffinityTerm{term("placed")}}}})
+	if terms := got.Affinity.PodAntiAffinity.RequiredDuringSchedulingIgnoredDuringExecution; len(terms) != 2 ||
+		terms[0].TopologyKey != "own" || terms[1].TopologyKey != "placed" {
+		t.Errorf("pod anti-affinity %+v, want the template's term then the placement's", terms)
+	}
+	if len(base.Affinity.PodAntiAffinity.RequiredDuringSchedulingIgnoredDuringExecution) != 1 {
+		t.Error("the base's affinity was changed")
+	}
 }
