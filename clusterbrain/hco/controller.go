@@ -119,6 +119,9 @@ type Controller struct {
 	// nodes is cfg.Nodes, else the role's own informer (ownNodes).
 	nodes    cache.SharedIndexInformer
 	ownNodes bool
+	// unplacedLogged: the infra placement a brain without a Deployment
+	// cannot apply was logged (once per run; syncs run on one worker).
+	unplacedLogged bool
 }
 
 // New validates cfg and builds the role.

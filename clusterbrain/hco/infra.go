@@ -107,6 +107,10 @@ func appendPodTerms(dst, src *corev1.PodAffinity) {
 // without a Deployment named (a brain not run by one).
 func (c *Controller) placeBrain(ctx context.Context, hc *hcov1beta1.HyperConverged, log *slog.Logger) error {
 	if c.cfg.BrainDeployment == "" {
+		if hc.Spec.Infra.NodePlacement != nil && !c.unplacedLogged {
+			log.Warn("spec.infra.nodePlacement has no effect: the brain was not given its Deployment (--deployment)")
+			c.unplacedLogged = true
+		}
 		return nil
 	}
 	deployments := c.cfg.Kube.AppsV1().Deployments(c.cfg.Namespace)
