@@ -92,6 +92,10 @@ type Config struct {
 	// image those pods run (capacitypods.DefaultImage when empty).
 	CapacityPods     bool
 	CapacityPodImage string
+	// Deployment names the brain's own Deployment in Namespace, which
+	// the HyperConverged's spec.infra.nodePlacement places (empty: the
+	// brain is not run by a Deployment).
+	Deployment string
 	// Log receives structured logs.
 	Log *slog.Logger
 	// LogLevel, when set, is Log's level, which then follows the KubeVirt

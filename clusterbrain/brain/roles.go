@@ -122,7 +122,7 @@ var leaderRoles = []RoleFactory{
 	},
 	func(d *Deps) (Role, error) {
 		return hco.New(hco.Config{Namespace: d.Config.Namespace, Kube: d.Kube, Virt: d.Virt, Log: d.Log.With("role", "hco"), BrainHealth: d.Health.Ready,
-			Probes: childProbes(d), Nodes: d.nodes})
+			Probes: childProbes(d), Nodes: d.nodes, BrainDeployment: d.Config.Deployment})
 	},
 	func(d *Deps) (Role, error) {
 		return instancetypes.New(instancetypes.Config{Virt: d.Virt, Namespace: d.Config.Namespace, Log: d.Log.With("role", "common-instancetypes")})
@@ -191,7 +191,7 @@ var leaderRoles = []RoleFactory{
 	func(d *Deps) (Role, error) {
 		// VirtualMachineInstanceReplicaSets' VMIs and VirtualMachinePools'
 		// VMs kept at their replica counts.
-		return replicas.New(replicas.Config{Virt: d.Virt, VMIs: d.vmis, VMs: d.vms, CPUModels: d.CPUModels,
+		return replicas.New(replicas.Config{Virt: d.Virt, Kube: d.Kube, VMIs: d.vmis, VMs: d.vms, CPUModels: d.CPUModels,
 			MemoryOvercommit: d.MemoryOvercommit, Log: d.Log.With("role", "replicas")})
 	},
 	func(d *Deps) (Role, error) {

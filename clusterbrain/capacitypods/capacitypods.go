@@ -11,7 +11,10 @@
 // collected with it) and deleted when the VMI finishes or moves. A pod
 // keeps the requests it was made with: a later overcommit change reaches
 // the pods made after it (a VMI's own memory request, which the webhooks
-// and the controllers set at creation, never changes).
+// and the controllers set at creation, never changes). KubeVirt does the
+// same: its VMI defaulting turns the overcommit into the VMI's memory
+// request at admission, and the virt-launcher pod's resources, rendered
+// from that request, are fixed once the pod exists.
 //
 // When kubelet refuses the pod (pods took the node's memory first), the pod
 // ends Failed and a Warning event CapacityConflict names it on the VMI; the

@@ -27,12 +27,14 @@ import (
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"sigs.k8s.io/yaml"
 
 	hcov1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hco/v1beta1"
+	"github.com/nodevirt/nodevirt/clusterbrain/hco"
 	"github.com/nodevirt/nodevirt/clusterbrain/rbac"
 	"github.com/nodevirt/nodevirt/csi"
 	"github.com/nodevirt/nodevirt/test/controlplane"
@@ -227,14 +229,14 @@ func TestManifestsKeepTheirPromises(t *testing.T) {
 			t.Errorf("service account %s missing", sa)
 		}
 	}
-	var hco hcov1beta1.HyperConverged
+	var hc hcov1beta1.HyperConverged
 	if b, err := os.ReadFile("hyperconverged.yaml"); err != nil {
 		t.Fatal(err)
-	} else if err := yaml.UnmarshalStrict(b, &hco); err != nil {
+	} else if err := yaml.UnmarshalStrict(b, &hc); err != nil {
 		t.Fatalf("hyperconverged.yaml: %v", err)
 	}
-	if hco.Name != hcov1beta1.Name || hco.Namespace != hcov1beta1.DefaultNamespace || rbac.InstallNamespace != hcov1beta1.DefaultNamespace {
-		t.Errorf("HyperConverged %s/%s", hco.Namespace, hco.Name)
+	if hc.Name != hcov1beta1.Name || hc.Namespace != hcov1beta1.DefaultNamespace || rbac.InstallNamespace != hcov1beta1.DefaultNamespace {
+		t.Errorf("HyperConverged %s/%s", hc.Namespace, hc.Name)
 	}
 	if objs["Namespace/"+rbac.InstallNamespace] == nil {
 		t.Errorf("namespace %s missing", rbac.InstallNamespace)
@@ -262,6 +264,24 @@ func TestManifestsKeepTheirPromises(t *testing.T) {
 	}
 	if !slices.Contains(bc.Args, "--capacity-pods") {
 		t.Error("kube-scheduler would not see the VMs' capacity (--capacity-pods)")
+	}
+	// The brain places its own Deployment (spec.infra.nodePlacement)
+	// onto the template's own placement, which the annotation repeats.
+	if brain.Name != rbac.BrainDeployment || !slices.Contains(bc.Args, "--deployment="+brain.Name) {
+		t.Errorf("brain deployment %s, args %q: the brain would not place itself", brain.Name, bc.Args)
+	}
+	var base struct {
+		NodeSelector map[string]string   `json:"nodeSelector,omitempty"`
+		Affinity     *corev1.Affinity    `json:"affinity,omitempty"`
+		Tolerations  []corev1.Toleration `json:"tolerations,omitempty"`
+	}
+	bs := brain.Spec.Template.Spec
+	if err := json.Unmarshal([]byte(brain.Annotations[hco.PlacementBaseAnnotation]), &base); err != nil {
+		t.Errorf("brain deployment annotation %s: %v", hco.PlacementBaseAnnotation, err)
+	} else if !equality.Semantic.DeepEqual(base.NodeSelector, bs.NodeSelector) || !equality.Semantic.DeepEqual(base.Affinity, bs.Affinity) ||
+		!equality.Semantic.DeepEqual(base.Tolerations, bs.Tolerations) {
+		t.Errorf("brain deployment annotation %s is %+v; the template's own placement is %v %+v %v",
+			hco.PlacementBaseAnnotation, base, bs.NodeSelector, bs.Affinity, bs.Tolerations)
 	}
 	pdb, ok := objs["PodDisruptionBudget/nodevirt-clusterbrain"].(*policyv1.PodDisruptionBudget)
 	if !ok || pdb.Spec.MinAvailable == nil || pdb.Spec.MinAvailable.IntValue() != 1 ||

@@ -58,6 +58,10 @@ type Config struct {
 	// ProbeEvery re-reconciles this often while Probes are set, since
 	// nothing watched signals a role stopping (default 30s).
 	ProbeEvery time.Duration
+	// BrainDeployment names the brain's own Deployment in Namespace,
+	// which spec.infra.nodePlacement places (placeBrain); empty: the brain
+	// is not run by a Deployment and the infra placement places nothing.
+	BrainDeployment string
 	// Nodes is the brain's shared informer of every Node, from whose
 	// cache the node agents are judged; nil: the role runs one of its own.
 	Nodes cache.SharedIndexInformer
@@ -112,6 +116,9 @@ type Controller struct {
 	// next probe comes sooner.
 	probesFailing bool
 	nodes         controller.Nodes
+	// unplacedLogged: the infra placement a brain without a Deployment
+	// cannot apply was logged (once per run; syncs run on one worker).
+	unplacedLogged bool
 }
 
 // New validates cfg and builds the role.
@@ -235,6 +242,8 @@ func (c *Controller) Sync(ctx context.Context, ns, name string) (time.Duration, 
 	if err != nil {
 		return 0, err
 	}
+	// Retried with back-off, after the status is written.
+	placeErr := c.placeBrain(ctx, hc, log)
 	var again time.Duration
 	if len(c.cfg.Probes) > 0 {
 		again = c.cfg.ProbeEvery
@@ -244,7 +253,7 @@ func (c *Controller) Sync(ctx context.Context, ns, name string) (time.Duration, 
 		}
 		c.mu.Unlock()
 	}
-	return again, c.writeStatus(ctx, hc, aggregate(health, brainErr), related)
+	return again, errors.Join(c.writeStatus(ctx, hc, aggregate(health, brainErr), related), placeErr)
 }
 
 // nodeList is every Node of the informer's cache (its own objects: read,

@@ -20,6 +20,7 @@ var (
 	// effective fields: path → the package that acts on it.
 	effective = map[string]string{
 		"spec.workloads":                                             "scheduler (VMIs and migration targets only on the nodes it admits, as virt-handler's placement), hostpathprovisioner (the storage pools)",
+		"spec.infra":                                                 "hco (the brain's own Deployment, given with --deployment as the manifests do: node selector, affinity and tolerations merged onto its own; a brain not run by a Deployment is not placed)",
 		"spec.featureGates.videoConfig":                              "launcher/domain (VideoConfig gate)",
 		"spec.featureGates.declarativeHotplugVolumes":                "vmcontroller, subresources (DeclarativeHotplugVolumes or HotplugVolumes gate)",
 		"spec.liveMigrationConfig.parallelMigrationsPerCluster":      "migration",
@@ -55,7 +56,6 @@ var (
 	inert = map[string]string{
 		"spec.localStorageClassName":                                   "nodevirt makes no local storage class from it",
 		"spec.tuningPolicy":                                            "the API client rate tuning is not applied",
-		"spec.infra":                                                   "the brain is not placed by the HyperConverged",
 		"spec.featureGates.downwardMetrics":                            "downward metrics are not served to guests",
 		"spec.featureGates.deployKubeSecondaryDNS":                     "no secondary DNS is deployed",
 		"spec.featureGates.disableMDevConfiguration":                   "mediated devices are not configured",
@@ -68,7 +68,7 @@ var (
 		"spec.featureGates.containerPathVolumes":                       "container path volumes are not supported",
 		"spec.liveMigrationConfig.network":                             "there is no dedicated migration network: migrations use the node IPs",
 		"spec.liveMigrationConfig.allowWorkloadDisruption":             "only a MigrationPolicy's allowWorkloadDisruption is read",
-		"spec.permittedHostDevices":                                    "host devices are not passed through",
+		"spec.permittedHostDevices":                                    "host devices are not passed through (the scheduler applies the list: a VMI naming a GPU or host device it does not list is not scheduled, a listed one waits for a node advertising it)",
 		"spec.resourceRequirements.storageWorkloads":                   "imports run inside the node agent, not in pods",
 		"spec.resourceRequirements.autoCPULimitNamespaceLabelSelector": "CPU limits are not set automatically",
 		"spec.scratchSpaceStorageClass":                                "imports need no scratch space",

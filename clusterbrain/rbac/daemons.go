@@ -105,6 +105,9 @@ func BrainRules() []rbacv1.PolicyRule {
 		rule("discovery.k8s.io", []string{"endpointslices"}, all...),
 		rule("coordination.k8s.io", []string{"leases"}, all...),
 		rule("apps", []string{"controllerrevisions"}, all...),
+		// Its own Deployment, placed by the HyperConverged's spec.infra.
+		{APIGroups: []string{"apps"}, Resources: []string{"deployments"}, ResourceNames: []string{BrainDeployment},
+			Verbs: []string{"get", "update", "patch"}},
 		rule("storage.k8s.io", []string{"storageclasses", "csidrivers"}, all...),
 		rule("apiextensions.k8s.io", []string{"customresourcedefinitions"}, all...),
 		rule("apiregistration.k8s.io", []string{"apiservices"}, all...),

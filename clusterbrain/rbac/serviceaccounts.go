@@ -21,8 +21,11 @@ import (
 //     token of that account not bound to a pod names no node and can write
 //     none of a node's objects.
 const (
-	InstallNamespace        = "kubevirt-hyperconverged"
-	BrainServiceAccount     = "nodevirt-clusterbrain"
+	InstallNamespace    = "kubevirt-hyperconverged"
+	BrainServiceAccount = "nodevirt-clusterbrain"
+	// BrainDeployment is the brain's Deployment in the manifests (its
+	// --deployment), which it may read and update to place itself.
+	BrainDeployment         = "nodevirt-clusterbrain"
 	NodeAgentServiceAccount = "nodevirt-nodeagent"
 	NodeNameExtra           = "authentication.kubernetes.io/node-name"
 )

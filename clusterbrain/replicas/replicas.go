@@ -18,6 +18,16 @@
 // controller's creates. A pool makes VMs, whose VMIs the VM controller
 // makes the same way.
 //
+// Each create and delete is an Event on the owner, with KubeVirt's reasons
+// and messages (SuccessfulCreate, FailedCreate, SuccessfulDelete,
+// FailedDelete). A sync that cannot bring the members to the count (a
+// refused create, a failed delete) sets the owner's ReplicaFailure
+// condition, as KubeVirt's controllers do: a replica set's reason is
+// FailedCreate or FailedDelete with the API error as message, a pool's
+// FailedScaleOut or FailedScaleIn ("error during scale out: ...", also sent
+// as an Event). The first sync that succeeds removes it; the failed one is
+// retried with back-off, and a change of the owner syncs it at once.
+//
 // Not done: adopting matching orphans, spec.paused, pools' update,
 // scale-in and autohealing strategies, nameGeneration.
 package replicas
@@ -27,10 +37,13 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sort"
 	"strconv"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
@@ -48,9 +61,21 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 )
 
+// The reasons of the Events and ReplicaFailure conditions, KubeVirt's.
+const (
+	reasonSuccessfulCreate = "SuccessfulCreate"
+	reasonFailedCreate     = "FailedCreate"
+	reasonSuccessfulDelete = "SuccessfulDelete"
+	reasonFailedDelete     = "FailedDelete"
+	reasonFailedScaleOut   = "FailedScaleOut"
+	reasonFailedScaleIn    = "FailedScaleIn"
+)
+
 // Config configures the controller.
 type Config struct {
 	Virt *client.Set
+	// Kube writes the owners' Events.
+	Kube controller.EventsClient
 	// VMIs and VMs are the shared informers of all VMIs and VMs (run by
 	// their owner).
 	VMIs, VMs cache.SharedIndexInformer
@@ -66,20 +91,22 @@ type Controller struct {
 	cfg             Config
 	sets, pools     cache.SharedIndexInformer
 	setQ, poolQ     *controller.Queue
+	recorder        *controller.Recorder
 	cacheWaitPeriod time.Duration
 }
 
 // New validates cfg and registers with the informers.
 func New(cfg Config) (*Controller, error) {
-	if cfg.Virt == nil || cfg.VMIs == nil || cfg.VMs == nil {
-		return nil, errors.New("replicas: the client set and the VMI and VM informers are required")
+	if cfg.Virt == nil || cfg.Kube == nil || cfg.VMIs == nil || cfg.VMs == nil {
+		return nil, errors.New("replicas: the clients and the VMI and VM informers are required")
 	}
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
 	}
 	c := &Controller{cfg: cfg, cacheWaitPeriod: 10 * time.Second,
-		sets:  cfg.Virt.VMIReplicaSets.Informer("", 0, nil),
-		pools: cfg.Virt.VMPools.Informer("", 0, nil)}
+		recorder: controller.NewRecorder(client.NewScheme(), "nodevirt-replicas"),
+		sets:     cfg.Virt.VMIReplicaSets.Informer("", 0, nil),
+		pools:    cfg.Virt.VMPools.Informer("", 0, nil)}
 	var err error
 	if c.setQ, err = controller.New(controller.Config{Name: "vmi-replicasets", Sync: controller.NoRequeue(c.syncSet),
 		Backoff: controller.BackoffAPI, Log: cfg.Log, KeyAttr: "replicaset", Quiet: apierrors.IsConflict}); err != nil {
@@ -119,6 +146,7 @@ func (c *Controller) Name() string { return "replicas" }
 // Run runs the informers of both kinds and works both queues until ctx
 // ends.
 func (c *Controller) Run(ctx context.Context) error {
+	defer c.recorder.Start(c.cfg.Kube)()
 	go c.sets.RunWithContext(ctx)
 	go c.pools.RunWithContext(ctx)
 	errs := make(chan error, 2)
@@ -172,13 +200,12 @@ func (c *Controller) syncSet(ctx context.Context, key string) error {
 	if err != nil {
 		return err
 	}
-	var active []*kubevirtv1.VirtualMachineInstance
-	var gone []string
+	var active, finished []*kubevirtv1.VirtualMachineInstance
 	for _, vmi := range members {
 		switch {
 		case vmi.DeletionTimestamp != nil:
 		case vmi.IsFinal():
-			gone = append(gone, vmi.Name)
+			finished = append(finished, vmi)
 		default:
 			active = append(active, vmi)
 		}
@@ -192,32 +219,38 @@ func (c *Controller) syncSet(ctx context.Context, key string) error {
 		}
 		return active[j].CreationTimestamp.Before(&active[i].CreationTimestamp)
 	})
-	if surplus := len(active) - want; surplus > 0 {
-		for _, vmi := range active[:surplus] {
-			gone = append(gone, vmi.Name)
-		}
-		active = active[surplus:]
+	var surplus []*kubevirtv1.VirtualMachineInstance
+	if n := len(active) - want; n > 0 {
+		surplus, active = active[:n], active[n:]
 	}
-	for _, name := range gone {
-		if err := c.cfg.Virt.VMIs.Delete(ctx, rs.Namespace, name, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
-			return fmt.Errorf("replica set %s: delete vmi %s: %w", key, name, err)
+	var made, gone []string
+	var failed *scaleFailure
+	for _, vmi := range slices.Concat(surplus, finished) {
+		if err := c.cfg.Virt.VMIs.Delete(ctx, rs.Namespace, vmi.Name, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+			c.recorder.Eventf(rs, corev1.EventTypeWarning, reasonFailedDelete, "Error deleting virtual machine instance %s: %v", vmi.Name, err)
+			failed = &scaleFailure{reasonFailedDelete, err}
+			break
 		}
-		c.cfg.Log.Info("replica set vmi deleted", "namespace", rs.Namespace, "replicaset", rs.Name, "vmi", name)
+		gone = append(gone, vmi.Name)
+		if vmi.IsFinal() {
+			c.recorder.Eventf(rs, corev1.EventTypeNormal, reasonSuccessfulDelete, "Deleted finished virtual machine: %s", vmi.UID)
+		} else {
+			c.recorder.Eventf(rs, corev1.EventTypeNormal, reasonSuccessfulDelete, "Stopped the virtual machine by deleting the virtual machine instance %s", vmi.UID)
+		}
+		c.cfg.Log.Info("replica set vmi deleted", "namespace", rs.Namespace, "replicaset", rs.Name, "vmi", vmi.Name)
 	}
-	var made []string
 	for range want - len(active) {
-		vmi := &kubevirtv1.VirtualMachineInstance{ObjectMeta: metav1.ObjectMeta{GenerateName: rs.Name, Namespace: rs.Namespace,
-			Labels: rs.Spec.Template.ObjectMeta.Labels, Annotations: rs.Spec.Template.ObjectMeta.Annotations,
-			OwnerReferences: controllerRef(kubevirtv1.GroupVersion.String(), "VirtualMachineInstanceReplicaSet", rs.Name, rs.UID)},
-			Spec: *rs.Spec.Template.Spec.DeepCopy()}
-		if err := admission.AdmitVMICreate(vmi, c.cfg.CPUModels.Get(), c.cfg.MemoryOvercommit.Get()); err != nil {
-			return fmt.Errorf("replica set %s: create vmi: %w", key, err)
+		if failed != nil {
+			break
 		}
-		created, err := c.cfg.Virt.VMIs.Create(ctx, vmi)
+		created, err := c.createMember(ctx, rs)
 		if err != nil {
-			return fmt.Errorf("replica set %s: create vmi: %w", key, err)
+			c.recorder.Eventf(rs, corev1.EventTypeWarning, reasonFailedCreate, "Error creating virtual machine instance: %v", err)
+			failed = &scaleFailure{reasonFailedCreate, err}
+			break
 		}
 		made = append(made, created.Name)
+		c.recorder.Eventf(rs, corev1.EventTypeNormal, reasonSuccessfulCreate, "Started the virtual machine by creating the new virtual machine instance %s", created.Name)
 		c.cfg.Log.Info("replica set vmi created", "namespace", rs.Namespace, "replicaset", rs.Name, "vmi", created.Name)
 	}
 	// The next sync counts from the cache: wait until it shows these
@@ -233,99 +266,33 @@ func (c *Controller) syncSet(ctx context.Context, key string) error {
 	}
 	st := rs.Status
 	st.Replicas, st.ReadyReplicas, st.LabelSelector = int32(len(active)+len(made)), int32(ready), sel.String()
-	if st.Replicas == rs.Status.Replicas && st.ReadyReplicas == rs.Status.ReadyReplicas && st.LabelSelector == rs.Status.LabelSelector {
-		return nil
+	st.Conditions, _ = withFailure(st.Conditions, failed, func(c kubevirtv1.VirtualMachineInstanceReplicaSetCondition) bool {
+		return c.Type == kubevirtv1.VirtualMachineInstanceReplicaSetReplicaFailure
+	}, func(reason, message string) kubevirtv1.VirtualMachineInstanceReplicaSetCondition {
+		return kubevirtv1.VirtualMachineInstanceReplicaSetCondition{Type: kubevirtv1.VirtualMachineInstanceReplicaSetReplicaFailure,
+			Status: corev1.ConditionTrue, Reason: reason, Message: message, LastTransitionTime: metav1.Now()}
+	})
+	if !equality.Semantic.DeepEqual(st, rs.Status) {
+		upd := rs.DeepCopy()
+		upd.Status = st
+		if _, err := c.cfg.Virt.VMIReplicaSets.UpdateStatus(ctx, upd); err != nil {
+			return errors.Join(failed.wrap("replica set "+key), fmt.Errorf("replica set %s: write status: %w", key, err))
+		}
 	}
-	upd := rs.DeepCopy()
-	upd.Status = st
-	if _, err := c.cfg.Virt.VMIReplicaSets.UpdateStatus(ctx, upd); err != nil {
-		return fmt.Errorf("replica set %s: write status: %w", key, err)
-	}
-	return nil
+	return failed.wrap("replica set " + key)
 }
 
-func (c *Controller) syncPool(ctx context.Context, key string) error {
-	obj, exists, err := c.pools.GetStore().GetByKey(key)
-	if err != nil || !exists {
-		return err
+// createMember creates one VMI from rs's template, admitted as the VMI
+// webhooks would admit it.
+func (c *Controller) createMember(ctx context.Context, rs *kubevirtv1.VirtualMachineInstanceReplicaSet) (*kubevirtv1.VirtualMachineInstance, error) {
+	vmi := &kubevirtv1.VirtualMachineInstance{ObjectMeta: metav1.ObjectMeta{GenerateName: rs.Name, Namespace: rs.Namespace,
+		Labels: rs.Spec.Template.ObjectMeta.Labels, Annotations: rs.Spec.Template.ObjectMeta.Annotations,
+		OwnerReferences: controllerRef(kubevirtv1.GroupVersion.String(), "VirtualMachineInstanceReplicaSet", rs.Name, rs.UID)},
+		Spec: *rs.Spec.Template.Spec.DeepCopy()}
+	if err := admission.AdmitVMICreate(vmi, c.cfg.CPUModels.Get(), c.cfg.MemoryOvercommit.Get()); err != nil {
+		return nil, err
 	}
-	pool := obj.(*poolv1beta1.VirtualMachinePool)
-	if pool.DeletionTimestamp != nil || pool.Spec.VirtualMachineTemplate == nil || pool.Spec.Selector == nil {
-		return nil
-	}
-	sel, err := metav1.LabelSelectorAsSelector(pool.Spec.Selector)
-	if err != nil {
-		return fmt.Errorf("pool %s: selector: %w", key, err)
-	}
-	members, err := owned[*kubevirtv1.VirtualMachine](c.cfg.VMs.GetIndexer(), pool.Namespace, pool.UID, sel)
-	if err != nil {
-		return err
-	}
-	byIndex := map[int]*kubevirtv1.VirtualMachine{}
-	var indexes []int
-	for _, vm := range members {
-		i, ok := poolIndex(pool.Name, vm.Name)
-		if !ok || vm.DeletionTimestamp != nil {
-			continue
-		}
-		byIndex[i] = vm
-		indexes = append(indexes, i)
-	}
-	sort.Ints(indexes)
-	want := replicasOf(pool.Spec.Replicas)
-	var gone, made []string
-	// Scale down: the highest indexes go.
-	for len(indexes) > want {
-		vm := byIndex[indexes[len(indexes)-1]]
-		indexes = indexes[:len(indexes)-1]
-		if err := c.cfg.Virt.VMs.Delete(ctx, pool.Namespace, vm.Name, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
-			return fmt.Errorf("pool %s: delete vm %s: %w", key, vm.Name, err)
-		}
-		gone = append(gone, vm.Name)
-		c.cfg.Log.Info("pool vm deleted", "namespace", pool.Namespace, "pool", pool.Name, "vm", vm.Name)
-	}
-	// Scale up: the lowest free indexes.
-	tmpl := pool.Spec.VirtualMachineTemplate
-	for i := 0; len(indexes)+len(made) < want; i++ {
-		if byIndex[i] != nil {
-			continue
-		}
-		vm := &kubevirtv1.VirtualMachine{ObjectMeta: metav1.ObjectMeta{Name: pool.Name + "-" + strconv.Itoa(i), Namespace: pool.Namespace,
-			Labels: tmpl.ObjectMeta.Labels, Annotations: tmpl.ObjectMeta.Annotations,
-			OwnerReferences: controllerRef(poolv1beta1.SchemeGroupVersion.String(), poolv1beta1.VirtualMachinePoolKind, pool.Name, pool.UID)},
-			Spec: *tmpl.Spec.DeepCopy()}
-		_, err := c.cfg.Virt.VMs.Create(ctx, vm)
-		switch {
-		case apierrors.IsAlreadyExists(err):
-			// Another owner's VM, or ours not yet in the cache: a later
-			// sync sees which.
-			continue
-		case err != nil:
-			return fmt.Errorf("pool %s: create vm %s: %w", key, vm.Name, err)
-		}
-		made = append(made, vm.Name)
-		c.cfg.Log.Info("pool vm created", "namespace", pool.Namespace, "pool", pool.Name, "vm", vm.Name)
-	}
-	if err := c.awaitCache(ctx, c.cfg.VMs.GetStore(), pool.Namespace, made, gone); err != nil {
-		return fmt.Errorf("pool %s: %w", key, err)
-	}
-	ready := 0
-	for _, i := range indexes {
-		if byIndex[i].Status.Ready {
-			ready++
-		}
-	}
-	st := pool.Status
-	st.Replicas, st.ReadyReplicas, st.LabelSelector = int32(len(indexes)+len(made)), int32(ready), sel.String()
-	if st.Replicas == pool.Status.Replicas && st.ReadyReplicas == pool.Status.ReadyReplicas && st.LabelSelector == pool.Status.LabelSelector {
-		return nil
-	}
-	upd := pool.DeepCopy()
-	upd.Status = st
-	if _, err := c.cfg.Virt.VMPools.UpdateStatus(ctx, upd); err != nil {
-		return fmt.Errorf("pool %s: write status: %w", key, err)
-	}
-	return nil
+	return c.cfg.Virt.VMIs.Create(ctx, vmi)
 }
 
 // awaitCache waits until store holds every name of made and every name of

@@ -14,6 +14,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
@@ -31,6 +32,7 @@ type env struct {
 	t       *testing.T
 	ctx     context.Context
 	virt    *client.Set
+	kube    kubernetes.Interface
 	ns      string
 	kubecfg string
 }
@@ -45,8 +47,12 @@ func start(t *testing.T, opts ...func(*Config)) *env {
 	if err != nil {
 		t.Fatal(err)
 	}
+	kube, err := kubernetes.NewForConfig(cp.RestConfig)
+	if err != nil {
+		t.Fatal(err)
+	}
 	vmis, vms := virt.VMIs.Informer("", 0, nil), virt.VMs.Informer("", 0, nil)
-	cfg := Config{Virt: virt, VMIs: vmis, VMs: vms,
+	cfg := Config{Virt: virt, Kube: kube, VMIs: vmis, VMs: vms,
 		Log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
 	for _, o := range opts {
 		o(&cfg)
@@ -60,7 +66,7 @@ func start(t *testing.T, opts ...func(*Config)) *env {
 	done := make(chan struct{})
 	go func() { defer close(done); _ = c.Run(ctx) }()
 	t.Cleanup(func() { cancel(); <-done })
-	e := &env{t: t, ctx: ctx, virt: virt, ns: cp.Namespace(t), kubecfg: filepath.Join(t.TempDir(), "kubeconfig")}
+	e := &env{t: t, ctx: ctx, virt: virt, kube: kube, ns: cp.Namespace(t), kubecfg: filepath.Join(t.TempDir(), "kubeconfig")}
 	if err := cp.WriteKubeconfig(e.kubecfg, "replicas-admin", "system:masters"); err != nil {
 		t.Fatal(err)
 	}

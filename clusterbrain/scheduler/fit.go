@@ -38,7 +38,9 @@ type demand struct {
 // or by a brain that did not yet apply it to replica sets' VMIs), else
 // limits; CPU from requests, else 100m per vCPU (KubeVirt's default
 // allocation ratio of 10); one unit of each NAD's resourceName per
-// interface on it.
+// interface on it; one unit of a GPU's or host device's deviceName per
+// device, the resource a device plugin advertises on the node (KubeVirt's
+// launcher pod requests the same).
 func demandOf(vmi *kubevirtv1.VirtualMachineInstance, over overcommit.Memory, nadResource func(ns, name string) (string, error)) (demand, error) {
 	d := demand{ext: map[corev1.ResourceName]int64{}}
 	dom := vmi.Spec.Domain
@@ -58,6 +60,12 @@ func demandOf(vmi *kubevirtv1.VirtualMachineInstance, over overcommit.Memory, na
 			vcpus = int64(max(c.Sockets, 1) * max(c.Cores, 1) * max(c.Threads, 1))
 		}
 		d.cpu = vcpus * 100
+	}
+	for _, g := range dom.Devices.GPUs {
+		d.ext[corev1.ResourceName(g.DeviceName)]++
+	}
+	for _, h := range dom.Devices.HostDevices {
+		d.ext[corev1.ResourceName(h.DeviceName)]++
 	}
 	for _, n := range vmi.Spec.Networks {
 		if n.Multus == nil {

@@ -1,6 +1,9 @@
 package scheduler
 
 import (
+	"fmt"
+	"strings"
+
 	"k8s.io/client-go/tools/cache"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
@@ -10,8 +13,8 @@ import (
 )
 
 // What the scheduler takes from the KubeVirt CR: whether software
-// emulation is allowed, the memory overcommit (demandOf), and the
-// workloads placement.
+// emulation is allowed, the memory overcommit (demandOf), the workloads
+// placement and the permitted host devices.
 //
 // The KubeVirt CR's spec.workloads.nodePlacement (HCO renders its own
 // spec.workloads into it) is where KubeVirt runs virt-handler, and a VMI
@@ -79,4 +82,46 @@ func placementOf(kv *kubevirtv1.KubeVirt) *nodeplacement.Placement {
 	}
 	return &nodeplacement.Placement{NodeSelector: np.NodeSelector, Affinity: np.Affinity, Tolerations: np.Tolerations,
 		Field: workloadsField, DaemonLike: true}
+}
+
+// permittedHostDevices is the KubeVirt CR's list of the host devices VMIs
+// may ask for (nil: no CR, or no list).
+func (s *Scheduler) permittedHostDevices() *kubevirtv1.PermittedHostDevices {
+	kv := crwatch.Live[*kubevirtv1.KubeVirt](s.kvs.GetStore().List())
+	if kv == nil {
+		return nil
+	}
+	return kv.Spec.Configuration.PermittedHostDevices
+}
+
+// unpermittedDevices is KubeVirt's refusal of the GPUs and host devices of
+// spec that permitted does not list by resource name, as virt-controller
+// gives it when it renders the launcher pod (the VMI is then not
+// scheduled); "" when every one is listed, and always with no list.
+func unpermittedDevices(spec *kubevirtv1.VirtualMachineInstanceSpec, permitted *kubevirtv1.PermittedHostDevices) string {
+	if permitted == nil {
+		return ""
+	}
+	listed := map[string]bool{}
+	for _, d := range permitted.PciHostDevices {
+		listed[d.ResourceName] = true
+	}
+	for _, d := range permitted.MediatedDevices {
+		listed[d.ResourceName] = true
+	}
+	for _, d := range permitted.USB {
+		listed[d.ResourceName] = true
+	}
+	var why []string
+	for _, g := range spec.Domain.Devices.GPUs {
+		if !listed[g.DeviceName] {
+			why = append(why, fmt.Sprintf("GPU %s is not permitted in permittedHostDevices configuration", g.DeviceName))
+		}
+	}
+	for _, h := range spec.Domain.Devices.HostDevices {
+		if !listed[h.DeviceName] {
+			why = append(why, fmt.Sprintf("HostDevice %s is not permitted in permittedHostDevices configuration", h.DeviceName))
+		}
+	}
+	return strings.Join(why, " ")
 }

@@ -205,3 +205,48 @@ func TestMemoryOvercommitCounts(t *testing.T) {
 		t.Errorf("a fifth 2Gi guest: node %q, message %q, want insufficient memory", n, msg)
 	}
 }
+
+// TestPermittedHostDevices: the HyperConverged's permittedHostDevices,
+// rendered into the KubeVirt CR, lists the device names VMIs may ask for:
+// a VMI naming a GPU or host device it does not list is not scheduled,
+// with virt-controller's message; a listed one needs a node whose device
+// plugin advertises the resource (one unit per device, as KubeVirt's
+// launcher pod requests it) and waits for one, then goes there.
+func TestPermittedHostDevices(t *testing.T) {
+	e := setup(t)
+	e.node("phd-plain", nodeSpec{cpu: "4", mem: "4Gi", labels: map[string]string{KVMLabel: "true", "phd": "yes"}})
+	e.applyHyperConverged(`{"permittedHostDevices": {"pciHostDevices": [
+	  {"pciDeviceSelector": "10DE:1EB8", "resourceName": "nvidia.com/TU104GL_Tesla_T4"}]}}`)
+	const t4 = "nvidia.com/TU104GL_Tesla_T4"
+	gpu := func(name string) func(v *kubevirtv1.VirtualMachineInstance) {
+		return func(v *kubevirtv1.VirtualMachineInstance) {
+			v.Spec.NodeSelector = map[string]string{"phd": "yes"}
+			v.Spec.Domain.Devices.GPUs = []kubevirtv1.GPU{{Name: "gpu1", DeviceName: name}}
+		}
+	}
+	testkit.Eventually(t, time.Minute, "the scheduler follows the permitted host devices", func() error {
+		v := &kubevirtv1.VirtualMachineInstance{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "phd-probe"}}
+		gpu("nvidia.com/GP100GL")(v)
+		if n, err := e.sched.Decide(v); err == nil || !strings.Contains(err.Error(), "not permitted") {
+			return fmt.Errorf("node %q, err %v", n, err)
+		}
+		return nil
+	})
+
+	e.vmi("phd-gp100", "64Mi", gpu("nvidia.com/GP100GL"))
+	if node, msg := e.outcome("phd-gp100"); node != "" || !strings.Contains(msg,
+		"failed to render launch manifest: GPU nvidia.com/GP100GL is not permitted in permittedHostDevices configuration") {
+		t.Errorf("vmi phd-gp100 on %q (%s), want refused for a GPU not permitted", node, msg)
+	}
+	e.vmi("phd-t4", "64Mi", func(v *kubevirtv1.VirtualMachineInstance) {
+		v.Spec.NodeSelector = map[string]string{"phd": "yes"}
+		v.Spec.Domain.Devices.HostDevices = []kubevirtv1.HostDevice{{Name: "t4", DeviceName: t4}}
+	})
+	if node, msg := e.outcome("phd-t4"); node != "" || !strings.Contains(msg, "1 lacks "+t4) {
+		t.Errorf("vmi phd-t4 on %q (%s), want waiting for a node with %s", node, msg, t4)
+	}
+	e.node("phd-gpu", nodeSpec{cpu: "4", mem: "4Gi", labels: map[string]string{KVMLabel: "true", "phd": "yes"}, ext: map[string]string{t4: "1"}})
+	if node := e.waitBound("phd-t4"); node != "phd-gpu" {
+		t.Errorf("vmi phd-t4 on %q, want phd-gpu (the node advertising %s)", node, t4)
+	}
+}

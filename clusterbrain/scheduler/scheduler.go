@@ -406,6 +406,9 @@ func (s *Scheduler) decide(vmi *kubevirtv1.VirtualMachineInstance, snaps snapsho
 	fail := func(prefix string, reasons map[string]int) (string, []*corev1.PersistentVolumeClaim, placed, error) {
 		return "", nil, placed{}, &FitError{msg: nodeplacement.FitMessage(len(states), reasons, prefix)}
 	}
+	if why := unpermittedDevices(&vmi.Spec, s.permittedHostDevices()); why != "" {
+		return fail("failed to render launch manifest: "+why, nil)
+	}
 	d, err := demandOf(vmi, s.memoryOvercommit(), s.nadResource)
 	if err != nil {
 		return fail(err.Error(), nil)

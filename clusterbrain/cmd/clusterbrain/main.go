@@ -39,6 +39,7 @@ func main() {
 	flag.DurationVar(&cfg.FencingWindow, "fencing-window", 0, "how long a node may miss its lease renewals before its agent stops its guests; its VMIs fail over after this plus a 10s margin (default 30s)")
 	flag.BoolVar(&cfg.CapacityPods, "capacity-pods", false, "keep a pod per bound VMI holding its CPU and memory, so kube-scheduler and kubelet count VMs (clusters with kubelets)")
 	flag.StringVar(&cfg.CapacityPodImage, "capacity-pod-image", capacitypods.DefaultImage, "the pause image capacity pods run")
+	flag.StringVar(&cfg.Deployment, "deployment", "", "the brain's own Deployment in --namespace, placed by the HyperConverged's spec.infra.nodePlacement (empty: not run by a Deployment)")
 	installRoles := flag.Bool("install-roles", false, "install the daemons' cluster roles and bindings (run once with an administrator's kubeconfig), then exit")
 	showVersion := flag.Bool("version", false, buildinfo.FlagUsage)
 	flag.Parse()
