@@ -54,7 +54,7 @@ func (c *Controller) syncUploadClaim(ctx context.Context, key string) (time.Dura
 	if pvc.Status.Phase != corev1.ClaimPending || !(wffc || placesImmediateClass(sc)) || pvc.Annotations[importstate.AnnSelectedNode] != "" {
 		return 0, nil
 	}
-	err = c.placeImmediately(ctx, pvc, &cdiv1.DataVolumeSource{Upload: &cdiv1.DataVolumeSourceUpload{}})
+	err = c.placeImmediately(ctx, pvc, &cdiv1.DataVolumeSource{Upload: &cdiv1.DataVolumeSourceUpload{}}, c.workloadPlacement)
 	var ce *claimError
 	if errors.As(err, &ce) {
 		c.log.Info("cannot place upload claim yet", "namespace", ns, "pvc", name, "reason", ce.reason, "err", err)
