@@ -2,13 +2,10 @@ package datavolume
 
 import (
 	"context"
-	"errors"
-	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
@@ -54,12 +51,8 @@ const annLegacyProvisionOnNode = "kubevirt.io/provisionOnNode"
 // hostpath provisioners; a claim no node can take gets a warning event
 // saying why and is looked at again.
 func (c *Controller) syncPlainClaim(ctx context.Context, key string) (time.Duration, error) {
-	ns, name, _ := strings.Cut(strings.TrimPrefix(key, plainClaimKey), "/")
-	pvc, err := c.pvcs.PersistentVolumeClaims(ns).Get(name)
-	if apierrors.IsNotFound(err) {
-		return 0, nil
-	}
-	if err != nil {
+	pvc, err := c.claimOf(key, plainClaimKey)
+	if err != nil || pvc == nil {
 		return 0, err
 	}
 	if _, owned := controller.OwnerKey(pvc, "DataVolume"); owned || importstate.IsBareUploadClaim(pvc) || !awaitsNode(pvc) {
@@ -68,16 +61,7 @@ func (c *Controller) syncPlainClaim(ctx context.Context, key string) (time.Durat
 	if !placesImmediateClass(c.storageClass(deref(pvc.Spec.StorageClassName))) {
 		return 0, nil // the class may come later: its creation brings the claim back
 	}
-	err = c.placeImmediately(ctx, pvc, claimSource(pvc), c.provisionerPlacement)
-	var ce *claimError
-	if errors.As(err, &ce) {
-		c.log.Info("cannot place claim yet", "namespace", ns, "pvc", name, "reason", ce.reason, "err", err)
-		// Retried every few seconds: the recorder folds the repeats into
-		// one event's count.
-		c.recorder.Event(pvc, corev1.EventTypeWarning, ce.reason, ce.Error())
-		return retryAfter, nil
-	}
-	return 0, err
+	return c.placeClaim(ctx, pvc, claimSource(pvc), c.provisionerPlacement)
 }
 
 // claimSource is what a plain claim copies, as the source placeImmediately

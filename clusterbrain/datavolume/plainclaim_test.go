@@ -2,10 +2,7 @@ package datavolume
 
 import (
 	"context"
-	"fmt"
-	"strings"
 	"testing"
-	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
@@ -15,7 +12,6 @@ import (
 
 	hppv1beta1 "github.com/nodevirt/nodevirt/clusterbrain/api/hostpathprovisioner/v1beta1"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
-	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // TestImmediatePlainClaimPlaced: a plain claim (of no DataVolume, no
@@ -52,33 +48,14 @@ func TestImmediatePlainClaimPlaced(t *testing.T) {
 	e.createClaim(t, "held", onlyB, nil)
 	wants := []string{"not in storage class " + onlyB + "'s allowedTopologies",
 		"1 taint dedicated:NoSchedule not tolerated by hostpathprovisioner " + hpp + " spec.workload.tolerations"}
-	testkit.Eventually(t, 30*time.Second, "a NoNodeAvailable warning event on claim held", func() error {
-		evs, err := e.kube.CoreV1().Events(e.ns).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=held,reason=NoNodeAvailable"})
-		if err != nil {
-			return err
-		}
-		if len(evs.Items) == 0 || evs.Items[0].Type != corev1.EventTypeWarning {
-			return fmt.Errorf("events %+v", evs.Items)
-		}
-		for _, want := range wants {
-			if !strings.Contains(evs.Items[0].Message, want) {
-				return fmt.Errorf("event %q does not say %q", evs.Items[0].Message, want)
-			}
-		}
-		return nil
-	})
+	e.waitWarning(t, "held", "NoNodeAvailable", wants...)
 	if n := e.selectedNode(t, "held"); n != "" {
 		t.Fatalf("claim held placed on %s while no node may take it", n)
 	}
 
 	// The pool's provisioner tolerates the taint: the claim goes there.
 	e.setProvisionerTolerations(t, hpp, []corev1.Toleration{{Key: "dedicated", Operator: corev1.TolerationOpEqual, Value: "vms", Effect: corev1.TaintEffectNoSchedule}})
-	e.waitPVC(t, "held", func(pvc *corev1.PersistentVolumeClaim) bool {
-		if n := pvc.Annotations[importstate.AnnSelectedNode]; n != "" && n != "plain-b" {
-			t.Fatalf("claim held placed on %s, outside its class's allowedTopologies", n)
-		}
-		return pvc.Annotations[importstate.AnnSelectedNode] == "plain-b"
-	})
+	e.waitPlaced(t, "held", "plain-b", "its class's allowedTopologies")
 
 	// A clone follows its source, here a claim the user pinned to plain-a.
 	e.createClaim(t, "source", anywhere, map[string]string{importstate.AnnSelectedNode: "plain-a"})
@@ -87,12 +64,7 @@ func TestImmediatePlainClaimPlaced(t *testing.T) {
 	if _, err := e.kube.CoreV1().PersistentVolumeClaims(e.ns).Create(ctx, copyClaim, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	e.waitPVC(t, "copy", func(pvc *corev1.PersistentVolumeClaim) bool {
-		if n := pvc.Annotations[importstate.AnnSelectedNode]; n != "" && n != "plain-a" {
-			t.Fatalf("claim copy placed on %s, not on its source's node plain-a", n)
-		}
-		return pvc.Annotations[importstate.AnnSelectedNode] == "plain-a"
-	})
+	e.waitPlaced(t, "copy", "plain-a", "its source's node plain-a")
 
 	// Created before the others were placed: never placed.
 	for _, name := range []string{"late", "other"} {
@@ -133,24 +105,6 @@ func (e env) setProvisionerTolerations(t *testing.T, name string, tols []corev1.
 	}); err != nil {
 		t.Fatal(err)
 	}
-}
-
-// poolClass makes a class of provisioner on pool, allowing only the nodes
-// whose label key is value when key is set.
-func (e env) poolClass(t *testing.T, name, provisioner string, mode storagev1.VolumeBindingMode, pool, key, value string) string {
-	t.Helper()
-	sc := &storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: name}, Provisioner: provisioner, VolumeBindingMode: &mode,
-		Parameters: map[string]string{"storagePool": pool}}
-	if key != "" {
-		sc.AllowedTopologies = []corev1.TopologySelectorTerm{{MatchLabelExpressions: []corev1.TopologySelectorLabelRequirement{{Key: key, Values: []string{value}}}}}
-	}
-	if _, err := e.kube.StorageV1().StorageClasses().Create(context.Background(), sc, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = e.kube.StorageV1().StorageClasses().Delete(context.Background(), name, metav1.DeleteOptions{})
-	})
-	return name
 }
 
 // newClaim is a 64 MiB claim of class with the given annotations.
