@@ -321,10 +321,12 @@ func (c *Controller) filesystemOverhead(ctx context.Context, className string) f
 // it soon (a WaitForFirstConsumer claim asked to bind at once, or a claim
 // of an Immediate class of ours): a clone goes to its source's node, a
 // snapshot restore to the node holding the snapshot, any other claim to
-// the node the Placer picks among those that can take it (volumeFit). A
-// node the claim's class does not allow, or no node at all, is a
-// claimError naming why.
-func (c *Controller) placeImmediately(ctx context.Context, pvc *corev1.PersistentVolumeClaim, src *cdiv1.DataVolumeSource) error {
+// the node the Placer picks among those that can take it (volumeFit, with
+// the workload placement of what fills the volume: workload). A node the
+// claim's class does not allow, or no node at all, is a claimError naming
+// why.
+func (c *Controller) placeImmediately(ctx context.Context, pvc *corev1.PersistentVolumeClaim, src *cdiv1.DataVolumeSource,
+	workload func(context.Context, *storagev1.StorageClass) nodeplacement.Placement) error {
 	sc := c.storageClass(deref(pvc.Spec.StorageClassName))
 	node := ""
 	if src != nil && src.Snapshot != nil {
@@ -350,7 +352,7 @@ func (c *Controller) placeImmediately(ctx context.Context, pvc *corev1.Persisten
 			return err
 		}
 	} else {
-		fit := volumeFit(sc, c.workloadPlacement(ctx), sourceKind(src) == importstate.SourceUpload)
+		fit := volumeFit(sc, workload(ctx, sc), sourceKind(src) == importstate.SourceUpload)
 		n, why, err := c.pickNode(ctx, fit)
 		if err != nil {
 			return err
@@ -436,8 +438,9 @@ func (c *Controller) claimNode(ctx context.Context, ns, name string) (string, er
 
 // workloadPlacement is the CDI CR's spec.workload (what HCO's
 // spec.workloads.nodePlacement renders there): where CDI runs its importer
-// and upload pods. Without a CDI CR it asks nothing.
-func (c *Controller) workloadPlacement(ctx context.Context) nodeplacement.Placement {
+// and upload pods, which fill a DataVolume's volume. Without a CDI CR it
+// asks nothing.
+func (c *Controller) workloadPlacement(ctx context.Context, _ *storagev1.StorageClass) nodeplacement.Placement {
 	p := nodeplacement.Placement{Field: "cdi spec.workload"}
 	if cdi, err := c.virt.CDI(ctx); err == nil && cdi != nil {
 		w := cdi.Spec.Workloads

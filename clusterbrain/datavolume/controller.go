@@ -143,19 +143,27 @@ func New(cfg Config) (*Controller, error) {
 
 	_, _ = c.dvInformer.AddEventHandler(controller.OnChange(c.queue.Enqueue))
 	enqueueOwner := func(obj any) {
-		pvc, ok := obj.(*corev1.PersistentVolumeClaim)
-		if !ok {
-			return
-		}
-		if key, ok := controller.OwnerKey(pvc, "DataVolume"); ok {
+		if key, ok := controller.OwnerKey(obj, "DataVolume"); ok {
 			c.queue.Add(key)
-		} else if importstate.IsBareUploadClaim(pvc) {
-			c.queue.Add(uploadClaimKey + pvc.Namespace + "/" + pvc.Name)
+		} else if pvc, ok := obj.(*corev1.PersistentVolumeClaim); ok {
+			c.enqueueClaim(pvc)
 		}
 	}
 	_, _ = pvcInformer.Informer().AddEventHandler(controller.OnChange(enqueueOwner))
 	_, _ = classInformer.Informer().AddEventHandler(controller.OnChange(c.profileQueue.Enqueue))
+	_, _ = classInformer.Informer().AddEventHandler(controller.OnAddOrUpdate(c.enqueueClassClaims))
 	return c, nil
+}
+
+// enqueueClaim queues a claim of no DataVolume: a bare upload claim, or a
+// plain claim that waits for a node.
+func (c *Controller) enqueueClaim(pvc *corev1.PersistentVolumeClaim) {
+	switch {
+	case importstate.IsBareUploadClaim(pvc):
+		c.queue.Add(uploadClaimKey + pvc.Namespace + "/" + pvc.Name)
+	case awaitsNode(pvc):
+		c.queue.Add(plainClaimKey + pvc.Namespace + "/" + pvc.Name)
+	}
 }
 
 // Name is the role's name.
@@ -202,10 +210,14 @@ func (c *Controller) keepSnapshotClass(ctx context.Context) {
 	})
 }
 
-// syncKey syncs a DataVolume, or a bare upload claim when key says so.
+// syncKey syncs a DataVolume, or a bare upload or plain claim when key
+// says so.
 func (c *Controller) syncKey(ctx context.Context, key string) (time.Duration, error) {
-	if strings.HasPrefix(key, uploadClaimKey) {
+	switch {
+	case strings.HasPrefix(key, uploadClaimKey):
 		return c.syncUploadClaim(ctx, key)
+	case strings.HasPrefix(key, plainClaimKey):
+		return c.syncPlainClaim(ctx, key)
 	}
 	return c.sync(ctx, key)
 }

@@ -60,26 +60,12 @@ func TestImmediatePlacementHonoursTopologiesAndTaints(t *testing.T) {
 	if pvc, err := e.kube.CoreV1().PersistentVolumeClaims(e.ns).Get(ctx, "up", metav1.GetOptions{}); err != nil || pvc.Annotations[importstate.AnnSelectedNode] != "" {
 		t.Fatalf("claim up placed on %q while no node may take it (err %v)", pvc.Annotations[importstate.AnnSelectedNode], err)
 	}
-	testkit.Eventually(t, 20*time.Second, "a NoNodeAvailable warning event on datavolume up", func() error {
-		evs, err := e.kube.CoreV1().Events(e.ns).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=up,reason=NoNodeAvailable"})
-		if err != nil {
-			return err
-		}
-		if len(evs.Items) == 0 || evs.Items[0].Type != corev1.EventTypeWarning {
-			return fmt.Errorf("events %+v", evs.Items)
-		}
-		return nil
-	})
+	e.waitWarning(t, "up", "NoNodeAvailable")
 
 	// CDI's workload placement tolerates the taint: the upload goes there.
 	e.setWorkloadTolerations(t, []corev1.Toleration{{Key: "dedicated", Operator: corev1.TolerationOpEqual, Value: "vms", Effect: corev1.TaintEffectNoSchedule}})
 	t.Cleanup(func() { e.setWorkloadTolerations(t, nil) })
-	e.waitPVC(t, "up", func(pvc *corev1.PersistentVolumeClaim) bool {
-		if n := pvc.Annotations[importstate.AnnSelectedNode]; n != "" && n != "topo-b" {
-			t.Fatalf("claim up placed on %s, outside its class's allowedTopologies", n)
-		}
-		return pvc.Annotations[importstate.AnnSelectedNode] == "topo-b"
-	})
+	e.waitPlaced(t, "up", "topo-b", "its class's allowedTopologies")
 
 	// A node-label topology key, in a WaitForFirstConsumer class, bound
 	// immediately.
@@ -87,11 +73,39 @@ func TestImmediatePlacementHonoursTopologiesAndTaints(t *testing.T) {
 	blank.Annotations = map[string]string{importstate.AnnImmediateBinding: "true"}
 	blank.Spec.Storage.StorageClassName = &byRack
 	e.create(t, blank)
-	e.waitPVC(t, "blank", func(pvc *corev1.PersistentVolumeClaim) bool {
-		if n := pvc.Annotations[importstate.AnnSelectedNode]; n != "" && n != "topo-a" {
-			t.Fatalf("claim blank placed on %s, outside rack r1", n)
+	e.waitPlaced(t, "blank", "topo-a", "rack r1")
+}
+
+// waitWarning waits for a warning event of reason on the object called
+// name whose message says each of wants.
+func (e env) waitWarning(t *testing.T, name, reason string, wants ...string) {
+	t.Helper()
+	testkit.Eventually(t, 30*time.Second, "a "+reason+" warning event on "+name, func() error {
+		evs, err := e.kube.CoreV1().Events(e.ns).List(context.Background(), metav1.ListOptions{FieldSelector: "involvedObject.name=" + name + ",reason=" + reason})
+		if err != nil {
+			return err
 		}
-		return pvc.Annotations[importstate.AnnSelectedNode] == "topo-a"
+		if len(evs.Items) == 0 || evs.Items[0].Type != corev1.EventTypeWarning {
+			return fmt.Errorf("events %+v", evs.Items)
+		}
+		for _, want := range wants {
+			if !strings.Contains(evs.Items[0].Message, want) {
+				return fmt.Errorf("event %q does not say %q", evs.Items[0].Message, want)
+			}
+		}
+		return nil
+	})
+}
+
+// waitPlaced waits until claim name is placed on node, failing at once
+// when it is placed on another (outside what allowed names).
+func (e env) waitPlaced(t *testing.T, name, node, allowed string) {
+	t.Helper()
+	e.waitPVC(t, name, func(pvc *corev1.PersistentVolumeClaim) bool {
+		if n := pvc.Annotations[importstate.AnnSelectedNode]; n != "" && n != node {
+			t.Fatalf("claim %s placed on %s, outside %s", name, n, allowed)
+		}
+		return pvc.Annotations[importstate.AnnSelectedNode] == node
 	})
 }
 
@@ -139,8 +153,21 @@ func (e env) placementNode(t *testing.T, name string, labels map[string]string, 
 // nodes whose label key is value.
 func (e env) topologyClass(t *testing.T, name string, mode storagev1.VolumeBindingMode, key, value string) string {
 	t.Helper()
-	sc := &storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: name}, Provisioner: HostpathProvisioner, VolumeBindingMode: &mode,
-		AllowedTopologies: []corev1.TopologySelectorTerm{{MatchLabelExpressions: []corev1.TopologySelectorLabelRequirement{{Key: key, Values: []string{value}}}}}}
+	return e.poolClass(t, name, HostpathProvisioner, mode, "", key, value)
+}
+
+// poolClass makes a class of provisioner on pool (when set), allowing only
+// the nodes whose label key is value (when key is set); it is deleted at
+// the end of the test.
+func (e env) poolClass(t *testing.T, name, provisioner string, mode storagev1.VolumeBindingMode, pool, key, value string) string {
+	t.Helper()
+	sc := &storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: name}, Provisioner: provisioner, VolumeBindingMode: &mode}
+	if pool != "" {
+		sc.Parameters = map[string]string{"storagePool": pool}
+	}
+	if key != "" {
+		sc.AllowedTopologies = []corev1.TopologySelectorTerm{{MatchLabelExpressions: []corev1.TopologySelectorLabelRequirement{{Key: key, Values: []string{value}}}}}
+	}
 	if _, err := e.kube.StorageV1().StorageClasses().Create(context.Background(), sc, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}

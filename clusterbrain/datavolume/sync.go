@@ -89,7 +89,7 @@ func (c *Controller) sync(ctx context.Context, key string) (time.Duration, error
 	var unplaced *claimError
 	if pvc.Status.Phase == corev1.ClaimPending && pvc.Annotations[importstate.AnnSelectedNode] == "" &&
 		((wffc && immediate) || placesImmediateClass(sc)) {
-		if err := c.placeImmediately(ctx, pvc, src); err != nil {
+		if err := c.placeImmediately(ctx, pvc, src, c.workloadPlacement); err != nil {
 			if !errors.As(err, &unplaced) {
 				return 0, err
 			}

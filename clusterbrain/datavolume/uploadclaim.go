@@ -17,6 +17,7 @@ import (
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/nodeplacement"
 )
 
 // A bare upload claim is a PVC that carries CDI's upload-target annotation
@@ -35,12 +36,8 @@ const uploadClaimKey = "upload-claim:"
 // the hostpath provisioners, picks a node with an upload endpoint. A claim
 // no node can take gets a warning event saying why.
 func (c *Controller) syncUploadClaim(ctx context.Context, key string) (time.Duration, error) {
-	ns, name, _ := strings.Cut(strings.TrimPrefix(key, uploadClaimKey), "/")
-	pvc, err := c.pvcs.PersistentVolumeClaims(ns).Get(name)
-	if apierrors.IsNotFound(err) {
-		return 0, nil
-	}
-	if err != nil {
+	pvc, err := c.claimOf(key, uploadClaimKey)
+	if err != nil || pvc == nil {
 		return 0, err
 	}
 	if !importstate.IsBareUploadClaim(pvc) || pvc.DeletionTimestamp != nil {
@@ -54,16 +51,35 @@ func (c *Controller) syncUploadClaim(ctx context.Context, key string) (time.Dura
 	if pvc.Status.Phase != corev1.ClaimPending || !(wffc || placesImmediateClass(sc)) || pvc.Annotations[importstate.AnnSelectedNode] != "" {
 		return 0, nil
 	}
-	err = c.placeImmediately(ctx, pvc, &cdiv1.DataVolumeSource{Upload: &cdiv1.DataVolumeSourceUpload{}})
+	return c.placeClaim(ctx, pvc, &cdiv1.DataVolumeSource{Upload: &cdiv1.DataVolumeSourceUpload{}}, c.workloadPlacement)
+}
+
+// placeClaim places pvc, a claim of no DataVolume, at once
+// (placeImmediately); while no node can take it, a warning event on the
+// claim says why and it is looked at again after retryAfter.
+func (c *Controller) placeClaim(ctx context.Context, pvc *corev1.PersistentVolumeClaim, src *cdiv1.DataVolumeSource,
+	workload func(context.Context, *storagev1.StorageClass) nodeplacement.Placement) (time.Duration, error) {
+	err := c.placeImmediately(ctx, pvc, src, workload)
 	var ce *claimError
 	if errors.As(err, &ce) {
-		c.log.Info("cannot place upload claim yet", "namespace", ns, "pvc", name, "reason", ce.reason, "err", err)
+		c.log.Info("cannot place claim yet", "namespace", pvc.Namespace, "pvc", pvc.Name, "source", sourceKind(src), "reason", ce.reason, "err", err)
 		// Retried every few seconds: the recorder folds the repeats into
 		// one event's count.
 		c.recorder.Event(pvc, corev1.EventTypeWarning, ce.reason, ce.Error())
 		return retryAfter, nil
 	}
 	return 0, err
+}
+
+// claimOf is the cached claim a claim key of the queue names (after its
+// prefix), nil when it is gone.
+func (c *Controller) claimOf(key, prefix string) (*corev1.PersistentVolumeClaim, error) {
+	ns, name, _ := strings.Cut(strings.TrimPrefix(key, prefix), "/")
+	pvc, err := c.pvcs.PersistentVolumeClaims(ns).Get(name)
+	if apierrors.IsNotFound(err) {
+		return nil, nil
+	}
+	return pvc, err
 }
 
 // adoptUploadClaim writes the upload source and the usable size (the

@@ -11,11 +11,13 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	cdiv1 "kubevirt.io/containerized-data-importer-api/pkg/apis/core/v1beta1"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/api/importstate"
 	"github.com/nodevirt/nodevirt/test/guest"
 )
 
@@ -164,4 +166,55 @@ func (n *testNS) events(kind, name string) string {
 		return "none"
 	}
 	return strings.Join(out, " | ")
+}
+
+// TestImmediatePlainClaimBound: a plain claim (no DataVolume) of an
+// Immediate class of the hostpath driver is given a node by the brain, as
+// upstream's node-deployed external-provisioners pick one, within the
+// class's allowedTopologies; that node's agent provisions it and the claim
+// is bound to a volume there.
+func TestImmediatePlainClaimBound(t *testing.T) {
+	t.Parallel()
+	e := require(t)
+	n := e.namespace(t)
+	ctx := context.Background()
+	class := "plain-" + n.name
+	immediate := storagev1.VolumeBindingImmediate
+	sc := &storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: class}, Provisioner: "kubevirt.io.hostpath-provisioner",
+		VolumeBindingMode: &immediate, Parameters: map[string]string{"storagePool": poolName()},
+		AllowedTopologies: []corev1.TopologySelectorTerm{{MatchLabelExpressions: []corev1.TopologySelectorLabelRequirement{
+			{Key: corev1.LabelHostname, Values: []string{e.nodeName}}}}}}
+	if _, err := e.kube.StorageV1().StorageClasses().Create(ctx, sc, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = e.kube.StorageV1().StorageClasses().Delete(context.Background(), class, metav1.DeleteOptions{})
+	})
+	pvc := &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Name: "plain", Namespace: n.name},
+		Spec: corev1.PersistentVolumeClaimSpec{StorageClassName: &class, AccessModes: []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+			Resources: corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("64Mi")}}}}
+	if _, err := e.kube.CoreV1().PersistentVolumeClaims(n.name).Create(ctx, pvc, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	n.eventually(2*time.Minute, "plain claim Bound on "+e.nodeName, func() (bool, string) {
+		got, err := e.kube.CoreV1().PersistentVolumeClaims(n.name).Get(ctx, "plain", metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		if sel := got.Annotations[importstate.AnnSelectedNode]; sel != "" && sel != e.nodeName {
+			t.Fatalf("plain claim placed on %s, outside its class's allowedTopologies (%s)", sel, e.nodeName)
+		}
+		if got.Status.Phase != corev1.ClaimBound {
+			return false, fmt.Sprintf("phase %s, selected node %q; events: %s", got.Status.Phase,
+				got.Annotations[importstate.AnnSelectedNode], n.events("PersistentVolumeClaim", "plain"))
+		}
+		pv, err := e.kube.CoreV1().PersistentVolumes().Get(ctx, got.Spec.VolumeName, metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		if node := importstate.PVNode(pv); node != e.nodeName {
+			t.Fatalf("plain claim bound to %s on node %q, want %s", pv.Name, node, e.nodeName)
+		}
+		return true, ""
+	})
 }

@@ -87,7 +87,13 @@ func (e *env) bringUpThirdNode() error {
 	}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return fmt.Errorf("pre-create node %s: %w", n.Name, err)
 	}
-	argv := e.extraAgentCommand(n, kc)
+	return e.startAgent3()
+}
+
+// startAgent3 starts (again) the third node's agent.
+func (e *env) startAgent3() error {
+	n := e.node3()
+	argv := e.extraAgentCommand(n, filepath.Join(n.Dir, "nodeagent.kubeconfig"))
 	third.agent = newDaemon(e, "nodeagent-3")
 	third.agent.bin, third.agent.args = argv[0], argv[1:]
 	return serveLibvirtTLS(n, third.agent)
