@@ -36,6 +36,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/tlsprofile"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon"
+	"github.com/nodevirt/nodevirt/clusterbrain/nodefailure"
 	"github.com/nodevirt/nodevirt/clusterbrain/nodereads"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 	"github.com/nodevirt/nodevirt/clusterbrain/ssp"
@@ -183,6 +184,9 @@ type Deps struct {
 	// status): every node's heartbeat is decoded once, not once per role,
 	// and no role lists the Nodes to look at them.
 	nodes cache.SharedIndexInformer
+	// leases is the informer of the node Leases (node failure's): each
+	// renewal is read from its watch, not from a list of every Lease.
+	leases cache.SharedIndexInformer
 }
 
 // Role is one job of the brain.
@@ -276,11 +280,12 @@ func (b *Brain) leaderTerm() ([]Role, error) {
 	d.scheduler = nil
 	d.vms, d.vmis = d.Virt.VMs.Informer("", 0, nil), d.Virt.VMIs.Informer("", 0, nil)
 	d.nodes = coreinformers.NewNodeInformer(d.Kube, 0, cache.Indexers{})
+	d.leases = nodefailure.NewLeaseInformer(d.Kube)
 	roles, err := build(leaderRoles, &d)
 	if err != nil {
 		return nil, err
 	}
-	b.termInformers = []cache.SharedIndexInformer{d.vms, d.vmis, d.nodes}
+	b.termInformers = []cache.SharedIndexInformer{d.vms, d.vmis, d.nodes, d.leases}
 	return roles, nil
 }
 

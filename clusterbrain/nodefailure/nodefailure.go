@@ -20,7 +20,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/informers"
+	coordinationinformers "k8s.io/client-go/informers/coordination/v1"
 	coreinformers "k8s.io/client-go/informers/core/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
@@ -48,7 +48,10 @@ type Config struct {
 	// Nodes is the brain's shared informer of every Node; nil: the
 	// controller runs one of its own.
 	Nodes cache.SharedIndexInformer
-	Log   *slog.Logger
+	// Leases is the brain's shared informer of the node Leases (namespace
+	// kube-node-lease); nil: the controller runs one of its own.
+	Leases cache.SharedIndexInformer
+	Log    *slog.Logger
 	// Now is the clock (time.Now when nil).
 	Now func() time.Time
 }
@@ -62,6 +65,12 @@ type Config struct {
 // everything over at once; and a node's clock never shortens its window.
 // When every node would be lost at once, the trouble is on the brain's
 // side: nothing is failed over.
+//
+// Nodes and Leases come from informers' caches, so a check reads nothing
+// from the API server while every node renews. A cache can lag the API
+// (a watch that broke and waits to be opened again): before a node is
+// judged on a renewal older than the grace, its Lease is read again from
+// the API server, and the brain that cannot read it decides nothing.
 type Controller struct {
 	cfg Config
 	// mu guards seen, written by Sync and by the Lease watch.
@@ -71,8 +80,9 @@ type Controller struct {
 	seen map[string]observation
 	// blind is set when the last check could not read the API.
 	blind bool
-	// ownNodes says the controller runs cfg.Nodes.
-	ownNodes bool
+	// ownNodes and ownLeases say the controller runs cfg.Nodes and
+	// cfg.Leases.
+	ownNodes, ownLeases bool
 }
 
 type observation struct {
@@ -109,6 +119,9 @@ func New(cfg Config) (*Controller, error) {
 	if c.cfg.Nodes == nil {
 		c.cfg.Nodes, c.ownNodes = coreinformers.NewNodeInformer(cfg.Kube, 0, cache.Indexers{}), true
 	}
+	if c.cfg.Leases == nil {
+		c.cfg.Leases, c.ownLeases = NewLeaseInformer(cfg.Kube), true
+	}
 	return c, nil
 }
 
@@ -124,8 +137,13 @@ func (c *Controller) Run(ctx context.Context) error {
 	if c.ownNodes {
 		go c.cfg.Nodes.RunWithContext(ctx)
 	}
-	c.watchLeases(ctx)
-	if !cache.WaitForCacheSync(ctx.Done(), c.cfg.Nodes.HasSynced) {
+	if c.ownLeases {
+		go c.cfg.Leases.RunWithContext(ctx)
+	}
+	if err := c.watchLeases(); err != nil {
+		return err
+	}
+	if !cache.WaitForCacheSync(ctx.Done(), c.cfg.Nodes.HasSynced, c.cfg.Leases.HasSynced) {
 		return nil
 	}
 	t := time.NewTimer(0)
@@ -143,21 +161,24 @@ func (c *Controller) Run(ctx context.Context) error {
 	}
 }
 
+// NewLeaseInformer is an informer of the node Leases, the one Config.Leases
+// takes.
+func NewLeaseInformer(kube kubernetes.Interface) cache.SharedIndexInformer {
+	return coordinationinformers.NewLeaseInformer(kube, corev1.NamespaceNodeLease, 0, cache.Indexers{})
+}
+
 // watchLeases records each node Lease's renewals as the API server sends
 // them.
-func (c *Controller) watchLeases(ctx context.Context) {
-	f := informers.NewSharedInformerFactoryWithOptions(c.cfg.Kube, 0, informers.WithNamespace(corev1.NamespaceNodeLease))
-	inf := f.Coordination().V1().Leases().Informer()
+func (c *Controller) watchLeases() error {
 	observe := func(obj any) {
 		if l, ok := obj.(*coordinationv1.Lease); ok {
 			c.observe(l.Name, leaseRenewed(l), c.cfg.Now())
 		}
 	}
-	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: observe, UpdateFunc: func(_, obj any) { observe(obj) }}); err != nil {
-		c.cfg.Log.Warn("lease watch", "err", err)
-		return
+	if _, err := c.cfg.Leases.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: observe, UpdateFunc: func(_, obj any) { observe(obj) }}); err != nil {
+		return fmt.Errorf("lease watch: %w", err)
 	}
-	f.Start(ctx.Done())
+	return nil
 }
 
 // observe records that node's Lease reads renewal at now, keeping the
@@ -190,17 +211,18 @@ func (c *Controller) nextCheck(now time.Time) time.Duration {
 	return next
 }
 
-// Sync checks every node agent's Node once. The Nodes come from the
-// informer's cache (Run waits until it is filled), the Leases from the API
-// server: reading them tells whether the brain sees the API at all.
+// Sync checks every node agent's Node once. Nodes and Leases come from
+// the informers' caches (Run waits until they are filled); a node whose
+// cached renewal is older than the grace has its Lease read again from
+// the API server, and a brain that cannot read it (or, back from that,
+// its first read of the Leases) stops the check: nothing is decided
+// without the API.
 func (c *Controller) Sync(ctx context.Context) error {
-	leases, err := c.cfg.Kube.CoordinationV1().Leases(corev1.NamespaceNodeLease).List(ctx, metav1.ListOptions{})
-	if err != nil {
-		c.blind = true
-		return fmt.Errorf("list node leases: %w", err)
-	}
-	now := c.cfg.Now()
+	leases := c.cfg.Kube.CoordinationV1().Leases(corev1.NamespaceNodeLease)
 	if c.blind {
+		if _, err := leases.List(ctx, metav1.ListOptions{Limit: 1}); err != nil {
+			return fmt.Errorf("read node leases: %w", err)
+		}
 		// Back from not seeing the API: what happened meanwhile is unknown,
 		// every node gets a full window from now.
 		c.mu.Lock()
@@ -208,17 +230,26 @@ func (c *Controller) Sync(ctx context.Context) error {
 		c.mu.Unlock()
 		c.blind = false
 	}
-	renewals := map[string]time.Time{}
-	for i := range leases.Items {
-		renewals[leases.Items[i].Name] = leaseRenewed(&leases.Items[i])
-	}
+	now := c.cfg.Now()
 	var states []nodeCheck
 	for _, n := range c.agentNodes() {
-		r, ok := renewals[n.Name]
-		if !ok {
+		l := c.cachedLease(n.Name)
+		if l == nil {
 			continue // registering
 		}
-		o := c.observe(n.Name, r, now)
+		o := c.observe(n.Name, leaseRenewed(l), now)
+		if now.Sub(o.at) > c.cfg.Grace {
+			// The cache may lag: the API server has the last word.
+			fresh, err := leases.Get(ctx, n.Name, metav1.GetOptions{})
+			switch {
+			case apierrors.IsNotFound(err):
+				continue // the node is going
+			case err != nil:
+				c.blind = true
+				return fmt.Errorf("read lease %s: %w", n.Name, err)
+			}
+			o = c.observe(n.Name, leaseRenewed(fresh), now)
+		}
 		states = append(states, c.check(n, o.at, now))
 	}
 	lost := 0
@@ -238,6 +269,17 @@ func (c *Controller) Sync(ctx context.Context) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// cachedLease is node's Lease in the informer's cache (nil when there is
+// none): the cache's own object, read and never written.
+func (c *Controller) cachedLease(node string) *coordinationv1.Lease {
+	o, ok, err := c.cfg.Leases.GetStore().GetByKey(corev1.NamespaceNodeLease + "/" + node)
+	if err != nil || !ok {
+		return nil
+	}
+	l, _ := o.(*coordinationv1.Lease)
+	return l
 }
 
 // agentNodes are the node agents' Nodes in the informer's cache, by name:

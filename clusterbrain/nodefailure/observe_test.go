@@ -17,6 +17,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // TestTimesNodesFromWhatItSaw: a brain that starts (or gets the API back)
@@ -36,11 +37,13 @@ func TestTimesNodesFromWhatItSaw(t *testing.T) {
 	)
 	now := start
 	nodes := coreinformers.NewNodeInformer(kube, 0, cache.Indexers{})
+	leases := NewLeaseInformer(kube)
 	go nodes.RunWithContext(t.Context())
-	if !cache.WaitForCacheSync(t.Context().Done(), nodes.HasSynced) {
-		t.Fatal("node cache not filled")
+	go leases.RunWithContext(t.Context())
+	if !cache.WaitForCacheSync(t.Context().Done(), nodes.HasSynced, leases.HasSynced) {
+		t.Fatal("caches not filled")
 	}
-	c, err := New(Config{Kube: kube, Virt: &client.Set{}, Nodes: nodes, Now: func() time.Time { return now }})
+	c, err := New(Config{Kube: kube, Virt: &client.Set{}, Nodes: nodes, Leases: leases, Now: func() time.Time { return now }})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -65,6 +68,10 @@ func TestTimesNodesFromWhatItSaw(t *testing.T) {
 	if _, err := kube.CoordinationV1().Leases(corev1.NamespaceNodeLease).Update(ctx, l, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
+	testkit.Until(t, time.Minute, "n2's renewal in the lease cache", func() bool {
+		l := c.cachedLease("n2")
+		return l != nil && l.Spec.RenewTime.Equal(&fresh)
+	})
 	now = start.Add(c.cfg.Grace + time.Second)
 	if err := c.Sync(ctx); err != nil {
 		t.Fatal(err)
@@ -75,7 +82,7 @@ func TestTimesNodesFromWhatItSaw(t *testing.T) {
 
 	// The API goes away, then comes back much later: n2 gets a full grace
 	// again although its renewal is now old.
-	kube.PrependReactor("list", "leases", func(k8stesting.Action) (bool, runtime.Object, error) {
+	kube.PrependReactor("*", "leases", func(k8stesting.Action) (bool, runtime.Object, error) {
 		return true, nil, errors.New("api server down")
 	})
 	now = start.Add(5 * time.Minute)
@@ -89,6 +96,67 @@ func TestTimesNodesFromWhatItSaw(t *testing.T) {
 	}
 	if unreachable("n2") {
 		t.Fatal("back from an API outage, the brain tainted a node before a full grace")
+	}
+}
+
+// TestLaggingCacheAsksTheAPI: a Lease cache that stopped following the
+// API server (a broken watch not yet opened again) still holds an old
+// renewal; before the node is judged on it, the check reads the Lease
+// from the API server and finds the node renewing.
+func TestLaggingCacheAsksTheAPI(t *testing.T) {
+	ctx := context.Background()
+	start := time.Date(2026, 11, 25, 12, 0, 0, 0, time.UTC)
+	renewed := metav1.NewMicroTime(start)
+	kube := fake.NewSimpleClientset(
+		&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n1", Labels: map[string]string{LabelManagedBy: "standalone"}},
+			Status: corev1.NodeStatus{Conditions: []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue}}}},
+		&coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: "n1", Namespace: corev1.NamespaceNodeLease}, Spec: coordinationv1.LeaseSpec{RenewTime: &renewed}},
+	)
+	nodes := coreinformers.NewNodeInformer(kube, 0, cache.Indexers{})
+	go nodes.RunWithContext(t.Context())
+	// The Lease informer stops after its first list: its cache keeps
+	// what it read then.
+	leases := NewLeaseInformer(kube)
+	leaseCtx, stopLeases := context.WithCancel(t.Context())
+	go leases.RunWithContext(leaseCtx)
+	if !cache.WaitForCacheSync(t.Context().Done(), nodes.HasSynced, leases.HasSynced) {
+		t.Fatal("caches not filled")
+	}
+	stopLeases()
+	testkit.Until(t, time.Minute, "the lease informer stopped", leases.IsStopped)
+	now := start
+	c, err := New(Config{Kube: kube, Virt: &client.Set{}, Nodes: nodes, Leases: leases, Now: func() time.Time { return now }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Sync(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// The node renews every few seconds; only the API server sees it.
+	for now.Before(start.Add(c.cfg.Grace + 5*time.Second)) {
+		now = now.Add(5 * time.Second)
+		l, err := kube.CoordinationV1().Leases(corev1.NamespaceNodeLease).Get(ctx, "n1", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		r := metav1.NewMicroTime(now)
+		l.Spec.RenewTime = &r
+		if _, err := kube.CoordinationV1().Leases(corev1.NamespaceNodeLease).Update(ctx, l, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		if err := c.Sync(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if cached := c.cachedLease("n1"); !cached.Spec.RenewTime.Equal(&renewed) {
+		t.Fatalf("the stopped cache moved to %s: the test shows nothing", cached.Spec.RenewTime)
+	}
+	n, err := kube.CoreV1().Nodes().Get(ctx, "n1", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(n.Spec.Taints) > 0 {
+		t.Fatalf("a node renewing its Lease was tainted %v from a lagging cache", taintKeys(n.Spec.Taints))
 	}
 }
 
