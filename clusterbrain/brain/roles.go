@@ -67,7 +67,7 @@ var everyBrainRoles = []RoleFactory{
 			Addr: d.Config.NodeReadsAddr, TLSProfile: d.KubeVirtTLS, Log: d.Log})
 	},
 	func(d *Deps) (Role, error) {
-		return newMetricsServer(d.Config.MetricsAddr, d.Virt, d.Log.With("role", "metrics")), nil
+		return newMetricsServer(d.Config.MetricsAddr, d.Virt, d.allVMIs, d.Log.With("role", "metrics")), nil
 	},
 	func(d *Deps) (Role, error) {
 		// One webhook server: KubeVirt's VM/VMI admission (with quotas),
