@@ -84,6 +84,8 @@ func (c *cluster) run(ctx context.Context, nVMs int, t timing) (point, error) {
 	if p.IdleBefore, err = c.idleCPU(ctx, t.idle); err != nil {
 		return p, err
 	}
+	// Shown now: a burst that fails (a loaded machine) still leaves it.
+	fmt.Fprintf(os.Stderr, "    idle brain, no VM: %.2f%% of a core over %s\n", 100*p.IdleBefore, t.idle)
 	p.BaseRSS = measure.MemMiB(pid, "VmRSS")
 
 	// Bindings are seen through a watch started before the burst.
