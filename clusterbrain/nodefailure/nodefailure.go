@@ -214,9 +214,10 @@ func (c *Controller) nextCheck(now time.Time) time.Duration {
 // Sync checks every node agent's Node once. Nodes and Leases come from
 // the informers' caches (Run waits until they are filled); a node whose
 // cached renewal is older than the grace has its Lease read again from
-// the API server, and a brain that cannot read it (or, back from that,
-// its first read of the Leases) stops the check: nothing is decided
-// without the API.
+// the API server (one by one for up to lateReads nodes, else one List of
+// them all), and a brain that cannot read it (or, back from that, its
+// first read of the Leases) stops the check: nothing is decided without
+// the API.
 func (c *Controller) Sync(ctx context.Context) error {
 	leases := c.cfg.Kube.CoordinationV1().Leases(corev1.NamespaceNodeLease)
 	if c.blind {
@@ -231,25 +232,37 @@ func (c *Controller) Sync(ctx context.Context) error {
 		c.blind = false
 	}
 	now := c.cfg.Now()
-	var states []nodeCheck
+	var nodes []*corev1.Node
+	late := map[string]bool{}
 	for _, n := range c.agentNodes() {
 		l := c.cachedLease(n.Name)
 		if l == nil {
 			continue // registering
 		}
-		o := c.observe(n.Name, leaseRenewed(l), now)
-		if now.Sub(o.at) > c.cfg.Grace {
-			// The cache may lag: the API server has the last word.
-			fresh, err := leases.Get(ctx, n.Name, metav1.GetOptions{})
-			switch {
-			case apierrors.IsNotFound(err):
-				continue // the node is going
-			case err != nil:
-				c.blind = true
-				return fmt.Errorf("read lease %s: %w", n.Name, err)
-			}
-			o = c.observe(n.Name, leaseRenewed(fresh), now)
+		nodes = append(nodes, n)
+		if o := c.observe(n.Name, leaseRenewed(l), now); now.Sub(o.at) > c.cfg.Grace {
+			late[n.Name] = true
 		}
+	}
+	// The cache may lag: on the late nodes the API server has the last
+	// word.
+	fresh, err := c.readLeases(ctx, late)
+	if err != nil {
+		c.blind = true
+		return err
+	}
+	var states []nodeCheck
+	for _, n := range nodes {
+		if late[n.Name] {
+			l, ok := fresh[n.Name]
+			if !ok {
+				continue // the node is going
+			}
+			c.observe(n.Name, leaseRenewed(l), now)
+		}
+		c.mu.Lock()
+		o := c.seen[n.Name]
+		c.mu.Unlock()
 		states = append(states, c.check(n, o.at, now))
 	}
 	lost := 0
@@ -269,6 +282,40 @@ func (c *Controller) Sync(ctx context.Context) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// lateReads is how many late nodes' Leases a check reads one by one;
+// for more, it lists them all once.
+const lateReads = 8
+
+// readLeases reads the named nodes' Leases from the API server (a node
+// with none is left out).
+func (c *Controller) readLeases(ctx context.Context, names map[string]bool) (map[string]*coordinationv1.Lease, error) {
+	leases := c.cfg.Kube.CoordinationV1().Leases(corev1.NamespaceNodeLease)
+	out := map[string]*coordinationv1.Lease{}
+	if len(names) > lateReads {
+		list, err := leases.List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return nil, fmt.Errorf("list node leases: %w", err)
+		}
+		for i := range list.Items {
+			if names[list.Items[i].Name] {
+				out[list.Items[i].Name] = &list.Items[i]
+			}
+		}
+		return out, nil
+	}
+	for name := range names {
+		l, err := leases.Get(ctx, name, metav1.GetOptions{})
+		switch {
+		case apierrors.IsNotFound(err):
+		case err != nil:
+			return nil, fmt.Errorf("read lease %s: %w", name, err)
+		default:
+			out[name] = l
+		}
+	}
+	return out, nil
 }
 
 // cachedLease is node's Lease in the informer's cache (nil when there is

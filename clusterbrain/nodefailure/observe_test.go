@@ -3,6 +3,7 @@ package nodefailure
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"testing"
 	"time"
@@ -100,18 +101,34 @@ func TestTimesNodesFromWhatItSaw(t *testing.T) {
 }
 
 // TestLaggingCacheAsksTheAPI: a Lease cache that stopped following the
-// API server (a broken watch not yet opened again) still holds an old
-// renewal; before the node is judged on it, the check reads the Lease
-// from the API server and finds the node renewing.
+// API server (a broken watch not yet opened again) still holds old
+// renewals; before the nodes are judged on them, the check reads their
+// Leases from the API server (one by one for a few nodes, one List for
+// many) and finds them renewing.
 func TestLaggingCacheAsksTheAPI(t *testing.T) {
+	for _, n := range []int{1, lateReads + 2} {
+		t.Run(fmt.Sprintf("%d nodes", n), func(t *testing.T) { laggingCache(t, n) })
+	}
+}
+
+func laggingCache(t *testing.T, count int) {
 	ctx := context.Background()
 	start := time.Date(2026, 11, 25, 12, 0, 0, 0, time.UTC)
 	renewed := metav1.NewMicroTime(start)
-	kube := fake.NewSimpleClientset(
-		&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n1", Labels: map[string]string{LabelManagedBy: "standalone"}},
-			Status: corev1.NodeStatus{Conditions: []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue}}}},
-		&coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: "n1", Namespace: corev1.NamespaceNodeLease}, Spec: coordinationv1.LeaseSpec{RenewTime: &renewed}},
-	)
+	kube := fake.NewSimpleClientset()
+	var names []string
+	for i := range count {
+		name := fmt.Sprintf("n%d", i)
+		names = append(names, name)
+		if _, err := kube.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{LabelManagedBy: "standalone"}},
+			Status: corev1.NodeStatus{Conditions: []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue}}}}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := kube.CoordinationV1().Leases(corev1.NamespaceNodeLease).Create(ctx, &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: corev1.NamespaceNodeLease},
+			Spec: coordinationv1.LeaseSpec{RenewTime: &renewed}}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
 	nodes := coreinformers.NewNodeInformer(kube, 0, cache.Indexers{})
 	go nodes.RunWithContext(t.Context())
 	// The Lease informer stops after its first list: its cache keeps
@@ -132,31 +149,35 @@ func TestLaggingCacheAsksTheAPI(t *testing.T) {
 	if err := c.Sync(ctx); err != nil {
 		t.Fatal(err)
 	}
-	// The node renews every few seconds; only the API server sees it.
+	// The nodes renew every few seconds; only the API server sees it.
 	for now.Before(start.Add(c.cfg.Grace + 5*time.Second)) {
 		now = now.Add(5 * time.Second)
-		l, err := kube.CoordinationV1().Leases(corev1.NamespaceNodeLease).Get(ctx, "n1", metav1.GetOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		r := metav1.NewMicroTime(now)
-		l.Spec.RenewTime = &r
-		if _, err := kube.CoordinationV1().Leases(corev1.NamespaceNodeLease).Update(ctx, l, metav1.UpdateOptions{}); err != nil {
-			t.Fatal(err)
+		for _, name := range names {
+			l, err := kube.CoordinationV1().Leases(corev1.NamespaceNodeLease).Get(ctx, name, metav1.GetOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			r := metav1.NewMicroTime(now)
+			l.Spec.RenewTime = &r
+			if _, err := kube.CoordinationV1().Leases(corev1.NamespaceNodeLease).Update(ctx, l, metav1.UpdateOptions{}); err != nil {
+				t.Fatal(err)
+			}
 		}
 		if err := c.Sync(ctx); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if cached := c.cachedLease("n1"); !cached.Spec.RenewTime.Equal(&renewed) {
-		t.Fatalf("the stopped cache moved to %s: the test shows nothing", cached.Spec.RenewTime)
-	}
-	n, err := kube.CoreV1().Nodes().Get(ctx, "n1", metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(n.Spec.Taints) > 0 {
-		t.Fatalf("a node renewing its Lease was tainted %v from a lagging cache", taintKeys(n.Spec.Taints))
+	for _, name := range names {
+		if cached := c.cachedLease(name); !cached.Spec.RenewTime.Equal(&renewed) {
+			t.Fatalf("the stopped cache moved to %s: the test shows nothing", cached.Spec.RenewTime)
+		}
+		n, err := kube.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(n.Spec.Taints) > 0 {
+			t.Fatalf("node %s, renewing its Lease, was tainted %v from a lagging cache", name, taintKeys(n.Spec.Taints))
+		}
 	}
 }
 
