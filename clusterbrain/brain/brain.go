@@ -16,7 +16,6 @@ import (
 	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/runtime"
 	coreinformers "k8s.io/client-go/informers/core/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
@@ -193,9 +192,6 @@ type Deps struct {
 	// leases is the informer of the node Leases (node failure's): each
 	// renewal is read from its watch, not from a list of every Lease.
 	leases cache.SharedIndexInformer
-	// fleet is the client of the nodes and leases informers (see
-	// fleetClient).
-	fleet kubernetes.Interface
 }
 
 // Role is one job of the brain.
@@ -233,11 +229,7 @@ func New(cfg Config) (*Brain, error) {
 	if err != nil {
 		return nil, err
 	}
-	fleet, err := fleetClient(rc)
-	if err != nil {
-		return nil, err
-	}
-	d := &Deps{Config: cfg, RestConfig: rc, Kube: kube, Virt: virt, Log: cfg.Log, allVMIs: virt.VMIs.Informer("", 0, nil), fleet: fleet,
+	d := &Deps{Config: cfg, RestConfig: rc, Kube: kube, Virt: virt, Log: cfg.Log, allVMIs: virt.VMIs.Informer("", 0, nil),
 		Health: daemon.NewHealth("api-installed"), ClusterConfig: crwatch.New(virt, cfg.Namespace),
 		KubeVirtTLS: tlsprofile.NewLive(), CDITLS: tlsprofile.NewLive(), CPUModels: &live.Value[cpumodel.Cluster]{},
 		MemoryOvercommit: &live.Value[overcommit.Memory]{}, Rollout: &live.Value[rollout.Cluster]{}}
@@ -263,19 +255,6 @@ func New(cfg Config) (*Brain, error) {
 		return nil, err
 	}
 	return b, nil
-}
-
-// fleetClient is a client that reads protobuf, for the informers of what
-// every node writes at each heartbeat (its Node's status, its Lease): at
-// 500 nodes, 100 objects a second, which a brain decoding JSON spent a
-// good part of its idle CPU on (a Node decodes ~15x faster from
-// protobuf). The types are Kubernetes' own, which every API server
-// serves as protobuf.
-func fleetClient(rc *rest.Config) (kubernetes.Interface, error) {
-	pc := rest.CopyConfig(rc)
-	pc.ContentType = runtime.ContentTypeProtobuf
-	pc.AcceptContentTypes = runtime.ContentTypeProtobuf + "," + runtime.ContentTypeJSON
-	return kubernetes.NewForConfig(pc)
 }
 
 func restConfig(kubeconfig string) (*rest.Config, error) {
@@ -305,8 +284,8 @@ func (b *Brain) leaderTerm() ([]Role, error) {
 	d := *b.deps
 	d.scheduler = nil
 	d.vms, d.vmis = d.Virt.VMs.Informer("", 0, nil), newTermInformer(d.allVMIs)
-	d.nodes = coreinformers.NewNodeInformer(d.fleet, 0, cache.Indexers{})
-	d.leases = nodefailure.NewLeaseInformer(d.fleet)
+	d.nodes = coreinformers.NewNodeInformer(d.Kube, 0, cache.Indexers{})
+	d.leases = nodefailure.NewLeaseInformer(d.Kube)
 	roles, err := build(leaderRoles, &d)
 	if err != nil {
 		return nil, err
