@@ -36,6 +36,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/tlsprofile"
 	"github.com/nodevirt/nodevirt/clusterbrain/crds"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/daemon"
+	"github.com/nodevirt/nodevirt/clusterbrain/nodefailure"
 	"github.com/nodevirt/nodevirt/clusterbrain/nodereads"
 	"github.com/nodevirt/nodevirt/clusterbrain/scheduler"
 	"github.com/nodevirt/nodevirt/clusterbrain/ssp"
@@ -180,13 +181,21 @@ type Deps struct {
 	// vms and vmis are the informers of all VMs and VMIs the leader's
 	// roles share (the VM controller, the scheduler, the MAC reconciler):
 	// one watch and one cache of each instead of one per role. Each term
-	// of leadership has its own (see leaderTerm).
+	// of leadership has its own (see leaderTerm); vmis is the term's view
+	// of allVMIs.
 	vms, vmis cache.SharedIndexInformer
+	// allVMIs is the informer of all VMIs that lives as long as the brain,
+	// which Brain.Run runs: the metrics server reads it on every brain,
+	// the leader's roles through their term's view.
+	allVMIs cache.SharedIndexInformer
 	// nodes is the informer of all Nodes the leader's roles share (the
 	// scheduler, node failure, evacuation, hco, the HostPathProvisioner
 	// status): every node's heartbeat is decoded once, not once per role,
 	// and no role lists the Nodes to look at them.
 	nodes cache.SharedIndexInformer
+	// leases is the informer of the node Leases (node failure's): each
+	// renewal is read from its watch, not from a list of every Lease.
+	leases cache.SharedIndexInformer
 }
 
 // Role is one job of the brain.
@@ -224,7 +233,7 @@ func New(cfg Config) (*Brain, error) {
 	if err != nil {
 		return nil, err
 	}
-	d := &Deps{Config: cfg, RestConfig: rc, Kube: kube, Virt: virt, Log: cfg.Log,
+	d := &Deps{Config: cfg, RestConfig: rc, Kube: kube, Virt: virt, Log: cfg.Log, allVMIs: virt.VMIs.Informer("", 0, nil),
 		Health: daemon.NewHealth("api-installed"), ClusterConfig: crwatch.New(virt, cfg.Namespace),
 		KubeVirtTLS: tlsprofile.NewLive(), CDITLS: tlsprofile.NewLive(), CPUModels: &live.Value[cpumodel.Cluster]{},
 		MemoryOvercommit: &live.Value[overcommit.Memory]{}, Rollout: &live.Value[rollout.Cluster]{}}
@@ -278,13 +287,14 @@ func build(factories []RoleFactory, d *Deps) ([]Role, error) {
 func (b *Brain) leaderTerm() ([]Role, error) {
 	d := *b.deps
 	d.scheduler = nil
-	d.vms, d.vmis = d.Virt.VMs.Informer("", 0, nil), d.Virt.VMIs.Informer("", 0, nil)
+	d.vms, d.vmis = d.Virt.VMs.Informer("", 0, nil), newTermInformer(d.allVMIs)
 	d.nodes = coreinformers.NewNodeInformer(d.Kube, 0, cache.Indexers{})
+	d.leases = nodefailure.NewLeaseInformer(d.Kube)
 	roles, err := build(leaderRoles, &d)
 	if err != nil {
 		return nil, err
 	}
-	b.termInformers = []cache.SharedIndexInformer{d.vms, d.vmis, d.nodes}
+	b.termInformers = []cache.SharedIndexInformer{d.vms, d.vmis, d.nodes, d.leases}
 	return roles, nil
 }
 
@@ -303,6 +313,7 @@ func (b *Brain) Run(ctx context.Context) error {
 	// groups and terms (of leadership so far) change in the leader
 	// callback's goroutine.
 	var mu sync.Mutex
+	go b.deps.allVMIs.RunWithContext(ctx)
 	groups := []*sync.WaitGroup{daemon.Start(ctx, log, b.deps.Health, b.always...)}
 	terms := 0
 	lock := &resourcelock.LeaseLock{

@@ -23,14 +23,15 @@ const DefaultMetricsAddr = "127.0.0.1:8484"
 // collectors (kubevirt_vmi_info, kubevirt_vmi_phase_count) and
 // virt-controller's kubevirt_vmi_non_evictable and migration families over
 // informers of the VMIs and migrations of all namespaces and of the
-// KubeVirt CR (its default evictionStrategy).
-func newMetricsServer(addr string, virt *client.Set, log *slog.Logger) *metrics.Server {
-	inf := virt.VMIs.Informer("", 10*time.Minute, nil)
+// KubeVirt CR (its default evictionStrategy). The VMIs' is the brain's,
+// run by the brain (a cache of every VMI is the largest a brain keeps);
+// the others are the server's own.
+func newMetricsServer(addr string, virt *client.Set, vmiInf cache.SharedIndexInformer, log *slog.Logger) *metrics.Server {
 	kvInf := virt.KubeVirts.Informer("", 10*time.Minute, nil)
 	migInf := virt.Migrations.Informer("", 10*time.Minute, nil)
 	vmis := func() []*kubevirtv1.VirtualMachineInstance {
 		var out []*kubevirtv1.VirtualMachineInstance
-		for _, o := range inf.GetStore().List() {
+		for _, o := range vmiInf.GetStore().List() {
 			if vmi, ok := o.(*kubevirtv1.VirtualMachineInstance); ok {
 				out = append(out, vmi)
 			}
@@ -50,7 +51,6 @@ func newMetricsServer(addr string, virt *client.Set, log *slog.Logger) *metrics.
 		return out
 	}))
 	return &metrics.Server{Addr: addr, Registry: reg, Log: log, Start: func(ctx context.Context) {
-		go inf.Run(ctx.Done())
 		go kvInf.Run(ctx.Done())
 		go migInf.Run(ctx.Done())
 	}}

@@ -67,7 +67,7 @@ var everyBrainRoles = []RoleFactory{
 			Addr: d.Config.NodeReadsAddr, TLSProfile: d.KubeVirtTLS, Log: d.Log})
 	},
 	func(d *Deps) (Role, error) {
-		return newMetricsServer(d.Config.MetricsAddr, d.Virt, d.Log.With("role", "metrics")), nil
+		return newMetricsServer(d.Config.MetricsAddr, d.Virt, d.allVMIs, d.Log.With("role", "metrics")), nil
 	},
 	func(d *Deps) (Role, error) {
 		// One webhook server: KubeVirt's VM/VMI admission (with quotas),
@@ -98,7 +98,7 @@ var leaderRoles = []RoleFactory{
 		// Nodes' Ready condition and taints from their Leases; lost nodes'
 		// VMIs failed over (package fencing's timeline).
 		return nodefailure.New(nodefailure.Config{Kube: d.Kube, Virt: d.Virt, Window: d.Config.FencingWindow, Nodes: d.nodes,
-			Log: d.Log.With("role", "node-failure")})
+			Leases: d.leases, Log: d.Log.With("role", "node-failure")})
 	},
 	func(d *Deps) (Role, error) {
 		// Golden images: DataImportCrons and DataSources' Ready.

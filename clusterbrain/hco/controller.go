@@ -115,7 +115,7 @@ type Controller struct {
 	// probesFailing says the last reconcile found a part missing: the
 	// next probe comes sooner.
 	probesFailing bool
-	nodes         controller.Nodes
+	nodes         controller.Shared
 	// unplacedLogged: the infra placement a brain without a Deployment
 	// cannot apply was logged (once per run; syncs run on one worker).
 	unplacedLogged bool

@@ -73,7 +73,7 @@ type Controller struct {
 	log   *slog.Logger
 	queue *controller.Queue
 	hpps  cache.SharedIndexInformer
-	nodes controller.Nodes
+	nodes controller.Shared
 }
 
 // New builds the controller.

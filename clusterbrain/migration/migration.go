@@ -129,7 +129,7 @@ type Controller struct {
 	// warned is when each VMI that cannot leave a draining node was last
 	// told so (evacuation.go; its goroutine only).
 	warned map[types.UID]time.Time
-	nodes  controller.Nodes
+	nodes  controller.Shared
 }
 
 // New validates cfg and builds the controller; Run starts it.

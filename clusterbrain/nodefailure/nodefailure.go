@@ -20,7 +20,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/informers"
+	coordinationinformers "k8s.io/client-go/informers/coordination/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 	kubevirtv1 "kubevirt.io/api/core/v1"
@@ -48,7 +48,10 @@ type Config struct {
 	// Nodes is the brain's shared informer of every Node; nil: the
 	// controller runs one of its own.
 	Nodes cache.SharedIndexInformer
-	Log   *slog.Logger
+	// Leases is the brain's shared informer of the node Leases (namespace
+	// kube-node-lease); nil: the controller runs one of its own.
+	Leases cache.SharedIndexInformer
+	Log    *slog.Logger
 	// Now is the clock (time.Now when nil).
 	Now func() time.Time
 }
@@ -62,6 +65,12 @@ type Config struct {
 // everything over at once; and a node's clock never shortens its window.
 // When every node would be lost at once, the trouble is on the brain's
 // side: nothing is failed over.
+//
+// Nodes and Leases come from informers' caches, so a check reads nothing
+// from the API server while every node renews. A cache can lag the API
+// (a watch that broke and waits to be opened again): before a node is
+// judged on a renewal older than the grace, its Lease is read again from
+// the API server, and the brain that cannot read it decides nothing.
 type Controller struct {
 	cfg Config
 	// mu guards seen, written by Sync and by the Lease watch.
@@ -71,7 +80,9 @@ type Controller struct {
 	seen map[string]observation
 	// blind is set when the last check could not read the API.
 	blind bool
-	nodes controller.Nodes
+	// nodes and leases are cfg.Nodes and cfg.Leases, else the
+	// controller's own.
+	nodes, leases controller.Shared
 }
 
 type observation struct {
@@ -106,6 +117,7 @@ func New(cfg Config) (*Controller, error) {
 	}
 	c := &Controller{cfg: cfg, seen: map[string]observation{}}
 	c.nodes = controller.SharedNodes(cfg.Kube, cfg.Nodes)
+	c.leases = controller.Share(cfg.Leases, func() cache.SharedIndexInformer { return NewLeaseInformer(cfg.Kube) })
 	return c, nil
 }
 
@@ -119,8 +131,11 @@ func (c *Controller) Name() string { return "node-failure" }
 // after its deadline, two intervals in all.
 func (c *Controller) Run(ctx context.Context) error {
 	c.nodes.RunOwn(ctx)
-	c.watchLeases(ctx)
-	if !cache.WaitForCacheSync(ctx.Done(), c.nodes.HasSynced) {
+	c.leases.RunOwn(ctx)
+	if err := c.watchLeases(); err != nil {
+		return err
+	}
+	if !cache.WaitForCacheSync(ctx.Done(), c.nodes.HasSynced, c.leases.HasSynced) {
 		return nil
 	}
 	t := time.NewTimer(0)
@@ -138,21 +153,24 @@ func (c *Controller) Run(ctx context.Context) error {
 	}
 }
 
+// NewLeaseInformer is an informer of the node Leases, the one Config.Leases
+// takes.
+func NewLeaseInformer(kube kubernetes.Interface) cache.SharedIndexInformer {
+	return coordinationinformers.NewLeaseInformer(kube, corev1.NamespaceNodeLease, 0, cache.Indexers{})
+}
+
 // watchLeases records each node Lease's renewals as the API server sends
 // them.
-func (c *Controller) watchLeases(ctx context.Context) {
-	f := informers.NewSharedInformerFactoryWithOptions(c.cfg.Kube, 0, informers.WithNamespace(corev1.NamespaceNodeLease))
-	inf := f.Coordination().V1().Leases().Informer()
+func (c *Controller) watchLeases() error {
 	observe := func(obj any) {
 		if l, ok := obj.(*coordinationv1.Lease); ok {
 			c.observe(l.Name, leaseRenewed(l), c.cfg.Now())
 		}
 	}
-	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: observe, UpdateFunc: func(_, obj any) { observe(obj) }}); err != nil {
-		c.cfg.Log.Warn("lease watch", "err", err)
-		return
+	if _, err := c.leases.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: observe, UpdateFunc: func(_, obj any) { observe(obj) }}); err != nil {
+		return fmt.Errorf("lease watch: %w", err)
 	}
-	f.Start(ctx.Done())
+	return nil
 }
 
 // observe records that node's Lease reads renewal at now, keeping the
@@ -185,17 +203,19 @@ func (c *Controller) nextCheck(now time.Time) time.Duration {
 	return next
 }
 
-// Sync checks every node agent's Node once. The Nodes come from the
-// informer's cache (Run waits until it is filled), the Leases from the API
-// server: reading them tells whether the brain sees the API at all.
+// Sync checks every node agent's Node once. Nodes and Leases come from
+// the informers' caches (Run waits until they are filled); a node whose
+// cached renewal is older than the grace has its Lease read again from
+// the API server (one by one for up to lateReads nodes, else one List of
+// them all), and a brain that cannot read it (or, back from that, its
+// first read of the Leases) stops the check: nothing is decided without
+// the API.
 func (c *Controller) Sync(ctx context.Context) error {
-	leases, err := c.cfg.Kube.CoordinationV1().Leases(corev1.NamespaceNodeLease).List(ctx, metav1.ListOptions{})
-	if err != nil {
-		c.blind = true
-		return fmt.Errorf("list node leases: %w", err)
-	}
-	now := c.cfg.Now()
+	leases := c.cfg.Kube.CoordinationV1().Leases(corev1.NamespaceNodeLease)
 	if c.blind {
+		if _, err := leases.List(ctx, metav1.ListOptions{Limit: 1}); err != nil {
+			return fmt.Errorf("read node leases: %w", err)
+		}
 		// Back from not seeing the API: what happened meanwhile is unknown,
 		// every node gets a full window from now.
 		c.mu.Lock()
@@ -203,17 +223,38 @@ func (c *Controller) Sync(ctx context.Context) error {
 		c.mu.Unlock()
 		c.blind = false
 	}
-	renewals := map[string]time.Time{}
-	for i := range leases.Items {
-		renewals[leases.Items[i].Name] = leaseRenewed(&leases.Items[i])
-	}
-	var states []nodeCheck
+	now := c.cfg.Now()
+	var nodes []*corev1.Node
+	late := map[string]bool{}
 	for _, n := range c.agentNodes() {
-		r, ok := renewals[n.Name]
-		if !ok {
+		l := c.cachedLease(n.Name)
+		if l == nil {
 			continue // registering
 		}
-		o := c.observe(n.Name, r, now)
+		nodes = append(nodes, n)
+		if o := c.observe(n.Name, leaseRenewed(l), now); now.Sub(o.at) > c.cfg.Grace {
+			late[n.Name] = true
+		}
+	}
+	// The cache may lag: on the late nodes the API server has the last
+	// word.
+	fresh, err := c.readLeases(ctx, late)
+	if err != nil {
+		c.blind = true
+		return err
+	}
+	var states []nodeCheck
+	for _, n := range nodes {
+		if late[n.Name] {
+			l, ok := fresh[n.Name]
+			if !ok {
+				continue // the node is going
+			}
+			c.observe(n.Name, leaseRenewed(l), now)
+		}
+		c.mu.Lock()
+		o := c.seen[n.Name]
+		c.mu.Unlock()
 		states = append(states, c.check(n, o.at, now))
 	}
 	lost := 0
@@ -233,6 +274,51 @@ func (c *Controller) Sync(ctx context.Context) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// lateReads is how many late nodes' Leases a check reads one by one;
+// for more, it lists them all once.
+const lateReads = 8
+
+// readLeases reads the named nodes' Leases from the API server (a node
+// with none is left out).
+func (c *Controller) readLeases(ctx context.Context, names map[string]bool) (map[string]*coordinationv1.Lease, error) {
+	leases := c.cfg.Kube.CoordinationV1().Leases(corev1.NamespaceNodeLease)
+	out := map[string]*coordinationv1.Lease{}
+	if len(names) > lateReads {
+		list, err := leases.List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return nil, fmt.Errorf("list node leases: %w", err)
+		}
+		for i := range list.Items {
+			if names[list.Items[i].Name] {
+				out[list.Items[i].Name] = &list.Items[i]
+			}
+		}
+		return out, nil
+	}
+	for name := range names {
+		l, err := leases.Get(ctx, name, metav1.GetOptions{})
+		switch {
+		case apierrors.IsNotFound(err):
+		case err != nil:
+			return nil, fmt.Errorf("read lease %s: %w", name, err)
+		default:
+			out[name] = l
+		}
+	}
+	return out, nil
+}
+
+// cachedLease is node's Lease in the informer's cache (nil when there is
+// none): the cache's own object, read and never written.
+func (c *Controller) cachedLease(node string) *coordinationv1.Lease {
+	o, ok, err := c.leases.GetStore().GetByKey(corev1.NamespaceNodeLease + "/" + node)
+	if err != nil || !ok {
+		return nil
+	}
+	l, _ := o.(*coordinationv1.Lease)
+	return l
 }
 
 // agentNodes are the node agents' Nodes in the informer's cache, by name:

@@ -3,6 +3,7 @@ package nodefailure
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"testing"
 	"time"
@@ -17,6 +18,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/nodevirt/nodevirt/clusterbrain/api/client"
+	"github.com/nodevirt/nodevirt/test/testkit"
 )
 
 // TestTimesNodesFromWhatItSaw: a brain that starts (or gets the API back)
@@ -36,11 +38,13 @@ func TestTimesNodesFromWhatItSaw(t *testing.T) {
 	)
 	now := start
 	nodes := coreinformers.NewNodeInformer(kube, 0, cache.Indexers{})
+	leases := NewLeaseInformer(kube)
 	go nodes.RunWithContext(t.Context())
-	if !cache.WaitForCacheSync(t.Context().Done(), nodes.HasSynced) {
-		t.Fatal("node cache not filled")
+	go leases.RunWithContext(t.Context())
+	if !cache.WaitForCacheSync(t.Context().Done(), nodes.HasSynced, leases.HasSynced) {
+		t.Fatal("caches not filled")
 	}
-	c, err := New(Config{Kube: kube, Virt: &client.Set{}, Nodes: nodes, Now: func() time.Time { return now }})
+	c, err := New(Config{Kube: kube, Virt: &client.Set{}, Nodes: nodes, Leases: leases, Now: func() time.Time { return now }})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -65,6 +69,10 @@ func TestTimesNodesFromWhatItSaw(t *testing.T) {
 	if _, err := kube.CoordinationV1().Leases(corev1.NamespaceNodeLease).Update(ctx, l, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
+	testkit.Until(t, time.Minute, "n2's renewal in the lease cache", func() bool {
+		l := c.cachedLease("n2")
+		return l != nil && l.Spec.RenewTime.Equal(&fresh)
+	})
 	now = start.Add(c.cfg.Grace + time.Second)
 	if err := c.Sync(ctx); err != nil {
 		t.Fatal(err)
@@ -75,7 +83,7 @@ func TestTimesNodesFromWhatItSaw(t *testing.T) {
 
 	// The API goes away, then comes back much later: n2 gets a full grace
 	// again although its renewal is now old.
-	kube.PrependReactor("list", "leases", func(k8stesting.Action) (bool, runtime.Object, error) {
+	kube.PrependReactor("*", "leases", func(k8stesting.Action) (bool, runtime.Object, error) {
 		return true, nil, errors.New("api server down")
 	})
 	now = start.Add(5 * time.Minute)
@@ -89,6 +97,87 @@ func TestTimesNodesFromWhatItSaw(t *testing.T) {
 	}
 	if unreachable("n2") {
 		t.Fatal("back from an API outage, the brain tainted a node before a full grace")
+	}
+}
+
+// TestLaggingCacheAsksTheAPI: a Lease cache that stopped following the
+// API server (a broken watch not yet opened again) still holds old
+// renewals; before the nodes are judged on them, the check reads their
+// Leases from the API server (one by one for a few nodes, one List for
+// many) and finds them renewing.
+func TestLaggingCacheAsksTheAPI(t *testing.T) {
+	for _, n := range []int{1, lateReads + 2} {
+		t.Run(fmt.Sprintf("%d nodes", n), func(t *testing.T) { laggingCache(t, n) })
+	}
+}
+
+func laggingCache(t *testing.T, count int) {
+	ctx := context.Background()
+	start := time.Date(2026, 11, 25, 12, 0, 0, 0, time.UTC)
+	renewed := metav1.NewMicroTime(start)
+	kube := fake.NewSimpleClientset()
+	var names []string
+	for i := range count {
+		name := fmt.Sprintf("n%d", i)
+		names = append(names, name)
+		if _, err := kube.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{LabelManagedBy: "standalone"}},
+			Status: corev1.NodeStatus{Conditions: []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue}}}}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := kube.CoordinationV1().Leases(corev1.NamespaceNodeLease).Create(ctx, &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: corev1.NamespaceNodeLease},
+			Spec: coordinationv1.LeaseSpec{RenewTime: &renewed}}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	nodes := coreinformers.NewNodeInformer(kube, 0, cache.Indexers{})
+	go nodes.RunWithContext(t.Context())
+	// The Lease informer stops after its first list: its cache keeps
+	// what it read then.
+	leases := NewLeaseInformer(kube)
+	leaseCtx, stopLeases := context.WithCancel(t.Context())
+	go leases.RunWithContext(leaseCtx)
+	if !cache.WaitForCacheSync(t.Context().Done(), nodes.HasSynced, leases.HasSynced) {
+		t.Fatal("caches not filled")
+	}
+	stopLeases()
+	testkit.Until(t, time.Minute, "the lease informer stopped", leases.IsStopped)
+	now := start
+	c, err := New(Config{Kube: kube, Virt: &client.Set{}, Nodes: nodes, Leases: leases, Now: func() time.Time { return now }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Sync(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// The nodes renew every few seconds; only the API server sees it.
+	for now.Before(start.Add(c.cfg.Grace + 5*time.Second)) {
+		now = now.Add(5 * time.Second)
+		for _, name := range names {
+			l, err := kube.CoordinationV1().Leases(corev1.NamespaceNodeLease).Get(ctx, name, metav1.GetOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			r := metav1.NewMicroTime(now)
+			l.Spec.RenewTime = &r
+			if _, err := kube.CoordinationV1().Leases(corev1.NamespaceNodeLease).Update(ctx, l, metav1.UpdateOptions{}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := c.Sync(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, name := range names {
+		if cached := c.cachedLease(name); !cached.Spec.RenewTime.Equal(&renewed) {
+			t.Fatalf("the stopped cache moved to %s: the test shows nothing", cached.Spec.RenewTime)
+		}
+		n, err := kube.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(n.Spec.Taints) > 0 {
+			t.Fatalf("node %s, renewing its Lease, was tainted %v from a lagging cache", name, taintKeys(n.Spec.Taints))
+		}
 	}
 }
 

@@ -115,8 +115,9 @@ func describe(p point) {
 		p.BrainCPU.Round(10*time.Millisecond), ms(p.CPUPerVM()), p.BaseRSS, p.PeakRSS, p.IdleRSS, 100*p.IdleBefore, 100*p.IdleAfter)
 	fmt.Fprintf(os.Stderr, "    kube-apiserver cpu %s, etcd %s over the same span; load average %s → %s\n",
 		p.APICPU.Round(10*time.Millisecond), p.EtcdCPU.Round(10*time.Millisecond), p.LoadBefore, p.LoadAfter)
-	fmt.Fprintf(os.Stderr, "    simulated nodes: %d not Ready or tainted after; longest heartbeat gap %s; %d heartbeats failed\n",
-		p.NotReady, p.SimGap.Round(time.Millisecond), p.SimFailed)
+	fmt.Fprintf(os.Stderr, "    simulated nodes: %d not Ready or tainted after; longest heartbeat gap %s; %d heartbeats failed; "+
+		"%.1f and %.1f heartbeats/s in the idle windows before and after\n",
+		p.NotReady, p.SimGap.Round(time.Millisecond), p.SimFailed, p.BeatsBefore, p.BeatsAfter)
 	fmt.Fprintf(os.Stderr, "    api writes (simulator's heartbeats left out): %.0f, %.2f per VM; requests of every client, per VM:\n", p.Writes, p.Writes/float64(p.VMs))
 	for _, r := range p.Requests {
 		if r.N/float64(p.VMs) >= 0.01 {

@@ -47,6 +47,10 @@ type point struct {
 	// IdleBefore and IdleAfter are the brain's CPU use (fraction of a
 	// core) over the idle window with no VM and with every VMI placed.
 	IdleBefore, IdleAfter float64
+	// BeatsBefore and BeatsAfter are the simulated nodes' heartbeats per
+	// second over the same windows (nodes / heartbeat period asked; a
+	// loaded machine delays them, and the brain's idle work with them).
+	BeatsBefore, BeatsAfter float64
 	// NotReady counts the nodes not Ready or tainted after the run; SimGap
 	// is the longest a simulated node went between heartbeats during the
 	// burst and idle window.
@@ -81,9 +85,12 @@ func (c *cluster) run(ctx context.Context, nVMs int, t timing) (point, error) {
 		return p, err
 	}
 	var err error
-	if p.IdleBefore, err = c.idleCPU(ctx, t.idle); err != nil {
+	if p.IdleBefore, p.BeatsBefore, err = c.idleCPU(ctx, t.idle); err != nil {
 		return p, err
 	}
+	// Shown now: a burst that fails (a loaded machine) still leaves it.
+	fmt.Fprintf(os.Stderr, "    idle brain, no VM: %.2f%% of a core over %s, %.1f node heartbeats/s (%.0f µs of brain CPU each)\n",
+		100*p.IdleBefore, t.idle, p.BeatsBefore, 1e6*p.IdleBefore/p.BeatsBefore)
 	p.BaseRSS = measure.MemMiB(pid, "VmRSS")
 
 	// Bindings are seen through a watch started before the burst.
@@ -193,7 +200,7 @@ func (c *cluster) run(ctx context.Context, nVMs int, t timing) (point, error) {
 			return p, err
 		}
 	}
-	if p.IdleAfter, err = c.idleCPU(ctx, t.idle); err != nil {
+	if p.IdleAfter, p.BeatsAfter, err = c.idleCPU(ctx, t.idle); err != nil {
 		return p, err
 	}
 	p.IdleRSS = measure.MemMiB(pid, "VmRSS")
@@ -212,7 +219,7 @@ func (c *cluster) settle(ctx context.Context, d time.Duration) error {
 		return err
 	}
 	for time.Since(start) < 6*d {
-		busy, err := c.idleCPU(ctx, 2*time.Second)
+		busy, _, err := c.idleCPU(ctx, 2*time.Second)
 		if err != nil || busy < 0.2 {
 			return err
 		}
@@ -220,17 +227,20 @@ func (c *cluster) settle(ctx context.Context, d time.Duration) error {
 	return nil
 }
 
-// idleCPU is the brain's CPU use over d, as a fraction of one core.
-func (c *cluster) idleCPU(ctx context.Context, d time.Duration) (float64, error) {
+// idleCPU is the brain's CPU use over d, as a fraction of one core, and
+// the simulated nodes' heartbeats per second meanwhile.
+func (c *cluster) idleCPU(ctx context.Context, d time.Duration) (cpu, beats float64, err error) {
 	pid := c.brain.Process.Pid
-	cpu0, t0 := measure.CPUTime(pid), time.Now()
+	cpu0, t0, w0 := measure.CPUTime(pid), time.Now(), c.sim.writes.Load()
 	if err := sleep(ctx, d); err != nil {
-		return 0, err
+		return 0, 0, err
 	}
 	if err := c.brainAlive(); err != nil {
-		return 0, err
+		return 0, 0, err
 	}
-	return (measure.CPUTime(pid) - cpu0).Seconds() / time.Since(t0).Seconds(), nil
+	wall := time.Since(t0).Seconds()
+	// A heartbeat is two writes: the Node's status, the Lease.
+	return (measure.CPUTime(pid) - cpu0).Seconds() / wall, float64(c.sim.writes.Load()-w0) / 2 / wall, nil
 }
 
 // verify checks the placements: every interface has a MAC no other has,
