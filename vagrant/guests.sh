@@ -1,8 +1,10 @@
 # guests.sh: the checks of vagrant/test that run guests inside the node VMs
 # (sourced by it: on, now, node_ready_after, ssh_config, IMAGE_URL, NODES,
-# GUEST_WAIT come from there). Guest guest-nodeI runs on nodeI in namespace
-# lab with 10.233.0.(10+I) on br-lab and pings the guest of the next node;
-# each result line carries the guest's boot id, so a later boot is told apart.
+# GUEST_WAIT, MIGRATION_TIMEOUT_PER_GIB come from there). Guest guest-nodeI runs on nodeI in namespace
+# lab with 10.233.0.(10+I) on br-lab and pings the guest of the next node,
+# again and again: after the first answer (LAB-PING-OK) every ping writes a
+# numbered line, LAB-PING-OK or LAB-PING-LOST, each with the guest's boot id,
+# so a later boot is told apart and a guest is seen to run on (a migration).
 
 # create_guests (on control) URL NODES: the namespace, a cnv-bridge
 # NetworkAttachmentDefinition on br-lab and a VM per node whose disk is
@@ -24,6 +26,10 @@ spec:
 NAD
 for i in $(seq "$nodes"); do
 	peer=10.233.0.$((10 + i % nodes + 1))
+	# guest-node1 is live-migrated (migrate_guest): preferred on node1,
+	# not bound to it.
+	place="nodeSelector: {kubernetes.io/hostname: node$i}"
+	[ "$i" != 1 ] || place="affinity: {nodeAffinity: {preferredDuringSchedulingIgnoredDuringExecution: [{weight: 100, preference: {matchExpressions: [{key: kubernetes.io/hostname, operator: In, values: [node1]}]}}]}}"
 	kubectl apply -f - <<VM
 apiVersion: kubevirt.io/v1
 kind: VirtualMachine
@@ -46,8 +52,7 @@ spec:
             storage: 128Mi
   template:
     spec:
-      nodeSelector:
-        kubernetes.io/hostname: node$i
+      $place
       domain:
         resources:
           requests:
@@ -80,14 +85,18 @@ spec:
             #!/bin/sh
             # nodevirt.ip=10.233.0.$((10 + i))/24
             (
-              n=0
-              while [ \$n -lt 1200 ]; do
+              n=0 ok= boot=\$(cat /proc/sys/kernel/random/boot_id)
+              while :; do
+                n=\$((n + 1))
                 if ping -c 1 -W 2 $peer >/dev/null 2>&1; then
-                  echo "LAB-PING-OK $peer boot=\$(cat /proc/sys/kernel/random/boot_id)"; exit 0
+                  echo "LAB-PING-OK $peer seq=\$n boot=\$boot"; ok=1
+                elif [ -n "\$ok" ]; then
+                  echo "LAB-PING-LOST $peer seq=\$n boot=\$boot"
+                elif [ \$n -ge 1200 ]; then
+                  echo "LAB-PING-FAILED $peer seq=\$n boot=\$boot"; exit 1
                 fi
-                n=\$((n + 1)); sleep 2
+                sleep 2
               done
-              echo "LAB-PING-FAILED $peer boot=\$(cat /proc/sys/kernel/random/boot_id)"
             ) &
 VM
 done'
@@ -126,7 +135,7 @@ while :; do
 	log=$(virsh -c qemu:///system dumpxml "lab_$vm" 2>/dev/null | sed -n "s/.*<log file=.\([^\"'\'']*\).*/\1/p" | head -1)
 	if [ -n "$log" ] && [ -r "$log" ]; then
 		# -o: the shell prompt and terminal queries may share the line.
-		res=$(grep -a -o -E "LAB-PING-(OK|FAILED) [0-9.]+ boot=[0-9a-f-]+" "$log" | grep -v "boot=$old\$" | tail -1)
+		res=$(grep -a -o -E "LAB-PING-(OK|FAILED) [0-9.]+ seq=[0-9]+ boot=[0-9a-f-]+" "$log" | grep -v "boot=$old\$" | tail -1)
 		case $res in
 		LAB-PING-OK*) echo "$(hostname) $vm: $res" >&2; echo "${res##*boot=}"; exit 0 ;;
 		LAB-PING-FAILED*) echo "$(hostname) $vm: $res" >&2; tail -30 "$log" >&2; exit 1 ;;
@@ -134,6 +143,27 @@ while :; do
 	fi
 	[ $SECONDS -lt $end ] || { echo "$(hostname) $vm: no ping result after $bound s (log ${log:-none})" >&2; [ -z "$log" ] || tail -30 "$log" >&2; exit 1; }
 	sleep 10
+done'
+
+# pings_after (on a node) VM BOOT SEQ SECONDS: waits for a LAB-PING-OK of
+# boot BOOT numbered past SEQ in the guest's serial log; prints the highest
+# number logged and how many pings past SEQ were lost. SEQ -1: any answer.
+pings_after='
+vm=$1 boot=$2 seq=$3 bound=$4
+end=$((SECONDS + bound))
+while :; do
+	log=$(virsh -c qemu:///system dumpxml "lab_$vm" 2>/dev/null | sed -n "s/.*<log file=.\([^\"'\'']*\).*/\1/p" | head -1)
+	if [ -n "$log" ] && [ -r "$log" ]; then
+		last=$seq lost=0 ok=
+		while read -r res n; do
+			[ "$n" -gt "$seq" ] || continue
+			[ "$n" -le "$last" ] || last=$n
+			case $res in OK) ok=1 ;; LOST) lost=$((lost + 1)) ;; esac
+		done < <(grep -a -o -E "LAB-PING-(OK|LOST) [0-9.]+ seq=[0-9]+ boot=$boot" "$log" | sed -E "s/LAB-PING-([A-Z]+) .* seq=([0-9]+) .*/\1 \2/")
+		[ -z "$ok" ] || { echo "$last $lost"; exit 0; }
+	fi
+	[ $SECONDS -lt $end ] || { echo "$(hostname) $vm: no ping of boot $boot past $seq after $bound s (log ${log:-none})" >&2; [ -z "$log" ] || tail -20 "$log" >&2; exit 1; }
+	sleep 5
 done'
 
 vmi_uid() { on control 'kubectl get vmi -n lab "$1" -o jsonpath="{.metadata.uid}"' "$1"; }
@@ -222,4 +252,87 @@ qemu_rss() {
 			return 1
 		fi
 	done
+}
+
+# migrate_guest: guest-node1 (node-local disk, bridged on br-lab) live-migrated
+# from node1 to node2 with a VirtualMachineInstanceMigration as upstream
+# virtctl migrate makes it: the migration Succeeded with the completion timeout
+# the HyperConverged asks for (MIGRATION_TIMEOUT_PER_GIB: TCG inside TCG is
+# slow), the same VMI on node2, its QEMU running there and no domain of it
+# left on node1; the guest was not rebooted and its pings go on from node2,
+# and guest-nodeNODES, which pings it, gets answers after the switchover.
+# Prints the migration's time and libvirt's downtime.
+migrate_guest() {
+	local vm=guest-node1 src=node1 dst=node2 peer=guest-node$NODES uid name self peer_seq mark st lost
+	uid=$(vmi_uid "$vm")
+	on control '
+		set -e
+		kubectl patch hyperconverged -n kubevirt-hyperconverged kubevirt-hyperconverged --type merge \
+			-p "{\"spec\":{\"liveMigrationConfig\":{\"completionTimeoutPerGiB\":$1}}}"
+		for i in $(seq 120); do
+			[ "$(kubectl get kubevirt -A -o jsonpath="{.items[0].spec.configuration.migrations.completionTimeoutPerGiB}")" = "$1" ] && exit 0
+			sleep 5
+		done; echo "the KubeVirt CR never got completionTimeoutPerGiB $1"; exit 1' "$MIGRATION_TIMEOUT_PER_GIB"
+	[ "$(on control 'kubectl get vmi -n lab "$1" -o jsonpath="{.status.nodeName}"' "$vm")" = "$src" ] ||
+		{ echo "$vm does not run on $src"; return 1; }
+	self=$(on "$src" "$pings_after" "$vm" "${BOOT[$vm]}" -1 "$GUEST_WAIT")
+	peer_seq=$(on "node$NODES" "$pings_after" "$peer" "${BOOT[$peer]}" -1 "$GUEST_WAIT")
+	echo "before: $vm on $src pinged up to #${self% *}, $peer up to #${peer_seq% *}"
+	name=kubevirt-migrate-vm-$(tr -dc a-z0-9 </dev/urandom | head -c 5)
+	on control '
+		set -e
+		vm=$1 name=$2 bound=$3 want=$4
+		kubectl apply -f - <<VMIM
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstanceMigration
+metadata:
+  name: $name
+  namespace: lab
+spec:
+  vmiName: $vm
+VMIM
+		end=$((SECONDS + bound)) last=
+		while :; do
+			phase=$(kubectl get vmim -n lab "$name" -o jsonpath="{.status.phase}" 2>/dev/null || true)
+			[ "$phase" = "$last" ] || { echo "  $(date -u +%T) $name: ${phase:-no phase yet}"; last=$phase; }
+			case $phase in
+			Succeeded) break ;;
+			Failed) kubectl get vmim -n lab "$name" -o jsonpath="{.status.migrationState.failureReason}{\"\n\"}"
+				kubectl get events -n lab --sort-by=.lastTimestamp | tail -20; exit 1 ;;
+			esac
+			[ $SECONDS -lt $end ] || { echo "$name not Succeeded after $bound s"; kubectl get vmim -n lab "$name" -o yaml; exit 1; }
+			sleep 5
+		done
+		read -r from to start stop perGiB <<<"$(kubectl get vmim -n lab "$name" -o jsonpath="{.status.migrationState.sourceNode} {.status.migrationState.targetNode} {.status.migrationState.startTimestamp} {.status.migrationState.endTimestamp} {.status.migrationState.migrationConfiguration.completionTimeoutPerGiB}")"
+		echo "$name: $from -> $to, $(($(date -d "$stop" +%s) - $(date -d "$start" +%s))) s from start to end ($start .. $stop), completionTimeoutPerGiB $perGiB"
+		[ "$perGiB" = "$want" ] || { echo "the migration ran with completionTimeoutPerGiB ${perGiB:-none}, not $want"; exit 1; }
+		kubectl get events -n lab --field-selector "involvedObject.name=$vm,reason=Migrated" -o jsonpath="{range .items[*]}{.message}{\"\n\"}{end}"' \
+		"$vm" "$name" "$GUEST_WAIT" "$MIGRATION_TIMEOUT_PER_GIB"
+	# The brain moves the VMI before it marks the migration Succeeded.
+	st=$(on control 'kubectl get vmi -n lab "$1" -o jsonpath="{.metadata.uid} {.status.nodeName} completed={.status.migrationState.completed} failed={.status.migrationState.failed}"' "$vm")
+	[ "$st" = "$uid $dst completed=true failed=" ] || { echo "$vm after the migration: \"$st\", want \"$uid $dst completed=true failed=\""; return 1; }
+	echo "$vm: the same VMI $uid, on $dst"
+	on "$dst" '
+		pid=$(cat "/run/libvirt/qemu/lab_$1.pid") && kill -0 "$pid" || { echo "$(hostname): no QEMU of lab_$1"; exit 1; }
+		[ "$(virsh -c qemu:///system domstate "lab_$1")" = running ] || { echo "$(hostname): lab_$1 not running"; exit 1; }
+		echo "$(hostname): lab_$1 running, QEMU $pid"' "$vm"
+	on "$src" '
+		end=$((SECONDS + $2))
+		while virsh -c qemu:///system list --all --name | grep -qx "lab_$1" && [ $SECONDS -lt $end ]; do
+			sleep 5
+		done
+		if virsh -c qemu:///system list --all --name | grep -qx "lab_$1"; then
+			echo "$(hostname): lab_$1 is still there"; virsh -c qemu:///system list --all; exit 1
+		fi
+		[ ! -e "/run/libvirt/qemu/lab_$1.pid" ] || { echo "$(hostname): a QEMU pid file of lab_$1 is left"; exit 1; }
+		journalctl -u nodevirt-nodeagent.service --no-pager -o cat | grep -F "$1" | grep -F downtime | tail -1
+		echo "$(hostname): no domain of $1 left"' "$vm" "$GUEST_WAIT"
+	st=$(on "$dst" "$pings_after" "$vm" "${BOOT[$vm]}" "${self% *}" "$GUEST_WAIT")
+	echo "$vm pings on from $dst, same boot ${BOOT[$vm]}: up to #${st% *}, ${st#* } lost since #${self% *}"
+	# The peer's pings numbered past the ones logged once the migration
+	# ended are answered by the guest on node2.
+	mark=$(on "node$NODES" "$pings_after" "$peer" "${BOOT[$peer]}" -1 "$GUEST_WAIT")
+	st=$(on "node$NODES" "$pings_after" "$peer" "${BOOT[$peer]}" "${mark% *}" "$GUEST_WAIT")
+	lost=$(on "node$NODES" "$pings_after" "$peer" "${BOOT[$peer]}" "${peer_seq% *}" 0)
+	echo "$peer answered by $vm on $dst (#${st% *}); ${lost#* } of its pings #$((${peer_seq% *} + 1))..#${lost% *} lost, the migration within them"
 }
