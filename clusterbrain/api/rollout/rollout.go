@@ -49,7 +49,15 @@ type Cluster struct {
 	// MaxHotplugRatio is liveUpdateConfiguration.maxHotplugRatio (0:
 	// KubeVirt's default).
 	MaxHotplugRatio uint32
+	// CPUAllocationRatio is developerConfiguration.cpuAllocationRatio (0:
+	// KubeVirt's default): a hot-plugged vCPU adds a 1/ratio CPU to the
+	// requests and limits a VMI has.
+	CPUAllocationRatio int
 }
+
+// DefaultCPUAllocationRatio is KubeVirt's developerConfiguration
+// cpuAllocationRatio default.
+const DefaultCPUAllocationRatio = 10
 
 // FromKubeVirt reads kv. Declarative hotplug is on only when the CR lists
 // its gate (an alpha gate in the KubeVirt release whose API nodevirt
@@ -70,7 +78,20 @@ func FromKubeVirt(kv *kubevirtv1.KubeVirt) Cluster {
 		}
 		c.MaxHotplugRatio = lu.MaxHotplugRatio
 	}
+	if dc := cfg.DeveloperConfiguration; dc != nil && dc.CPUAllocationRatio > 0 {
+		c.CPUAllocationRatio = dc.CPUAllocationRatio
+	}
 	return c
+}
+
+// MilliCPUPerVCPU is what one hot-plugged vCPU adds to a VMI's CPU
+// requests and limits, in millicores.
+func (c Cluster) MilliCPUPerVCPU() int64 {
+	ratio := c.CPUAllocationRatio
+	if ratio <= 0 {
+		ratio = DefaultCPUAllocationRatio
+	}
+	return int64(1000 / ratio)
 }
 
 // LiveUpdate reports whether CPU changes of a running VM are hot-plugged.
