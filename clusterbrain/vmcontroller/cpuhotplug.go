@@ -76,8 +76,9 @@ func (c *Controller) liveCPU(ctx context.Context, cfg rollout.Cluster, vm *kubev
 
 // socketsPatch sets vmi's CPU sockets to sockets, raising the CPU requests
 // and limits it has by milliPerVCPU for each added vCPU, as
-// virt-controller does; every value is tested to be the one the change
-// was computed from.
+// virt-controller does. The VMI must still be the one the change was
+// computed from (its resourceVersion is tested): a stale cached VMI may
+// not show the node's HotVCPUChange yet.
 func socketsPatch(vmi *kubevirtv1.VirtualMachineInstance, sockets uint32, milliPerVCPU int64) ([]byte, error) {
 	type op struct {
 		Op    string `json:"op"`
@@ -85,7 +86,8 @@ func socketsPatch(vmi *kubevirtv1.VirtualMachineInstance, sockets uint32, milliP
 		Value any    `json:"value"`
 	}
 	cpu := vmi.Spec.Domain.CPU
-	ops := []op{{"test", "/spec/domain/cpu/sockets", cpu.Sockets}, {"replace", "/spec/domain/cpu/sockets", sockets}}
+	ops := []op{{"test", "/metadata/resourceVersion", vmi.ResourceVersion},
+		{"test", "/spec/domain/cpu/sockets", cpu.Sockets}, {"replace", "/spec/domain/cpu/sockets", sockets}}
 	added := int64(sockets-cpu.Sockets) * int64(max(cpu.Cores, 1)*max(cpu.Threads, 1))
 	res := vmi.Spec.Domain.Resources
 	for _, r := range []struct {
