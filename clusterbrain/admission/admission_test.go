@@ -133,6 +133,9 @@ func TestValidationNamesTheField(t *testing.T) {
 			s.Domain.Devices.Interfaces = []kubevirtv1.Interface{{Name: "default", MacAddress: "03:00:00:00:00:01",
 				InterfaceBindingMethod: kubevirtv1.InterfaceBindingMethod{Masquerade: &kubevirtv1.InterfaceMasquerade{}}}}
 		}, `spec.template.spec.domain.devices.interfaces[0].macAddress: Invalid value: "03:00:00:00:00:01": must be a unicast MAC address`},
+		{"sockets-above-max", func(s *kubevirtv1.VirtualMachineInstanceSpec) {
+			s.Domain.CPU = &kubevirtv1.CPU{Sockets: 5, MaxSockets: 4}
+		}, `spec.template.spec.domain.cpu.sockets: Invalid value: 5: ` + MaxSocketsMessage},
 	}
 	for _, c := range cases {
 		_, err := e.virt.VMs.Create(ctx, vmWith(e.ns, c.name, c.edit))

@@ -11,7 +11,8 @@ import (
 )
 
 // mutateVMI applies the defaults KubeVirt applies when a VMI is created,
-// the KubeVirt CR's default CPU model and memory overcommit among them.
+// the KubeVirt CR's default CPU model, memory overcommit and (under the
+// LiveUpdate rollout strategy) the maxSockets of CPU hotplug among them.
 func (k *kubevirtWebhooks) mutateVMI(ctx context.Context, req *admissionv1.AdmissionRequest) *admissionv1.AdmissionResponse {
 	var vmi kubevirtv1.VirtualMachineInstance
 	if err := json.Unmarshal(req.Object.Raw, &vmi); err != nil {
@@ -24,6 +25,9 @@ func (k *kubevirtWebhooks) mutateVMI(ctx context.Context, req *admissionv1.Admis
 		changed = true
 	}
 	if k.cfg.cpuModels(ctx).Apply(&vmi.Spec) {
+		changed = true
+	}
+	if k.cfg.rollout(ctx).SetupCPUHotplug(&vmi.Spec) {
 		changed = true
 	}
 	if !changed {

@@ -15,6 +15,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/cpumodel"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/featuregate"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/overcommit"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/rollout"
 )
 
 // defaultCPUAllocationRatio is KubeVirt's developerConfiguration
@@ -119,6 +120,16 @@ func (c *clusterConfig) cpuModels(ctx context.Context) cpumodel.Cluster {
 		kv = kvs[0]
 	}
 	return cpumodel.FromKubeVirt(kv)
+}
+
+// rollout is what the KubeVirt CR says about live updates (package
+// rollout): the strategy and the CPU hotplug maximum.
+func (c *clusterConfig) rollout(ctx context.Context) rollout.Cluster {
+	var kv *kubevirtv1.KubeVirt
+	if kvs := c.kubeVirts(ctx); len(kvs) > 0 {
+		kv = kvs[0]
+	}
+	return rollout.FromKubeVirt(kv)
 }
 
 // memoryOvercommit is the KubeVirt CR's memoryOvercommit (package

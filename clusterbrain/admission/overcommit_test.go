@@ -19,13 +19,17 @@ import (
 // memoryOvercommit at 150, a VMI created through the API server that gives
 // only its guest memory gets the request guest × 100 / 150 from the
 // mutating webhook; a VMI's own request, and one with only a limit, are
-// kept as KubeVirt keeps them. The CR's default CPU model is given too.
+// kept as KubeVirt keeps them. The CR's default CPU model is given too, and
+// the maxSockets of its liveUpdateConfiguration (LiveUpdate, the default
+// rollout strategy).
 func TestMemoryOvercommitThroughTheAPIServer(t *testing.T) {
 	e := setup(t)
 	ctx := context.Background()
 	kv := &kubevirtv1.KubeVirt{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "kubevirt"}}
 	kv.Spec.Configuration.DeveloperConfiguration = &kubevirtv1.DeveloperConfiguration{MemoryOvercommit: 150}
 	kv.Spec.Configuration.CPUModel = "Haswell-noTSX"
+	six := uint32(6)
+	kv.Spec.Configuration.LiveUpdateConfiguration = &kubevirtv1.LiveUpdateConfiguration{MaxCpuSockets: &six}
 	if _, err := e.virt.KubeVirts.Create(ctx, kv); err != nil {
 		t.Fatal(err)
 	}
@@ -64,8 +68,8 @@ func TestMemoryOvercommitThroughTheAPIServer(t *testing.T) {
 		if g, r := memory(v); g != "3Gi" || r != "2Gi" {
 			return fmt.Errorf("guest only: guest %s request %s, want 3Gi and 2Gi", g, r)
 		}
-		if v.Spec.Domain.CPU == nil || v.Spec.Domain.CPU.Model != "Haswell-noTSX" {
-			return fmt.Errorf("cpu %+v, want the default model", v.Spec.Domain.CPU)
+		if v.Spec.Domain.CPU == nil || v.Spec.Domain.CPU.Model != "Haswell-noTSX" || v.Spec.Domain.CPU.MaxSockets != 6 {
+			return fmt.Errorf("cpu %+v, want the default model and maxSockets 6", v.Spec.Domain.CPU)
 		}
 		return nil
 	})

@@ -13,6 +13,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/cpumodel"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/identity"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/overcommit"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/rollout"
 )
 
 // Names of the VMI webhooks, as the API server quotes them in a denial.
@@ -34,18 +35,19 @@ func notTheBrain() []admissionregistrationv1.MatchCondition {
 
 // AdmitVMICreate does to vmi, in process, what the two VMI webhooks do to a
 // create sent to them: the mutating webhook's defaults (mem's memory
-// request, DefaultVMISpec, which settles in one pass, and cpu's default
-// model), then the create
+// request, DefaultVMISpec, which settles in one pass, cpu's default
+// model and ro's maxSockets for CPU hotplug), then the create
 // validation (cpu's obsolete models refused). A refusal is the
 // error the API server returns when the validating webhook denies the
 // create: an *apierrors.StatusError
 // with the same code, causes and message ("admission webhook
 // \"virtualmachineinstances-create-validator.kubevirt.io\" denied the
 // request: spec.domain...").
-func AdmitVMICreate(vmi *kubevirtv1.VirtualMachineInstance, cpu cpumodel.Cluster, mem overcommit.Memory) error {
+func AdmitVMICreate(vmi *kubevirtv1.VirtualMachineInstance, cpu cpumodel.Cluster, mem overcommit.Memory, ro rollout.Cluster) error {
 	mem.Apply(&vmi.Spec) // before defaultVMISpec, which makes the request the guest's size
 	defaultVMISpec(&vmi.Spec)
 	cpu.Apply(&vmi.Spec)
+	ro.SetupCPUHotplug(&vmi.Spec)
 	errs := ValidateVMISpec(field.NewPath("spec"), &vmi.Spec, false)
 	if errs = append(errs, cpu.Check(field.NewPath("spec"), &vmi.Spec)...); len(errs) > 0 {
 		return deniedBy(VMIValidatorName, DenyFields(errs).Result)

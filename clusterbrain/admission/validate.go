@@ -321,8 +321,15 @@ func ValidateVMISpec(p *field.Path, spec *kubevirtv1.VirtualMachineInstanceSpec,
 	}
 
 	errs = append(errs, validateMemory(dom, &spec.Domain, withInstancetype)...)
+	if c := spec.Domain.CPU; c != nil && c.MaxSockets != 0 && c.Sockets > c.MaxSockets {
+		errs = append(errs, field.Invalid(dom.Child("cpu", "sockets"), c.Sockets, MaxSocketsMessage))
+	}
 	return errs
 }
+
+// MaxSocketsMessage is KubeVirt's refusal of more CPU sockets than the
+// maxSockets CPU hotplug goes up to.
+const MaxSocketsMessage = "Number of sockets in CPU topology is greater than the maximum sockets allowed"
 
 // HostDiskGateMessage is KubeVirt's refusal of a hostDisk volume when the
 // HostDisk feature gate is off.

@@ -192,7 +192,7 @@ var leaderRoles = []RoleFactory{
 		// VirtualMachineInstanceReplicaSets' VMIs and VirtualMachinePools'
 		// VMs kept at their replica counts.
 		return replicas.New(replicas.Config{Virt: d.Virt, Kube: d.Kube, VMIs: d.vmis, VMs: d.vms, CPUModels: d.CPUModels,
-			MemoryOvercommit: d.MemoryOvercommit, Log: d.Log.With("role", "replicas")})
+			MemoryOvercommit: d.MemoryOvercommit, Rollout: d.Rollout, Log: d.Log.With("role", "replicas")})
 	},
 	func(d *Deps) (Role, error) {
 		return macpool.NewReconciler(macpool.Config{RestConfig: d.RestConfig, Virt: d.Virt, Namespace: d.Config.Namespace, Log: d.Log.With("role", "macpool"),

@@ -12,6 +12,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/cpumodel"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/overcommit"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/rollout"
 	"github.com/nodevirt/nodevirt/launcher/domain"
 )
 
@@ -38,7 +39,7 @@ func TestDefaultAndObsoleteCPUModels(t *testing.T) {
 	}
 
 	def := vmi("")
-	if err := admission.AdmitVMICreate(def, cpu, overcommit.Default); err != nil {
+	if err := admission.AdmitVMICreate(def, cpu, overcommit.Default, rollout.Cluster{}); err != nil {
 		t.Fatal(err)
 	}
 	if def.Spec.Domain.CPU == nil || def.Spec.Domain.CPU.Model != "Haswell-noTSX" {
@@ -53,11 +54,11 @@ func TestDefaultAndObsoleteCPUModels(t *testing.T) {
 	}
 
 	own := vmi("Skylake-Server")
-	if err := admission.AdmitVMICreate(own, cpu, overcommit.Default); err != nil || own.Spec.Domain.CPU.Model != "Skylake-Server" {
+	if err := admission.AdmitVMICreate(own, cpu, overcommit.Default, rollout.Cluster{}); err != nil || own.Spec.Domain.CPU.Model != "Skylake-Server" {
 		t.Errorf("a VMI's own model: %v %+v", err, own.Spec.Domain.CPU)
 	}
 	for _, m := range []string{"Penryn", "486", "qemu64"} { // the HCO's, and upstream's defaults HCO renders
-		err := admission.AdmitVMICreate(vmi(m), cpu, overcommit.Default)
+		err := admission.AdmitVMICreate(vmi(m), cpu, overcommit.Default, rollout.Cluster{})
 		if err == nil || !strings.Contains(err.Error(), "obsolete") {
 			t.Errorf("obsolete %s: %v", m, err)
 			continue
@@ -75,10 +76,10 @@ func TestDefaultAndObsoleteCPUModels(t *testing.T) {
 		t.Fatal(err)
 	}
 	plain := vmi("")
-	if err := admission.AdmitVMICreate(plain, cpumodel.FromKubeVirt(c.KubeVirt), overcommit.Default); err != nil || plain.Spec.Domain.CPU != nil && plain.Spec.Domain.CPU.Model != "" {
+	if err := admission.AdmitVMICreate(plain, cpumodel.FromKubeVirt(c.KubeVirt), overcommit.Default, rollout.Cluster{}); err != nil || plain.Spec.Domain.CPU != nil && plain.Spec.Domain.CPU.Model != "" {
 		t.Errorf("no default: %v %+v", err, plain.Spec.Domain.CPU)
 	}
-	if err := admission.AdmitVMICreate(vmi("Penryn"), cpumodel.FromKubeVirt(c.KubeVirt), overcommit.Default); err != nil {
+	if err := admission.AdmitVMICreate(vmi("Penryn"), cpumodel.FromKubeVirt(c.KubeVirt), overcommit.Default, rollout.Cluster{}); err != nil {
 		t.Errorf("Penryn refused without the HyperConverged asking: %v", err)
 	}
 }

@@ -23,6 +23,8 @@ var (
 		"spec.infra":                                                 "hco (the brain's own Deployment, given with --deployment as the manifests do: node selector, affinity and tolerations merged onto its own; a brain not run by a Deployment is not placed)",
 		"spec.featureGates.videoConfig":                              "launcher/domain (VideoConfig gate)",
 		"spec.featureGates.declarativeHotplugVolumes":                "vmcontroller, subresources (DeclarativeHotplugVolumes or HotplugVolumes gate)",
+		"spec.liveUpdateConfiguration.maxCpuSockets":                 "admission, vmcontroller, replicas (api/rollout: the maxSockets a VMI's CPU hotplug goes up to)",
+		"spec.liveUpdateConfiguration.maxHotplugRatio":               "admission, vmcontroller, replicas (api/rollout: maxSockets as a multiple of the sockets)",
 		"spec.liveMigrationConfig.parallelMigrationsPerCluster":      "migration",
 		"spec.liveMigrationConfig.parallelOutboundMigrationsPerNode": "migration",
 		"spec.liveMigrationConfig.bandwidthPerMigration":             "migration, nodeagent/handler",
@@ -79,6 +81,7 @@ var (
 		"spec.vmStateStorageClass":                                     "there is no persistent VM state (TPM/EFI) volume",
 		"spec.virtualMachineOptions":                                   "free page reporting and the serial console log are not configurable",
 		"spec.ksmConfiguration":                                        "KSM is not managed",
+		"spec.liveUpdateConfiguration.maxGuest":                        "memory is not hot-plugged",
 		"spec.networkBinding":                                          "network binding plugins are not supported",
 		"spec.deployVmConsoleProxy":                                    "no VM console proxy is deployed",
 		"spec.enableApplicationAwareQuota":                             "application aware quota is not deployed",
@@ -150,8 +153,19 @@ func specValues(hc *hcov1beta1.HyperConverged) map[string]string {
 }
 
 // unaccounted lists the fields of t (a struct type, at path) that no table
-// covers; used by the tests to keep the tables complete.
+// covers; used by the tests to keep the tables complete. A struct of
+// another package is looked into when a table names a path below it.
 func unaccounted(path string, t reflect.Type) []string {
+	tabledBelow := func(p string) bool {
+		for _, table := range []map[string]string{effective, inert} {
+			for k := range table {
+				if strings.HasPrefix(k, p+".") {
+					return true
+				}
+			}
+		}
+		return false
+	}
 	for t.Kind() == reflect.Pointer {
 		t = t.Elem()
 	}
@@ -170,7 +184,7 @@ func unaccounted(path string, t reflect.Type) []string {
 		for ft.Kind() == reflect.Pointer {
 			ft = ft.Elem()
 		}
-		if ft.Kind() == reflect.Struct && ft.PkgPath() == reflect.TypeOf(hcov1beta1.HyperConvergedSpec{}).PkgPath() {
+		if ft.Kind() == reflect.Struct && (ft.PkgPath() == reflect.TypeOf(hcov1beta1.HyperConvergedSpec{}).PkgPath() || tabledBelow(p)) {
 			out = append(out, unaccounted(p, ft)...)
 			continue
 		}

@@ -11,6 +11,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/admission"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/cpumodel"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/overcommit"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/rollout"
 	"github.com/nodevirt/nodevirt/launcher/domain"
 )
 
@@ -35,7 +36,7 @@ func TestHigherWorkloadDensity(t *testing.T) {
 		if edit != nil {
 			edit(v)
 		}
-		if err := admission.AdmitVMICreate(v, cpumodel.FromKubeVirt(c.KubeVirt), overcommit.FromKubeVirt(c.KubeVirt)); err != nil {
+		if err := admission.AdmitVMICreate(v, cpumodel.FromKubeVirt(c.KubeVirt), overcommit.FromKubeVirt(c.KubeVirt), rollout.FromKubeVirt(c.KubeVirt)); err != nil {
 			t.Fatal(err)
 		}
 		return v

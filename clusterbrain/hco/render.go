@@ -230,6 +230,10 @@ func renderKubeVirt(hc *hcov1beta1.HyperConverged, version string) (*kubevirtv1.
 		KSMConfiguration:              s.KSMConfiguration.DeepCopy(),
 		CommonInstancetypesDeployment: s.CommonInstancetypesDeployment.DeepCopy(),
 		Instancetype:                  s.InstancetypeConfig.DeepCopy(),
+		// HCO always asks for LiveUpdate (KubeVirt's default since v1.6);
+		// the kubevirt.kubevirt.io/jsonpatch annotation can set Stage.
+		VMRolloutStrategy:       ptrTo(kubevirtv1.VMRolloutStrategyLiveUpdate),
+		LiveUpdateConfiguration: s.LiveUpdateConfiguration.DeepCopy(),
 	}
 	if s.DefaultCPUModel != nil {
 		cfg.CPUModel = *s.DefaultCPUModel

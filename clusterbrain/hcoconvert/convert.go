@@ -44,6 +44,7 @@ var moves = [][2]string{
 	{"defaultRuntimeClass", "virtualization.virtualMachineOptions.defaultRuntimeClass"},
 	{"higherWorkloadDensity", "virtualization.higherWorkloadDensity"},
 	{"ksmConfiguration", "virtualization.ksmConfiguration"},
+	{"liveUpdateConfiguration", "virtualization.liveUpdateConfiguration"},
 	{"resourceRequirements.vmiCPUAllocationRatio", "virtualization.vmiCPUAllocationRatio"},
 	{"resourceRequirements.autoCPULimitNamespaceLabelSelector", "virtualization.autoCPULimitNamespaceLabelSelector"},
 	{"resourceRequirements.storageWorkloads", "storage.workloadResourceRequirements"},

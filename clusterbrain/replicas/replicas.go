@@ -58,6 +58,7 @@ import (
 	"github.com/nodevirt/nodevirt/clusterbrain/api/cpumodel"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/live"
 	"github.com/nodevirt/nodevirt/clusterbrain/api/overcommit"
+	"github.com/nodevirt/nodevirt/clusterbrain/api/rollout"
 	"github.com/nodevirt/nodevirt/clusterbrain/kit/controller"
 )
 
@@ -83,7 +84,10 @@ type Config struct {
 	// the replica sets' VMIs (nil: no KubeVirt CR).
 	CPUModels        *live.Value[cpumodel.Cluster]
 	MemoryOvercommit *live.Value[overcommit.Memory]
-	Log              *slog.Logger
+	// Rollout is the KubeVirt CR's rollout settings: the maxSockets its
+	// VMIs get for CPU hotplug.
+	Rollout *live.Value[rollout.Cluster]
+	Log     *slog.Logger
 }
 
 // Controller runs the replica set and the pool queues.
@@ -289,7 +293,7 @@ func (c *Controller) createMember(ctx context.Context, rs *kubevirtv1.VirtualMac
 		Labels: rs.Spec.Template.ObjectMeta.Labels, Annotations: rs.Spec.Template.ObjectMeta.Annotations,
 		OwnerReferences: controllerRef(kubevirtv1.GroupVersion.String(), "VirtualMachineInstanceReplicaSet", rs.Name, rs.UID)},
 		Spec: *rs.Spec.Template.Spec.DeepCopy()}
-	if err := admission.AdmitVMICreate(vmi, c.cfg.CPUModels.Get(), c.cfg.MemoryOvercommit.Get()); err != nil {
+	if err := admission.AdmitVMICreate(vmi, c.cfg.CPUModels.Get(), c.cfg.MemoryOvercommit.Get(), c.cfg.Rollout.Get()); err != nil {
 		return nil, err
 	}
 	return c.cfg.Virt.VMIs.Create(ctx, vmi)

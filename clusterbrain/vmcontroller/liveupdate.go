@@ -28,8 +28,10 @@ import (
 //
 // The VMI records, in AnnStartSpec, a digest of the part of its VM the
 // VMI was started from that only a restart can change (template spec less
-// its hotpluggable volumes and their disks, instance type and preference),
-// so the controller compares digests and needs no copy of the old spec.
+// its hotpluggable volumes and their disks and its CPU sockets, instance
+// type and preference), so the controller compares digests and needs no
+// copy of the old spec. The CPU sockets the VMI runs with are its own
+// spec's (cpuhotplug.go).
 
 // AnnStartSpec is the VMI annotation holding the digest of its VM's
 // restart-only settings when the VMI was created.
@@ -47,9 +49,32 @@ const msgRestartRequired = "a non-live-updatable field was changed in the templa
 // yet (its claim is missing or unbound) is tried again.
 const hotplugRetry = 10 * time.Second
 
+// digestVersion prefixes the digests that leave the CPU sockets out; a
+// VMI started before carries a bare digest of the spec with them.
+const digestVersion = "2."
+
 // startDigest digests what only a restart of vm can apply.
 func startDigest(vm *kubevirtv1.VirtualMachine) string {
 	spec := vm.Spec.Template.Spec.DeepCopy()
+	if spec.Domain.CPU != nil {
+		spec.Domain.CPU.Sockets = 0
+	}
+	return digestVersion + specDigest(vm, spec)
+}
+
+// startChanged reports whether vm's restart-only part differs from the
+// one digest was taken of.
+func startChanged(vm *kubevirtv1.VirtualMachine, digest string) bool {
+	if !strings.HasPrefix(digest, digestVersion) {
+		return digest != specDigest(vm, vm.Spec.Template.Spec.DeepCopy())
+	}
+	return digest != startDigest(vm)
+}
+
+// specDigest digests spec (vm's template spec, which it changes) less its
+// hotpluggable volumes and their disks, with vm's instance type and
+// preference.
+func specDigest(vm *kubevirtv1.VirtualMachine, spec *kubevirtv1.VirtualMachineInstanceSpec) string {
 	var hot []string
 	spec.Volumes = slices.DeleteFunc(spec.Volumes, func(v kubevirtv1.Volume) bool {
 		if hotplug.Hotpluggable(v) {
@@ -80,11 +105,23 @@ func (c *Controller) liveUpdate(ctx context.Context, st *state) (time.Duration, 
 	if d, ok := vmi.Annotations[AnnStartSpec]; ok {
 		st.restartKnown = true
 		// The generation the VMI was created from: no spec change since.
-		if vmi.Annotations[annVMGeneration] != fmt.Sprint(vm.Generation) && d != startDigest(vm) {
+		if vmi.Annotations[annVMGeneration] != fmt.Sprint(vm.Generation) && startChanged(vm, d) {
 			why = append(why, msgRestartRequired)
 		}
 	}
 	cfg := c.cfg.Rollout.Get()
+	// A VM that restarts anyway gets its new CPUs then (as KubeVirt, which
+	// live-updates nothing once a restart is required).
+	if len(why) == 0 && !migrating(vmi) {
+		msg, err := c.liveCPU(ctx, cfg, vm, vmi)
+		if err != nil {
+			return 0, err
+		}
+		if msg != "" {
+			st.restartKnown = true
+			why = append(why, msg)
+		}
+	}
 	var after time.Duration
 	var err error
 	if cfg.DeclarativeHotplug && vmi.IsRunning() && !migrating(vmi) {

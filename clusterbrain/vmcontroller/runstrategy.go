@@ -166,7 +166,7 @@ func (c *Controller) start(ctx context.Context, st *state, log *slog.Logger) (ti
 	// match condition leaves its user out): they are applied here, so the
 	// VMI is what they would have made of it and a spec they refuse is
 	// refused with their message, reported as a refused create is.
-	if err := admission.AdmitVMICreate(vmi, c.cfg.CPUModels.Get(), c.cfg.MemoryOvercommit.Get()); err != nil {
+	if err := admission.AdmitVMICreate(vmi, c.cfg.CPUModels.Get(), c.cfg.MemoryOvercommit.Get(), c.cfg.Rollout.Get()); err != nil {
 		c.recorder.Eventf(vm, corev1.EventTypeWarning, "FailedCreate", "Error creating VMI: %v", err)
 		return 0, fmt.Errorf("create vmi: %w", err)
 	}

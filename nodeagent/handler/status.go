@@ -2,6 +2,7 @@ package handler
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"maps"
 	"net"
@@ -68,7 +69,7 @@ func (h *Handler) observe(ctx context.Context, lv *launcher.Manager, vmi *v1.Vir
 			removeCondition(out, v1.VirtualMachineInstancePaused)
 			setCondition(out, v1.VirtualMachineInstanceReady, true, "", "")
 		}
-		hotplugErr = h.syncHotplug(ctx, lv, vmi, out, xml)
+		hotplugErr = errors.Join(h.syncHotplug(ctx, lv, vmi, out, xml), h.syncVCPUs(ctx, lv, vmi, out, xml))
 		switch c := conditionOf(out, v1.VirtualMachineInstanceIsMigratable); {
 		case hasHotplug(out):
 			// The target would have to resolve and attach the same

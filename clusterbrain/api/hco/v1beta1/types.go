@@ -99,6 +99,7 @@ type HyperConvergedSpec struct {
 	VirtualMachineOptions         *VirtualMachineOptions                       `json:"virtualMachineOptions,omitempty"`
 	CommonBootImageNamespace      *string                                      `json:"commonBootImageNamespace,omitempty"`
 	KSMConfiguration              *kubevirtv1.KSMConfiguration                 `json:"ksmConfiguration,omitempty"`
+	LiveUpdateConfiguration       *kubevirtv1.LiveUpdateConfiguration          `json:"liveUpdateConfiguration,omitempty"`
 	NetworkBinding                map[string]kubevirtv1.InterfaceBindingPlugin `json:"networkBinding,omitempty"`
 	HigherWorkloadDensity         *HigherWorkloadDensityConfiguration          `json:"higherWorkloadDensity,omitempty"`
 	EnableCommonBootImageImport   *bool                                        `json:"enableCommonBootImageImport,omitempty"`
