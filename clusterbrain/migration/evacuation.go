@@ -76,12 +76,7 @@ func (c *Controller) evacuationPass(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	key, clusterStrategy := "kubevirt.io/drain", ClusterEvictionStrategy(kvs)
-	for _, kv := range kvs {
-		if mc := kv.Spec.Configuration.MigrationConfiguration; mc != nil && mc.NodeDrainTaintKey != nil {
-			key = *mc.NodeDrainTaintKey
-		}
-	}
+	key, clusterStrategy := DrainTaintKey(kvs), ClusterEvictionStrategy(kvs)
 	for uid, at := range c.warned {
 		if time.Since(at) >= evacuationWarning {
 			delete(c.warned, uid)
@@ -102,6 +97,21 @@ func (c *Controller) evacuationPass(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// DefaultDrainTaintKey is KubeVirt's nodeDrainTaintKey default.
+const DefaultDrainTaintKey = "kubevirt.io/drain"
+
+// DrainTaintKey is the taint (NoSchedule) that marks a node for
+// evacuation: the KubeVirt CR's nodeDrainTaintKey, else KubeVirt's default.
+func DrainTaintKey(kvs []*kubevirtv1.KubeVirt) string {
+	key := DefaultDrainTaintKey
+	for _, kv := range kvs {
+		if mc := kv.Spec.Configuration.MigrationConfiguration; mc != nil && mc.NodeDrainTaintKey != nil {
+			key = *mc.NodeDrainTaintKey
+		}
+	}
+	return key
 }
 
 // draining are the Nodes of the cache tainted key, by name: the cache's

@@ -403,7 +403,7 @@ func Defaulted(conf *kubevirtv1.VMIMConfigurationOptions) *kubevirtv1.VMIMConfig
 		conf.BandwidthPerMigration = &q
 	}
 	if conf.NodeDrainTaintKey == nil {
-		k := "kubevirt.io/drain"
+		k := DefaultDrainTaintKey
 		conf.NodeDrainTaintKey = &k
 	}
 	return conf

@@ -13,10 +13,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	kubevirtv1 "kubevirt.io/api/core/v1"
-)
 
-// defaultDrainTaint is KubeVirt's nodeDrainTaintKey default.
-const defaultDrainTaint = "kubevirt.io/drain"
+	"github.com/nodevirt/nodevirt/clusterbrain/migration"
+)
 
 // evacuateCancelVMI answers PUT virtualmachineinstances/{name}/evacuate/cancel.
 func (s *Server) evacuateCancelVMI(w http.ResponseWriter, r *http.Request, req request, log *slog.Logger) error {
@@ -88,16 +87,11 @@ func (s *Server) evacuateCancel(w http.ResponseWriter, r *http.Request, vmi *kub
 // refuseWhileDraining answers 400 when the node the VMI is evacuated from
 // (else the node it runs on) has the cluster's drain taint.
 func (s *Server) refuseWhileDraining(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance) error {
-	key := defaultDrainTaint
 	kvs, err := s.cfg.Virt.KubeVirts.List(ctx, metav1.NamespaceAll, metav1.ListOptions{})
 	if err != nil {
 		return apierrors.NewInternalError(fmt.Errorf("read the KubeVirt CR: %w", err))
 	}
-	for _, kv := range kvs {
-		if mc := kv.Spec.Configuration.MigrationConfiguration; mc != nil && mc.NodeDrainTaintKey != nil {
-			key = *mc.NodeDrainTaintKey
-		}
-	}
+	key := migration.DrainTaintKey(kvs)
 	name := vmi.Status.EvacuationNodeName
 	if name == "" {
 		name = vmi.Status.NodeName

@@ -9,6 +9,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
+	"github.com/nodevirt/nodevirt/clusterbrain/migration"
 	"github.com/nodevirt/nodevirt/test/controlplane"
 )
 
@@ -24,7 +25,7 @@ func TestEvacuateCancel(t *testing.T) {
 	c := adminIn(t, ns)
 	kube := cp.Clientset(t)
 	drained := ns + "-drained"
-	drain := corev1.Taint{Key: defaultDrainTaint, Effect: corev1.TaintEffectNoSchedule}
+	drain := corev1.Taint{Key: migration.DefaultDrainTaintKey, Effect: corev1.TaintEffectNoSchedule}
 	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: drained}, Spec: corev1.NodeSpec{Taints: []corev1.Taint{drain}}}
 	if _, err := kube.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
