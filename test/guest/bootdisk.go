@@ -11,11 +11,17 @@ import (
 	"time"
 )
 
+// baseCmdline starts every boot disk's kernel command line: the serial
+// console, and no_timer_check, since a TCG guest on a busy host can miss
+// the kernel's IO-APIC timer check and panic at boot ("IO-APIC + timer
+// doesn't work!"), as seen in a CI run of the e2e suite.
+const baseCmdline = "console=ttyS0 no_timer_check"
+
 // DiskSpec describes a BootDisk.
 type DiskSpec struct {
 	// SizeMiB is the disk's size; 0 means 64.
 	SizeMiB int
-	// Cmdline is appended to the kernel command line "console=ttyS0".
+	// Cmdline is appended to the kernel command line (baseCmdline).
 	Cmdline string
 	// Initramfs is the guest's initramfs; the zero Spec is the default guest.
 	Initramfs Spec
@@ -61,7 +67,7 @@ func BootDisk(ctx context.Context, spec DiskSpec) (string, error) {
 		}
 	}
 	k, sum := newKey()
-	k.add("bootdisk", vmlinuz, initrd, fmt.Sprint(spec.SizeMiB), spec.Cmdline, version)
+	k.add("bootdisk", vmlinuz, initrd, fmt.Sprint(spec.SizeMiB), baseCmdline, spec.Cmdline, version)
 	if err := k.addFile(mbr); err != nil {
 		return "", fmt.Errorf("boot disk: %w", err)
 	}
@@ -82,7 +88,7 @@ LABEL nodevirt
   LINUX /boot/vmlinuz
   INITRD /boot/initrd.img
   APPEND %s
-`, strings.TrimSpace("console=ttyS0 "+cmdline))
+`, strings.TrimSpace(baseCmdline+" "+cmdline))
 }
 
 // makeBootDisk writes the image at path. Partition devices of loop devices
